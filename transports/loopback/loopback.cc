@@ -1,0 +1,606 @@
+#include "transports/loopback/loopback.h"
+
+#include <fmt/format.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <random>
+
+#include "transports/pending_ops.h"
+#include "transports/registration_cache.h"
+#include "transports/wire.h"
+
+namespace psld::transport {
+namespace {
+
+constexpr uint32_t kKeyMagic = 0x4b52424c;  // "LBRK"
+constexpr std::string_view kAddressPrefix = "loopback:";
+// A reordered delivery is held back this long so that later ones overtake it.
+constexpr auto kReorderHold = std::chrono::milliseconds(2);
+
+std::atomic<uint64_t> g_next_connection_id{1};
+
+uint64_t random_u64() {
+  std::random_device rd;
+  return (static_cast<uint64_t>(rd()) << 32) ^ rd();
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Fabric
+
+struct LoopbackFabric::Impl {
+  std::mutex mu;
+  const uint64_t token = random_u64();
+  uint64_t next_node = 1;
+  uint64_t next_connection_seq = 0;
+  std::map<std::string, std::weak_ptr<void>> listeners;  // address -> Node
+  std::map<std::string, FaultPlan> plans;                // "" = default
+  Counters counters;
+
+  FaultPlan plan_for(const std::string& from) {
+    auto it = plans.find(from);
+    if (it != plans.end()) return it->second;
+    it = plans.find("");
+    return it != plans.end() ? it->second : FaultPlan{};
+  }
+};
+
+LoopbackFabric::LoopbackFabric() : impl_(std::make_shared<Impl>()) {}
+
+void LoopbackFabric::set_faults(const FaultPlan& plan, const std::string& from) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->plans[from] = plan;
+}
+
+LoopbackFabric::Counters LoopbackFabric::counters() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->counters;
+}
+
+// ---------------------------------------------------------------------------
+// The shared core of one transport. Connections and regions point at it
+// weakly, so a peer's operation on a transport that was destroyed fails
+// cleanly instead of touching freed memory.
+
+struct Node;
+
+class LbRegion final : public MemoryRegion, public std::enable_shared_from_this<LbRegion> {
+ public:
+  LbRegion(uint8_t* data, size_t length, MemoryKind kind, uint64_t id, uint64_t node_id,
+           uint64_t fabric_token, std::unique_ptr<uint8_t, void (*)(void*)> owned)
+      : MemoryRegion(data, length, kind, id), node_id_(node_id), owned_(std::move(owned)) {
+    secret_ = random_u64();
+    WireWriter w;
+    w.u32(kKeyMagic);
+    w.u64(fabric_token);
+    w.u64(node_id);
+    w.u64(id);
+    w.u64(length);
+    w.u64(secret_);
+    remote_key_ = w.take();
+  }
+  uint64_t node_id() const { return node_id_; }
+  uint64_t secret() const { return secret_; }
+
+ private:
+  uint64_t node_id_;
+  uint64_t secret_ = 0;
+  std::unique_ptr<uint8_t, void (*)(void*)> owned_;
+};
+
+class LbRemoteRegion final : public RemoteRegion {
+ public:
+  LbRemoteRegion(size_t length, uint64_t region_id, uint64_t connection_id)
+      : RemoteRegion(length, region_id), connection_id_(connection_id) {}
+  uint64_t connection_id() const { return connection_id_; }
+
+ private:
+  uint64_t connection_id_;
+};
+
+class LbConnection;
+
+struct Node : std::enable_shared_from_this<Node> {
+  std::shared_ptr<LoopbackFabric::Impl> fabric;
+  Handler* handler = nullptr;
+  CommonOptions common;
+  uint64_t id = 0;
+  std::string address;
+  bool listening = false;
+
+  std::mutex mu;  // inbox, exported, connections, shut
+  std::condition_variable cv;
+  // Ordered by due time, then by posting order.
+  std::map<std::pair<Clock::time_point, uint64_t>, std::function<void()>> inbox;
+  uint64_t next_event = 0;
+  std::map<uint64_t, std::weak_ptr<LbRegion>> exported;
+  std::map<uint64_t, std::weak_ptr<LbConnection>> connections;
+  bool shut = false;
+
+  std::atomic<uint64_t> next_region{1};
+  RegistrationCache<LbRegion> cache;
+  PendingOps pending;
+  std::mutex progress_mu;  // one progress() at a time
+
+  // Queues fn to run in this node's progress() at `due`. False after shutdown.
+  bool post(Clock::time_point due, std::function<void()> fn) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (shut) return false;
+      inbox.emplace(std::make_pair(due, next_event++), std::move(fn));
+    }
+    cv.notify_all();
+    return true;
+  }
+
+  std::shared_ptr<LbRegion> exported_region(uint64_t region_id) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = exported.find(region_id);
+    return it == exported.end() ? nullptr : it->second.lock();
+  }
+};
+
+class LbConnection final : public Connection, public std::enable_shared_from_this<LbConnection> {
+ public:
+  LbConnection(std::weak_ptr<Node> self, std::weak_ptr<Node> peer, uint64_t peer_node_id,
+               std::string peer_address, const FaultPlan& plan, uint64_t seq)
+      : self_(std::move(self)),
+        peer_node_(std::move(peer)),
+        peer_node_id_(peer_node_id),
+        peer_address_(std::move(peer_address)),
+        plan_(plan),
+        rng_(plan.seed * 0x9e3779b97f4a7c15ull + seq) {}
+
+  void set_peer(std::weak_ptr<LbConnection> peer) { peer_ = std::move(peer); }
+
+  uint64_t id() const override { return id_; }
+  std::string peer() const override { return fmt::format("loopback {}", peer_address_); }
+  std::string write_path() const override { return "memcpy"; }
+  bool is_open() const override { return open_.load(); }
+
+  Result<std::shared_ptr<RemoteRegion>> import_region(std::span<const uint8_t> key) override {
+    WireReader r(key);
+    uint32_t magic = 0;
+    uint64_t token = 0, node = 0, region = 0, length = 0, secret = 0;
+    if (!r.u32(&magic) || magic != kKeyMagic || !r.u64(&token) || !r.u64(&node) ||
+        !r.u64(&region) || !r.u64(&length) || !r.u64(&secret) || !r.done()) {
+      return DataLoss("malformed loopback remote key");
+    }
+    auto self = self_.lock();
+    if (!self || token != self->fabric->token) {
+      return InvalidArgument("remote key comes from another loopback fabric");
+    }
+    if (node != peer_node_id_) {
+      return InvalidArgument(
+          fmt::format("remote key belongs to transport {}, not to this connection's peer {}",
+                      node, peer_node_id_));
+    }
+    auto peer = peer_node_.lock();
+    auto target = peer ? peer->exported_region(region) : nullptr;
+    if (!target || target->secret() != secret || target->length() != length) {
+      return NotFound("remote key names a region the peer does not export (deregistered?)");
+    }
+    return std::shared_ptr<RemoteRegion>(std::make_shared<LbRemoteRegion>(length, region, id_));
+  }
+
+  Status check_write(const WriteRequest& req) const override;
+  Status write(const WriteRequest& req, Completion done) override;
+  Status send(std::span<const uint8_t> message, Completion done) override;
+  void close() override { break_connection(Aborted("connection closed locally"), true); }
+
+  // Closes both ends: pending operations fail with `why` and both handlers
+  // hear on_disconnect. `local` says whether this end asked for it.
+  void break_connection(const Status& why, bool local);
+
+ private:
+  friend Result<ConnectionPtr> connect_nodes(const std::shared_ptr<Node>&, const std::string&);
+
+  struct Plan {
+    bool drop = false, duplicate = false, reorder = false, corrupt = false;
+    uint64_t corrupt_pick = 0;
+  };
+  // Draws this operation's faults; Unavailable if it is the one that breaks
+  // the connection.
+  Result<Plan> draw();
+  // Posts a delivery to the peer (twice when duplicated) and counts it.
+  Status deliver(const Plan& plan, std::function<void(LbConnection& peer_end)> at_peer,
+                 uint64_t op_id);
+
+  const uint64_t id_ = g_next_connection_id.fetch_add(1);
+  std::weak_ptr<Node> self_;
+  std::weak_ptr<Node> peer_node_;
+  uint64_t peer_node_id_;
+  std::string peer_address_;
+  std::weak_ptr<LbConnection> peer_;
+  std::atomic<bool> open_{true};
+
+  std::mutex mu_;  // rng_, ops_
+  FaultPlan plan_;
+  std::mt19937_64 rng_;
+  uint64_t ops_ = 0;
+};
+
+Result<LbConnection::Plan> LbConnection::draw() {
+  Plan p;
+  bool disconnect = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++ops_;
+    if (ops_ > plan_.disconnect_after) disconnect = true;
+    std::uniform_real_distribution<double> u(0.0, 1.0);
+    p.drop = u(rng_) < plan_.drop;
+    p.duplicate = u(rng_) < plan_.duplicate;
+    p.reorder = u(rng_) < plan_.reorder;
+    p.corrupt = u(rng_) < plan_.corrupt;
+    p.corrupt_pick = rng_();
+  }
+  if (disconnect) {
+    if (auto self = self_.lock()) {
+      std::lock_guard<std::mutex> lock(self->fabric->mu);
+      ++self->fabric->counters.disconnected;
+    }
+    break_connection(Unavailable("injected fault: the link went down"), false);
+    return Unavailable("connection to " + peer() + " went down (injected fault)");
+  }
+  return p;
+}
+
+Status LbConnection::deliver(const Plan& plan, std::function<void(LbConnection&)> at_peer,
+                             uint64_t op_id) {
+  auto self = self_.lock();
+  auto peer_node = peer_node_.lock();
+  if (!self || !peer_node) return Unavailable("peer transport is gone");
+  {
+    std::lock_guard<std::mutex> lock(self->fabric->mu);
+    auto& c = self->fabric->counters;
+    if (plan.drop) ++c.dropped;
+    if (plan.duplicate) ++c.duplicated;
+    if (plan.reorder) ++c.reordered;
+    if (plan.corrupt) ++c.corrupted;
+    if (!plan.drop) c.delivered += plan.duplicate ? 2 : 1;
+  }
+  if (plan.drop) return Status::Ok();  // the sender's op times out, as on a real lossy link
+
+  auto due = Clock::now() + plan_.delay + (plan.reorder ? kReorderHold : Clock::duration(0));
+  std::weak_ptr<LbConnection> peer_weak = peer_;
+  std::weak_ptr<Node> self_weak = self_;
+  const int copies = plan.duplicate ? 2 : 1;
+  for (int i = 0; i < copies; ++i) {
+    const bool last = i + 1 == copies;
+    auto fn = [peer_weak, self_weak, at_peer, op_id, last] {
+      auto peer_end = peer_weak.lock();
+      if (!peer_end || !peer_end->is_open()) return;  // the break already failed the op
+      at_peer(*peer_end);
+      if (!last) return;
+      // The bytes landed: the sender's operation is complete.
+      if (auto sender = self_weak.lock()) {
+        sender->post(Clock::now(), [sender, op_id] {
+          sender->pending.take(op_id, Status::Ok()).run();
+        });
+      }
+    };
+    if (!peer_node->post(due, std::move(fn))) return Unavailable("peer transport shut down");
+  }
+  return Status::Ok();
+}
+
+Status LbConnection::check_write(const WriteRequest& req) const {
+  if (!is_open()) return Unavailable("connection to " + peer() + " is closed");
+  auto self = self_.lock();
+  if (!self) return Unavailable("transport is shut down");
+  auto* local = dynamic_cast<const LbRegion*>(req.local);
+  if (local == nullptr || local->node_id() != self->id) {
+    return InvalidArgument("write source is not a region registered with this transport");
+  }
+  auto* remote = dynamic_cast<const LbRemoteRegion*>(req.remote);
+  if (remote == nullptr || remote->connection_id() != id_) {
+    return InvalidArgument("write target was not imported on this connection");
+  }
+  if (req.local_offset > local->length() || req.length > local->length() - req.local_offset) {
+    return OutOfRange(fmt::format("write of {} bytes at offset {} exceeds the {}-byte source region",
+                                  req.length, req.local_offset, local->length()));
+  }
+  if (req.remote_offset > remote->length() || req.length > remote->length() - req.remote_offset) {
+    return OutOfRange(fmt::format("write of {} bytes at offset {} exceeds the {}-byte remote region",
+                                  req.length, req.remote_offset, remote->length()));
+  }
+  auto peer_node = peer_node_.lock();
+  if (!peer_node || !peer_node->exported_region(remote->peer_region_id())) {
+    return NotFound("remote region was deregistered by the peer (stale key)");
+  }
+  return Status::Ok();
+}
+
+Status LbConnection::write(const WriteRequest& req, Completion done) {
+  PSLD_RETURN_IF_ERROR(check_write(req));
+  auto self = self_.lock();
+  auto peer_node = peer_node_.lock();
+  auto dst = peer_node ? peer_node->exported_region(req.remote->peer_region_id()) : nullptr;
+  if (!self || !dst) return Unavailable("peer transport is gone");
+  // Keeps the source alive until the delivery ran, even if the caller drops it.
+  auto src = const_cast<LbRegion*>(static_cast<const LbRegion*>(req.local))->weak_from_this().lock();
+  if (!src) return InvalidArgument("write source region is being destroyed");
+
+  PSLD_ASSIGN_OR_RETURN(Plan plan, draw());
+  const uint64_t op_id =
+      self->pending.add(id_, Clock::now() + self->common.op_timeout, std::move(done));
+  const uint64_t src_off = req.local_offset, dst_off = req.remote_offset, len = req.length;
+  const uint32_t notify = req.notify;
+  const bool corrupt = plan.corrupt && len > 0;
+  const uint64_t pick = plan.corrupt_pick;
+  auto at_peer = [src, dst, src_off, dst_off, len, notify, corrupt, pick](LbConnection& end) {
+    if (len > 0) std::memcpy(dst->data() + dst_off, src->data() + src_off, len);
+    if (corrupt) dst->data()[dst_off + pick % len] ^= 0x5a;
+    auto node = end.self_.lock();
+    if (node) node->handler->on_write(end.shared_from_this(), notify, len);
+  };
+  Status s = deliver(plan, std::move(at_peer), op_id);
+  if (!s.ok()) {
+    self->pending.take(op_id, s).run();  // fails the op here; report through done only
+    return Status::Ok();
+  }
+  return Status::Ok();
+}
+
+Status LbConnection::send(std::span<const uint8_t> message, Completion done) {
+  if (message.size() > kMaxMessageBytes) {
+    return InvalidArgument(fmt::format("message of {} bytes exceeds the {}-byte limit",
+                                       message.size(), kMaxMessageBytes));
+  }
+  if (!is_open()) return Unavailable("connection to " + peer() + " is closed");
+  auto self = self_.lock();
+  if (!self) return Unavailable("transport is shut down");
+  PSLD_ASSIGN_OR_RETURN(Plan plan, draw());
+  const uint64_t op_id =
+      self->pending.add(id_, Clock::now() + self->common.op_timeout, std::move(done));
+  auto bytes = std::make_shared<std::vector<uint8_t>>(message.begin(), message.end());
+  if (plan.corrupt && !bytes->empty()) (*bytes)[plan.corrupt_pick % bytes->size()] ^= 0x5a;
+  auto at_peer = [bytes](LbConnection& end) {
+    auto node = end.self_.lock();
+    if (node) node->handler->on_message(end.shared_from_this(), *bytes);
+  };
+  Status s = deliver(plan, std::move(at_peer), op_id);
+  if (!s.ok()) self->pending.take(op_id, s).run();
+  return Status::Ok();
+}
+
+void LbConnection::break_connection(const Status& why, bool local) {
+  if (open_.exchange(false)) {
+    auto self = self_.lock();
+    if (self) {
+      auto me = shared_from_this();
+      auto failed = self->pending.fail_connection(id_, why);
+      auto shared_failed = std::make_shared<std::vector<PendingOps::Ready>>(std::move(failed));
+      const bool posted = self->post(Clock::now(), [self, me, shared_failed, why] {
+        for (auto& r : *shared_failed) r.run();
+        self->handler->on_disconnect(me, why);
+      });
+      // After shutdown nothing runs in progress() any more: complete here.
+      if (!posted) {
+        for (auto& r : *shared_failed) r.run();
+      }
+    }
+    if (auto peer = peer_.lock()) {
+      peer->break_connection(
+          local ? Unavailable("peer closed the connection") : why, /*local=*/false);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+
+class LoopbackTransport final : public Transport {
+ public:
+  explicit LoopbackTransport(std::shared_ptr<Node> node) : node_(std::move(node)) {}
+  ~LoopbackTransport() override { shutdown(); }
+
+  std::string_view name() const override { return "loopback"; }
+
+  std::vector<uint8_t> address() const override {
+    if (!node_->listening) return {};
+    return std::vector<uint8_t>(node_->address.begin(), node_->address.end());
+  }
+
+  Result<ConnectionPtr> connect(std::span<const uint8_t> peer_address) override;
+
+  Result<std::shared_ptr<MemoryRegion>> register_memory(void* data, size_t length,
+                                                        MemoryKind kind) override {
+    if (data == nullptr || length == 0) {
+      return InvalidArgument("register_memory needs a non-null pointer and a non-zero length");
+    }
+    if (kind != MemoryKind::kHost) {
+      return Unimplemented("the loopback transport only registers host memory");
+    }
+    if (auto hit = node_->cache.find(data, length, kind)) return std::shared_ptr<MemoryRegion>(hit);
+    auto region = make_region(static_cast<uint8_t*>(data), length, kind, {nullptr, std::free});
+    return std::shared_ptr<MemoryRegion>(node_->cache.insert(region));
+  }
+
+  Result<std::shared_ptr<MemoryRegion>> allocate_memory(size_t length, MemoryKind kind) override {
+    if (length == 0) return InvalidArgument("allocate_memory needs a non-zero length");
+    if (kind != MemoryKind::kHost) {
+      return Unimplemented("the loopback transport only allocates host memory");
+    }
+    const size_t rounded = (length + 63) / 64 * 64;
+    auto* p = static_cast<uint8_t*>(std::aligned_alloc(64, rounded));
+    if (p == nullptr) return ResourceExhausted(fmt::format("cannot allocate {} bytes", length));
+    std::memset(p, 0, rounded);
+    return std::shared_ptr<MemoryRegion>(make_region(p, length, kind, {p, std::free}));
+  }
+
+  Status invalidate(void* data, size_t length) override {
+    auto region = node_->cache.find(data, length, MemoryKind::kHost);
+    PSLD_RETURN_IF_ERROR(node_->cache.invalidate(data, length));
+    if (region) {
+      std::lock_guard<std::mutex> lock(node_->mu);
+      node_->exported.erase(region->id());  // peers can no longer write here
+    }
+    return Status::Ok();
+  }
+
+  size_t progress() override {
+    std::lock_guard<std::mutex> progress_lock(node_->progress_mu);
+    size_t n = 0;
+    for (auto& r : node_->pending.expire(Clock::now())) {
+      r.run();
+      ++n;
+    }
+    // Run what is due now; events posted while running wait for the next call,
+    // so one progress() cannot spin forever on a chatty peer.
+    std::vector<std::function<void()>> due;
+    {
+      std::lock_guard<std::mutex> lock(node_->mu);
+      const auto now = Clock::now();
+      while (!node_->inbox.empty() && node_->inbox.begin()->first.first <= now) {
+        due.push_back(std::move(node_->inbox.begin()->second));
+        node_->inbox.erase(node_->inbox.begin());
+      }
+    }
+    for (auto& fn : due) fn();
+    return n + due.size();
+  }
+
+  void wait(std::chrono::milliseconds timeout) override {
+    std::unique_lock<std::mutex> lock(node_->mu);
+    auto until = std::min(Clock::now() + timeout, node_->pending.next_deadline());
+    if (!node_->inbox.empty()) until = std::min(until, node_->inbox.begin()->first.first);
+    node_->cv.wait_until(lock, until, [&] {
+      return node_->shut || woken_ ||
+             (!node_->inbox.empty() && node_->inbox.begin()->first.first <= Clock::now());
+    });
+    woken_ = false;
+  }
+
+  void wake() override {
+    {
+      std::lock_guard<std::mutex> lock(node_->mu);
+      woken_ = true;
+    }
+    node_->cv.notify_all();
+  }
+
+  void shutdown() override {
+    {
+      std::lock_guard<std::mutex> lock(node_->fabric->mu);
+      node_->fabric->listeners.erase(node_->address);
+    }
+    std::vector<std::shared_ptr<LbConnection>> conns;
+    // Events still queued are dropped: after shutdown no handler runs. The
+    // operations they would have completed are still pending and fail below.
+    std::map<std::pair<Clock::time_point, uint64_t>, std::function<void()>> dropped;
+    {
+      std::lock_guard<std::mutex> lock(node_->mu);
+      if (node_->shut) return;
+      node_->shut = true;
+      for (auto& [id, weak] : node_->connections) {
+        if (auto c = weak.lock()) conns.push_back(c);
+      }
+      dropped.swap(node_->inbox);
+      node_->connections.clear();
+      node_->exported.clear();
+    }
+    for (auto& c : conns) c->break_connection(Aborted("transport shut down"), true);
+    // Completions still owed are delivered here, exactly once.
+    for (auto& r : node_->pending.fail_all(Aborted("transport shut down"))) r.run();
+    node_->cache.clear();
+    node_->cv.notify_all();
+  }
+
+  const std::shared_ptr<Node>& node() const { return node_; }
+
+ private:
+  std::shared_ptr<LbRegion> make_region(uint8_t* data, size_t length, MemoryKind kind,
+                                        std::unique_ptr<uint8_t, void (*)(void*)> owned) {
+    const uint64_t id = node_->next_region.fetch_add(1);
+    // The deleter unexports the region, so a peer's later write fails cleanly.
+    std::weak_ptr<Node> weak = node_;
+    auto* raw = new LbRegion(data, length, kind, id, node_->id, node_->fabric->token,
+                             std::move(owned));
+    std::shared_ptr<LbRegion> region(raw, [weak, id](LbRegion* r) {
+      if (auto n = weak.lock()) {
+        std::lock_guard<std::mutex> lock(n->mu);
+        n->exported.erase(id);
+      }
+      delete r;
+    });
+    std::lock_guard<std::mutex> lock(node_->mu);
+    node_->exported[id] = region;
+    return region;
+  }
+
+  std::shared_ptr<Node> node_;
+  bool woken_ = false;  // guarded by node_->mu
+};
+
+Result<ConnectionPtr> connect_nodes(const std::shared_ptr<Node>& self, const std::string& address) {
+  std::shared_ptr<Node> target;
+  FaultPlan plan;
+  uint64_t seq = 0;
+  {
+    std::lock_guard<std::mutex> lock(self->fabric->mu);
+    auto it = self->fabric->listeners.find(address);
+    if (it != self->fabric->listeners.end()) target = std::static_pointer_cast<Node>(it->second.lock());
+    plan = self->fabric->plan_for(self->address);
+    seq = self->fabric->next_connection_seq++;
+  }
+  if (!target) return Unavailable(fmt::format("nobody listens at '{}' on this fabric", address));
+  auto mine = std::make_shared<LbConnection>(self, target, target->id, address, plan, 2 * seq);
+  auto theirs =
+      std::make_shared<LbConnection>(target, self, self->id, self->address, plan, 2 * seq + 1);
+  mine->set_peer(theirs);
+  theirs->set_peer(mine);
+  {
+    std::lock_guard<std::mutex> lock(self->mu);
+    if (self->shut) return Unavailable("transport is shut down");
+    self->connections[mine->id()] = mine;
+  }
+  {
+    std::lock_guard<std::mutex> lock(target->mu);
+    target->connections[theirs->id()] = theirs;
+  }
+  std::weak_ptr<Node> tw = target;
+  if (!target->post(Clock::now(), [tw, theirs] {
+        if (auto t = tw.lock()) t->handler->on_accept(theirs);
+      })) {
+    return Unavailable(fmt::format("the transport at '{}' shut down", address));
+  }
+  return ConnectionPtr(mine);
+}
+
+Result<ConnectionPtr> LoopbackTransport::connect(std::span<const uint8_t> peer_address) {
+  std::string address(peer_address.begin(), peer_address.end());
+  if (address.rfind(kAddressPrefix, 0) != 0) {
+    return InvalidArgument(fmt::format("'{}' is not a loopback address", address));
+  }
+  return connect_nodes(node_, address);
+}
+
+Result<std::unique_ptr<Transport>> create_loopback_transport(const TransportOptions& options,
+                                                             Handler* handler) {
+  if (!options.loopback.fabric) {
+    return InvalidArgument("the loopback transport needs options.loopback.fabric");
+  }
+  if (options.common.op_timeout.count() <= 0) {
+    return InvalidArgument("common.op_timeout must be positive");
+  }
+  auto node = std::make_shared<Node>();
+  node->fabric = options.loopback.fabric->impl_;
+  node->handler = handler;
+  node->common = options.common;
+  {
+    std::lock_guard<std::mutex> lock(node->fabric->mu);
+    node->id = node->fabric->next_node++;
+    node->address = fmt::format("{}{}", kAddressPrefix, node->id);
+    node->listening = !options.common.listen_address.empty();
+    if (node->listening) node->fabric->listeners[node->address] = node;
+  }
+  return std::unique_ptr<Transport>(new LoopbackTransport(std::move(node)));
+}
+
+}  // namespace psld::transport

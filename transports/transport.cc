@@ -1,0 +1,52 @@
+#include "transports/transport.h"
+
+#include <fmt/format.h>
+
+#include "transports/loopback/loopback.h"
+#if PSLD_HAVE_UCX
+#include "transports/ucx/ucx_transport.h"
+#endif
+#if PSLD_HAVE_VERBS
+#include "transports/verbs/verbs_transport.h"
+#endif
+
+// The only place that knows which backends were compiled in; core code asks
+// by name (DESIGN.md §4: never #ifdef outside transports/).
+
+namespace psld::transport {
+
+std::string_view memory_kind_name(MemoryKind kind) {
+  switch (kind) {
+    case MemoryKind::kHost: return "host";
+    case MemoryKind::kCuda: return "cuda";
+  }
+  return "unknown";
+}
+
+std::vector<std::string> available_transports() {
+  std::vector<std::string> names{"loopback"};
+#if PSLD_HAVE_UCX
+  names.emplace_back("ucx");
+#endif
+#if PSLD_HAVE_VERBS
+  names.emplace_back("verbs");
+#endif
+  return names;
+}
+
+Result<std::unique_ptr<Transport>> create_transport(std::string_view name,
+                                                    const TransportOptions& options,
+                                                    Handler* handler) {
+  if (handler == nullptr) return InvalidArgument("create_transport needs a Handler");
+  if (name == "loopback") return create_loopback_transport(options, handler);
+#if PSLD_HAVE_UCX
+  if (name == "ucx") return create_ucx_transport(options, handler);
+#endif
+#if PSLD_HAVE_VERBS
+  if (name == "verbs") return create_verbs_transport(options, handler);
+#endif
+  return NotFound(fmt::format("no transport named '{}' in this build; available: {}", name,
+                              fmt::join(available_transports(), ", ")));
+}
+
+}  // namespace psld::transport

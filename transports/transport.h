@@ -1,0 +1,255 @@
+// transports/transport.h — the one interface every fabric backend implements.
+//
+// A transport moves bytes and knows nothing of keys, rounds or balancing. It
+// offers exactly what psld's data path needs (DESIGN.md §4):
+//
+//   register memory  -> a local MemoryRegion and a packed remote key
+//   listen / connect -> Connections, identified by opaque address blobs
+//   write            -> one-sided, zero-copy: local region -> remote region,
+//                       and the receiver learns a 32-bit notify value only
+//                       after every written byte is visible in its memory
+//   send             -> small control messages on the same connection
+//   progress / wait  -> completions and incoming events, on the caller's
+//                       thread or on an optional progress thread that sleeps
+//                       when idle
+//
+// Backends ("ucx", "verbs", "loopback", and the emulated-link wrapper) are
+// chosen at run time by name through create_transport().
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "psld/status.h"
+
+namespace psld::transport {
+
+using Clock = std::chrono::steady_clock;
+
+enum class MemoryKind : uint8_t {
+  kHost = 0,
+  kCuda = 1,  // device memory; backends that cannot reach it say Unimplemented
+};
+std::string_view memory_kind_name(MemoryKind kind);
+
+// Largest control message; larger payloads belong in a write.
+inline constexpr size_t kMaxMessageBytes = 8192;
+
+// A local memory range registered with one transport. Writes read from it
+// (as a source) or land in it (as a target, once a peer imported its key).
+class MemoryRegion {
+ public:
+  virtual ~MemoryRegion() = default;
+  MemoryRegion(const MemoryRegion&) = delete;
+  MemoryRegion& operator=(const MemoryRegion&) = delete;
+
+  uint8_t* data() const { return data_; }
+  size_t length() const { return length_; }
+  MemoryKind kind() const { return kind_; }
+  // Unique within the transport for its lifetime; never reused.
+  uint64_t id() const { return id_; }
+  // What a peer passes to Connection::import_region to write into this
+  // region. It grants access to [data(), data() + length()) and nothing else.
+  std::span<const uint8_t> remote_key() const { return remote_key_; }
+
+ protected:
+  MemoryRegion(uint8_t* data, size_t length, MemoryKind kind, uint64_t id)
+      : data_(data), length_(length), kind_(kind), id_(id) {}
+  std::vector<uint8_t> remote_key_;
+
+ private:
+  uint8_t* data_;
+  size_t length_;
+  MemoryKind kind_;
+  uint64_t id_;
+};
+
+// A peer's region, imported on one connection.
+class RemoteRegion {
+ public:
+  virtual ~RemoteRegion() = default;
+  RemoteRegion(const RemoteRegion&) = delete;
+  RemoteRegion& operator=(const RemoteRegion&) = delete;
+  size_t length() const { return length_; }
+  // The exporting region's id() on the peer.
+  uint64_t peer_region_id() const { return peer_region_id_; }
+
+ protected:
+  RemoteRegion(size_t length, uint64_t peer_region_id)
+      : length_(length), peer_region_id_(peer_region_id) {}
+
+ private:
+  size_t length_;
+  uint64_t peer_region_id_;
+};
+
+// Called once per operation, on the thread that runs progress(), with Ok or
+// the reason it failed (Timeout, Unavailable when the peer is gone, Aborted
+// when the connection or transport closed first).
+using Completion = std::function<void(Status)>;
+
+// One one-sided write: `length` bytes from local[local_offset] to
+// remote[remote_offset]; the receiver's Handler::on_write gets `notify` once
+// all of them are visible there.
+struct WriteRequest {
+  const MemoryRegion* local = nullptr;
+  uint64_t local_offset = 0;
+  const RemoteRegion* remote = nullptr;
+  uint64_t remote_offset = 0;
+  uint64_t length = 0;
+  uint32_t notify = 0;
+};
+
+class Connection {
+ public:
+  virtual ~Connection() = default;
+
+  // A process-unique id for logs and maps.
+  virtual uint64_t id() const = 0;
+  // Human-readable peer description ("ucx tcp 127.0.0.1:41234", ...).
+  virtual std::string peer() const = 0;
+  // How writes travel on this connection, e.g. "put" or "am-rndv" for UCX,
+  // "write-with-imm" for verbs: silent slow fallbacks are a bug.
+  virtual std::string write_path() const = 0;
+
+  // Imports a peer's MemoryRegion::remote_key(). DataLoss for a malformed key.
+  virtual Result<std::shared_ptr<RemoteRegion>> import_region(std::span<const uint8_t> key) = 0;
+
+  // Starts a write. Returns an error, without sending anything, when the
+  // request does not fit its regions (OutOfRange), uses a region of another
+  // transport or connection (InvalidArgument), or the connection is closed
+  // (Unavailable). Otherwise `done` is called exactly once: Ok when the source
+  // may be reused (the bytes left it), or the failure.
+  virtual Status write(const WriteRequest& request, Completion done) = 0;
+
+  // The checks write() makes before sending anything, without sending: the
+  // emulated link uses it to reject a bad write before it queues it.
+  virtual Status check_write(const WriteRequest& request) const = 0;
+
+  // Sends a control message of at most kMaxMessageBytes; the bytes are copied
+  // before send() returns. `done` may be empty.
+  virtual Status send(std::span<const uint8_t> message, Completion done) = 0;
+
+  // Fails every pending operation with Aborted and tells the peer. Idempotent.
+  virtual void close() = 0;
+  virtual bool is_open() const = 0;
+};
+
+using ConnectionPtr = std::shared_ptr<Connection>;
+
+// What the transport reports, on the thread that runs progress(). Handlers
+// must not block; they may call the transport (send, write, close).
+class Handler {
+ public:
+  virtual ~Handler() = default;
+  // A peer connected to our address (connect() does not call this).
+  virtual void on_accept(const ConnectionPtr& /*conn*/) {}
+  // A peer's write of `length` bytes landed; all bytes are visible.
+  virtual void on_write(const ConnectionPtr& conn, uint32_t notify, uint64_t length) = 0;
+  // A control message arrived. The span is valid during the call only.
+  virtual void on_message(const ConnectionPtr& conn, std::span<const uint8_t> message) = 0;
+  // The connection is gone (peer closed or died, or a local close()).
+  virtual void on_disconnect(const ConnectionPtr& /*conn*/, const Status& /*why*/) {}
+};
+
+// Options every backend understands.
+struct CommonOptions {
+  // A pending write or send that has not completed by then fails with
+  // Timeout; its connection stays usable.
+  std::chrono::milliseconds op_timeout{10000};
+  // Where to listen: "127.0.0.1:0" picks a free port. Empty: do not listen.
+  std::string listen_address = "127.0.0.1:0";
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  virtual std::string_view name() const = 0;
+
+  // The blob peers pass to connect(); empty when not listening.
+  virtual std::vector<uint8_t> address() const = 0;
+  // Connects to a peer's address() and waits (up to op_timeout) until the
+  // connection can carry writes and messages.
+  virtual Result<ConnectionPtr> connect(std::span<const uint8_t> peer_address) = 0;
+
+  // Registers [data, data + length). Registration is cached per (address,
+  // length, kind): registering the same range again returns the same region;
+  // a different range that overlaps is a separate registration. The cache
+  // holds the region until invalidate() (call it before freeing or reusing
+  // the memory), so a pointer alone is never trusted.
+  virtual Result<std::shared_ptr<MemoryRegion>> register_memory(void* data, size_t length,
+                                                                MemoryKind kind) = 0;
+  // Allocates and registers `length` bytes the transport chooses where to put
+  // (e.g. shared memory a local peer can map), zero-filled; freed when the
+  // last reference goes. Landing slots use this.
+  virtual Result<std::shared_ptr<MemoryRegion>> allocate_memory(size_t length,
+                                                                MemoryKind kind) = 0;
+  // Drops the cached registrations of exactly this range; the region stays
+  // valid for holders of its shared_ptr until they let go. Returns NotFound if
+  // nothing was registered for it.
+  virtual Status invalidate(void* data, size_t length) = 0;
+
+  // Runs completions and handler calls that are ready; returns how many.
+  virtual size_t progress() = 0;
+  // Sleeps until progress() may have work, or the timeout passes.
+  virtual void wait(std::chrono::milliseconds timeout) = 0;
+  // Wakes a thread in wait().
+  virtual void wake() = 0;
+
+  // Closes every connection and stops listening. Pending operations fail with
+  // Aborted. Idempotent; the destructor calls it.
+  virtual void shutdown() = 0;
+};
+
+// Backend-specific options; each backend reads only its own.
+struct UcxOptions {
+  // UCX_TLS for this transport's context, e.g. "tcp", "sm,self" or
+  // "rc,sm,self". Empty: whatever the environment or UCX chooses.
+  std::string tls;
+  // How writes travel: "auto" (true put where the lane is RDMA or shared
+  // memory, else active-message rendezvous into the target), "put" or "am".
+  std::string write_path = "auto";
+};
+
+struct VerbsOptions {
+  // RDMA device name (e.g. "mlx5_0"); empty: the first active port found.
+  std::string device;
+  uint8_t port = 1;
+  int gid_index = -1;  // -1: pick a RoCE v2 GID automatically
+  uint32_t max_inflight = 1024;
+};
+
+class LoopbackFabric;  // transports/loopback/loopback.h
+
+struct LoopbackOptions {
+  // The in-process "network" transports connect over; transports on
+  // different fabrics cannot see each other. Required.
+  std::shared_ptr<LoopbackFabric> fabric;
+};
+
+struct TransportOptions {
+  CommonOptions common;
+  UcxOptions ucx;
+  VerbsOptions verbs;
+  LoopbackOptions loopback;
+};
+
+// The backends compiled into this build, e.g. {"loopback", "ucx", "verbs"}.
+std::vector<std::string> available_transports();
+
+// Creates a transport by name. NotFound for an unknown name (the message lists
+// available_transports()), Unavailable when the backend is built but its
+// hardware or library is missing here ("verbs": no RDMA device).
+Result<std::unique_ptr<Transport>> create_transport(std::string_view name,
+                                                    const TransportOptions& options,
+                                                    Handler* handler);
+
+}  // namespace psld::transport

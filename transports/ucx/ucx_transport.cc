@@ -1,0 +1,2293 @@
+// The UCX backend; see ucx_transport.h for what it offers and
+// docs/transport-results.md for what it measured.
+//
+// Threading: one mutex (Core::mu_) guards the ucp_worker and every piece of
+// connection state, and the worker runs in UCS_THREAD_MODE_SERIALIZED. Every
+// UCX callback therefore runs with mu_ held (UCX only calls back from inside
+// the ucp_* call that the locked thread made); callbacks never call the
+// Handler or a Completion: they queue Events, and progress() delivers them
+// after it released mu_, so a handler may call write/send/close freely.
+// Callbacks that would have to call UCX themselves (answering a hello,
+// closing an endpoint, starting the next flush) are deferred to
+// run_deferred(), which runs under mu_ right after the UCX call returned.
+#include "transports/ucx/ucx_transport.h"
+
+#include <arpa/inet.h>
+#include <fmt/format.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <ucp/api/ucp.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <random>
+#include <set>
+#include <shared_mutex>
+#include <sstream>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "transports/log.h"
+#include "transports/pending_ops.h"
+#include "transports/registration_cache.h"
+#include "transports/wire.h"
+
+namespace psld::transport {
+namespace {
+
+constexpr uint32_t kKeyMagic = 0x4b585350;    // "PSXK"
+constexpr uint32_t kHelloMagic = 0x48585350;  // "PSXH"
+constexpr uint8_t kWireVersion = 1;
+// UCX 1.13 packs 9..40 bytes of remote key per region; anything near this
+// bound is not a key.
+constexpr size_t kMaxPackedRkey = 4096;
+// ucp_ep_rkey_unpack takes no length: it trusts the blob's own structure. The
+// blob is copied into a zero-padded buffer so that even a blob that passed our
+// checksum but lies about its contents cannot make UCX read past it.
+constexpr size_t kRkeyPad = 256;
+constexpr size_t kMaxAddressString = 256;
+// Messages a client holds while its handshake is not answered yet.
+constexpr size_t kMaxEarlyMessages = 1024;
+
+// Active-message ids, one handler each.
+enum AmId : unsigned {
+  kAmHello = 0x50,  // client -> server: who I am
+  kAmHelloAck,      // server -> client: who I am; the connection is ready
+  kAmMessage,       // Connection::send
+  kAmWrite,         // "am" write: header names the target, payload is the data
+  kAmNotify,        // "put" writes: the notifications of a flushed batch
+  kAmBye,           // Connection::close / shutdown: the peer should close too
+};
+
+// The target of one write, as it travels in an "am" write's header and in a
+// notification: validated by the receiver before it touches memory.
+struct WriteHeader {
+  uint64_t region = 0;
+  uint64_t secret = 0;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  uint32_t notify = 0;
+};
+constexpr size_t kWriteHeaderBytes = 36;
+// "am" writes up to this size are sent eagerly (UCP_AM_SEND_FLAG_EAGER):
+// UCX 1.13 switches to rendezvous at 8 KiB over tcp, and its extra round trip
+// dominates mid sizes. Measured here (tcp loopback, 16 writes in flight):
+// 16 KiB 2.0 GiB/s eager vs 0.46 rendezvous, 64 KiB 3.1 vs 1.7, 128 KiB 3.6
+// vs 3.1, 256 KiB even, 768 KiB rendezvous ahead (5.0-6.0 vs 4.5-5.1). A
+// UCX_RNDV_THRESH in the environment switches this off.
+constexpr size_t kAmEagerMax = 128 << 10;
+// Notifications per active message: 64 * 36 bytes stays well inside UCX's
+// eager limit (8 KiB on tcp and sm), so a batch is one message.
+constexpr size_t kNotifyBatch = 64;
+
+void store_le(uint8_t* p, uint64_t v, int n) {
+  for (int i = 0; i < n; ++i)
+    p[i] = static_cast<uint8_t>(v >> (8 * i));
+}
+uint64_t load_le(const uint8_t* p, int n) {
+  uint64_t v = 0;
+  for (int i = 0; i < n; ++i)
+    v |= static_cast<uint64_t>(p[i]) << (8 * i);
+  return v;
+}
+void encode_header(const WriteHeader& h, uint8_t* p) {
+  store_le(p, h.region, 8);
+  store_le(p + 8, h.secret, 8);
+  store_le(p + 16, h.offset, 8);
+  store_le(p + 24, h.length, 8);
+  store_le(p + 32, h.notify, 4);
+}
+WriteHeader decode_header(const uint8_t* p) {
+  return WriteHeader{load_le(p, 8), load_le(p + 8, 8), load_le(p + 16, 8), load_le(p + 24, 8),
+                     static_cast<uint32_t>(load_le(p + 32, 4))};
+}
+
+uint64_t random_u64() {
+  std::random_device rd;
+  return (static_cast<uint64_t>(rd()) << 32) ^ rd();
+}
+
+uint64_t fnv1a(std::span<const uint8_t> b) {
+  uint64_t h = 1469598103934665603ull;
+  for (uint8_t c : b)
+    h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+std::atomic<uint64_t> g_next_connection_id{1};
+
+Status ucs_to_status(ucs_status_t st, std::string_view what) {
+  std::string msg = fmt::format("{}: {}", what, ucs_status_string(st));
+  switch (st) {
+    case UCS_OK:
+      return Status::Ok();
+    case UCS_ERR_CANCELED:
+      return Aborted(std::move(msg));
+    case UCS_ERR_NO_MEMORY:
+    case UCS_ERR_NO_RESOURCE:
+    case UCS_ERR_EXCEEDS_LIMIT:
+      return ResourceExhausted(std::move(msg));
+    case UCS_ERR_INVALID_PARAM:
+      return InvalidArgument(std::move(msg));
+    case UCS_ERR_UNSUPPORTED:
+      return Unimplemented(std::move(msg));
+    default:
+      return Unavailable(std::move(msg));
+  }
+}
+
+// "host:port" or "[v6]:port" -> a socket address.
+Status parse_socket_address(const std::string& text, bool passive, sockaddr_storage* out,
+                            socklen_t* out_len) {
+  const size_t colon = text.rfind(':');
+  if (colon == std::string::npos || colon + 1 == text.size()) {
+    return InvalidArgument(
+        fmt::format("'{}' is not a socket address; use host:port, e.g. 127.0.0.1:0", text));
+  }
+  std::string host = text.substr(0, colon);
+  const std::string port = text.substr(colon + 1);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0);
+  addrinfo* res = nullptr;
+  const int rc = getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &res);
+  if (rc != 0 || res == nullptr) {
+    return InvalidArgument(fmt::format("cannot resolve '{}': {}", text, gai_strerror(rc)));
+  }
+  std::memcpy(out, res->ai_addr, res->ai_addrlen);
+  *out_len = res->ai_addrlen;
+  freeaddrinfo(res);
+  return Status::Ok();
+}
+
+std::string socket_address_string(const sockaddr_storage& sa) {
+  char host[INET6_ADDRSTRLEN] = "?";
+  uint16_t port = 0;
+  if (sa.ss_family == AF_INET) {
+    sockaddr_in in;
+    std::memcpy(&in, &sa, sizeof(in));
+    inet_ntop(AF_INET, &in.sin_addr, host, sizeof(host));
+    port = ntohs(in.sin_port);
+    return fmt::format("{}:{}", host, port);
+  }
+  if (sa.ss_family == AF_INET6) {
+    sockaddr_in6 in6;
+    std::memcpy(&in6, &sa, sizeof(in6));
+    inet_ntop(AF_INET6, &in6.sin6_addr, host, sizeof(host));
+    port = ntohs(in6.sin6_port);
+    return fmt::format("[{}]:{}", host, port);
+  }
+  return "unknown";
+}
+
+// What ucp_ep_print_info says about an endpoint's lanes, condensed.
+enum class RmaKind : uint8_t { kEmulated, kSharedMemory, kRdma };
+
+struct LaneSummary {
+  RmaKind rma = RmaKind::kEmulated;
+  std::string text;  // one line for the log
+};
+
+// Parses UCX 1.13's ucp_ep_print_info, e.g.
+//   #  lane[1]:  2:sysv/memory.0 md[1] -> md[1]/sysv/sysdev[255] am am_bw#0 keepalive
+//   #  lane[3]:  0:tcp/lo.0 md[0]      -> md[0]/tcp/sysdev[255] rma_bw#0 wireup
+//   #  am_send: 0..<egr/short>..93..<egr/bcopy>..8256..<rndv>..(inf)
+//   #  put[1]: 0..<short>..4294967296..<bcopy>..(inf)
+// "put[N]" lines exist only for lanes that carry native RMA; over tcp there
+// are none, because UCX 1.13 emulates put with active messages there.
+LaneSummary summarize_lanes(const std::string& info) {
+  struct Lane {
+    std::string name;  // tl/dev
+    std::string tl;
+    std::vector<std::string> roles;
+  };
+  std::map<int, Lane> lanes;
+  std::set<int> rma_lanes;
+  std::string am_send;
+  std::istringstream in(info);
+  std::string line;
+  while (std::getline(in, line)) {
+    size_t p = line.find_first_not_of("# \t");
+    if (p == std::string::npos) continue;
+    std::string_view l(line);
+    l.remove_prefix(p);
+    auto index_of = [&](std::string_view prefix) -> int {
+      if (l.substr(0, prefix.size()) != prefix) return -1;
+      return std::atoi(std::string(l.substr(prefix.size())).c_str());
+    };
+    if (int i = index_of("lane["); i >= 0) {
+      const size_t colon = l.find("]:");
+      if (colon == std::string_view::npos) continue;
+      std::istringstream words{std::string(l.substr(colon + 2))};
+      std::vector<std::string> tokens;
+      for (std::string w; words >> w;)
+        tokens.push_back(w);
+      if (tokens.empty() || tokens[0] == "cm") continue;  // the connection manager lane
+      Lane lane;
+      const size_t c = tokens[0].find(':');
+      lane.name = c == std::string::npos ? tokens[0] : tokens[0].substr(c + 1);
+      lane.tl = lane.name.substr(0, lane.name.find('/'));
+      auto arrow = std::find(tokens.begin(), tokens.end(), "->");
+      if (arrow != tokens.end() && arrow + 1 != tokens.end()) {
+        lane.roles.assign(arrow + 2, tokens.end());
+      }
+      lanes[i] = lane;
+    } else if (int j = index_of("put["); j >= 0) {
+      rma_lanes.insert(j);
+    } else if (l.substr(0, 8) == "am_send:") {
+      am_send = std::string(l.substr(8));
+      am_send.erase(0, am_send.find_first_not_of(' '));
+    }
+  }
+  static const std::set<std::string> kShm = {"posix", "sysv", "xpmem", "knem", "cma", "self"};
+  LaneSummary s;
+  std::vector<std::string> am, rma, rndv, keepalive;
+  for (auto& [i, lane] : lanes) {
+    for (const std::string& role : lane.roles) {
+      if (role == "am") am.push_back(lane.name);
+      if (role.rfind("rma_bw", 0) == 0) rndv.push_back(lane.name);
+      if (role == "keepalive") keepalive.push_back(lane.name);
+    }
+    if (rma_lanes.count(i) && lane.tl != "tcp") {
+      rma.push_back(lane.name);
+      const RmaKind k = kShm.count(lane.tl) ? RmaKind::kSharedMemory : RmaKind::kRdma;
+      if (static_cast<int>(k) > static_cast<int>(s.rma)) s.rma = k;
+    }
+  }
+  auto join = [](const std::vector<std::string>& v) {
+    return v.empty() ? std::string("none") : fmt::format("{}", fmt::join(v, ","));
+  };
+  s.text = fmt::format("am={} rma={} rndv={} keepalive={} am_send={}", join(am),
+                       rma.empty() ? std::string("emulated") : join(rma), join(rndv),
+                       join(keepalive), am_send.empty() ? std::string("?") : am_send);
+  return s;
+}
+
+std::string endpoint_info(ucp_ep_h ep) {
+  char* buf = nullptr;
+  size_t size = 0;
+  FILE* f = open_memstream(&buf, &size);
+  if (f == nullptr) return {};
+  ucp_ep_print_info(ep, f);
+  std::fclose(f);
+  std::string out(buf, size);
+  std::free(buf);
+  return out;
+}
+
+enum class WritePath : uint8_t { kAuto, kPut, kAm };
+
+// Whether a UCX_TLS list can select a shared-memory (mm) transport; only then
+// is MM_ERROR_HANDLING meaningful (UCX warns about it otherwise).
+bool tls_may_use_shared_memory(const std::string& option) {
+  std::string tls = option;
+  if (tls.empty()) {
+    const char* env = std::getenv("UCX_TLS");
+    tls = env != nullptr ? env : "all";
+  }
+  if (tls.empty() || tls[0] == '^') return true;  // an exclusion list keeps the rest
+  std::istringstream in(tls);
+  for (std::string name; std::getline(in, name, ',');) {
+    if (name == "all" || name == "sm" || name == "shm" || name == "mm" || name == "posix" ||
+        name == "sysv" || name == "xpmem") {
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+
+class UcxCore;
+class UcxConnection;
+
+// The ucp_context, shared by the core and every region so that a region that
+// outlives its transport can still be unmapped.
+struct UcxContext {
+  ucp_context_h handle = nullptr;
+  UcxContext() = default;
+  UcxContext(const UcxContext&) = delete;
+  UcxContext& operator=(const UcxContext&) = delete;
+  ~UcxContext() {
+    if (handle != nullptr) ucp_cleanup(handle);
+  }
+};
+
+class UcxRegion final : public MemoryRegion, public std::enable_shared_from_this<UcxRegion> {
+ public:
+  UcxRegion(uint8_t* data, size_t length, MemoryKind kind, uint64_t id,
+            std::shared_ptr<UcxContext> context, ucp_mem_h memh, uint64_t owner, uint64_t secret,
+            std::vector<uint8_t> key)
+      : MemoryRegion(data, length, kind, id),
+        context_(std::move(context)),
+        memh_(memh),
+        owner_(owner),
+        secret_(secret) {
+    remote_key_ = std::move(key);
+  }
+  ~UcxRegion() override { ucp_mem_unmap(context_->handle, memh_); }
+
+  ucp_mem_h memh() const { return memh_; }
+  uint64_t owner() const { return owner_; }
+  uint64_t secret() const { return secret_; }
+
+ private:
+  std::shared_ptr<UcxContext> context_;
+  ucp_mem_h memh_;
+  uint64_t owner_;
+  uint64_t secret_;
+};
+
+class UcxRemoteRegion final : public RemoteRegion,
+                              public std::enable_shared_from_this<UcxRemoteRegion> {
+ public:
+  UcxRemoteRegion(size_t length, uint64_t region_id, uint64_t connection_id, uint64_t owner,
+                  uint64_t base, uint64_t secret, uint8_t* mapped, ucp_rkey_h rkey,
+                  std::weak_ptr<UcxCore> core)
+      : RemoteRegion(length, region_id),
+        connection_id_(connection_id),
+        owner_(owner),
+        base_(base),
+        secret_(secret),
+        mapped_(mapped != nullptr),
+        mapped_base_(mapped),
+        rkey_(rkey),
+        core_(std::move(core)) {}
+  ~UcxRemoteRegion() override;
+
+  uint64_t connection_id() const { return connection_id_; }
+  // The instance of the transport that exported the region.
+  uint64_t owner() const { return owner_; }
+  uint64_t base() const { return base_; }
+  uint64_t secret() const { return secret_; }
+  // The exporter's memory is mapped into ours (shared memory), so a put is a
+  // memcpy by this process.
+  bool mapped() const { return mapped_; }
+
+ private:
+  friend class UcxCore;
+  uint64_t connection_id_;
+  uint64_t owner_;
+  uint64_t base_;
+  uint64_t secret_;
+  bool mapped_;
+  uint8_t* mapped_base_;          // where base() is mapped here; guarded by UcxCore::mapping_mu_
+  bool fallback_logged_ = false;  // guarded by UcxCore::mu_
+  ucp_rkey_h rkey_;  // guarded by UcxCore::rkey_mu_ for destruction; read under UcxCore::mu_
+  std::weak_ptr<UcxCore> core_;
+};
+
+class UcxConnection final : public Connection, public std::enable_shared_from_this<UcxConnection> {
+ public:
+  UcxConnection(std::weak_ptr<UcxCore> core, bool client, std::string peer)
+      : core_(std::move(core)), client_(client), peer_(std::move(peer)) {}
+
+  uint64_t id() const override { return id_; }
+  std::string peer() const override { return peer_; }
+  std::string write_path() const override {
+    switch (path_.load()) {
+      case WritePath::kPut:
+        return "put";
+      case WritePath::kAm:
+        return "am";
+      case WritePath::kAuto:
+        break;
+    }
+    return "pending (handshake not finished)";
+  }
+  Result<std::shared_ptr<RemoteRegion>> import_region(std::span<const uint8_t> key) override;
+  Status check_write(const WriteRequest& request) const override;
+  Status write(const WriteRequest& request, Completion done) override;
+  Status send(std::span<const uint8_t> message, Completion done) override;
+  void close() override;
+  bool is_open() const override { return open_.load(); }
+
+  // A put that waits for the flush that makes it visible.
+  struct Unflushed {
+    uint64_t op_id;
+    WriteHeader header;
+  };
+
+ private:
+  friend class UcxCore;
+  enum class State : uint8_t { kHandshake, kReady, kClosed };
+
+  // An operation started before the handshake finished; sent when it does.
+  struct Queued {
+    uint64_t op_id = 0;
+    bool is_write = false;
+    std::shared_ptr<UcxRegion> src;
+    std::shared_ptr<UcxRemoteRegion> remote;
+    uint64_t local_offset = 0, remote_offset = 0, length = 0;
+    uint32_t notify = 0;
+    std::vector<uint8_t> message;
+  };
+  const uint64_t id_ = g_next_connection_id.fetch_add(1);
+  std::weak_ptr<UcxCore> core_;
+  const bool client_;
+  const std::string peer_;
+  std::atomic<bool> open_{true};
+  std::atomic<WritePath> path_{WritePath::kAuto};
+
+  // Guarded by UcxCore::mu_.
+  State state_ = State::kHandshake;
+  ucp_ep_h ep_ = nullptr;
+  // The peer transport's instance, from the handshake (0 before): the
+  // exporter every imported key must name. Atomic: check_write reads it
+  // without mu_.
+  std::atomic<uint64_t> peer_instance_{0};
+  RmaKind rma_ = RmaKind::kEmulated;
+  Clock::time_point handshake_deadline_;
+  bool bye_in_flight_ = false;
+  Clock::time_point bye_deadline_;
+  std::deque<Queued> queued_;
+  // Messages that arrived before the server's handshake answer (client side).
+  std::vector<std::pair<unsigned, std::vector<uint8_t>>> early_;
+  std::vector<Unflushed> unflushed_;  // puts issued, not yet covered by a flush
+  bool flush_in_flight_ = false;
+};
+
+// One outstanding UCX request (or one operation that completed at once).
+struct OpCtx {
+  enum Kind : uint8_t {
+    kPut,
+    kFlush,
+    kAmWrite,
+    kSend,
+    kControl,
+    kBye,
+    kRecvWrite,
+    kRecvControl,
+    kClose
+  };
+  Kind kind;
+  UcxCore* core = nullptr;
+  OpCtx* prev = nullptr;  // intrusive list of live requests, for timeouts and shutdown
+  OpCtx* next = nullptr;
+  void* request = nullptr;
+  uint64_t op_id = 0;  // the user's operation, 0 for internal ones
+  Clock::time_point deadline = Clock::time_point::max();
+  std::shared_ptr<UcxConnection> conn;
+  std::shared_ptr<UcxRegion> region;        // source or target, kept registered
+  std::shared_ptr<UcxRemoteRegion> remote;  // keeps the rkey of a put alive
+  uint8_t header[kWriteHeaderBytes] = {};
+  uint32_t notify = 0;
+  uint64_t length = 0;
+  unsigned am_id = 0;
+  std::vector<uint8_t> bytes;
+  std::vector<UcxConnection::Unflushed> batch;
+};
+
+// What progress() delivers, in order, after releasing the worker lock.
+struct Event {
+  enum Kind : uint8_t { kCompletion, kAccept, kWrite, kMessage, kDisconnect };
+  Kind kind = kCompletion;
+  PendingOps::Ready ready;
+  ConnectionPtr conn;
+  uint32_t notify = 0;
+  uint64_t length = 0;
+  std::vector<uint8_t> bytes;
+  Status why;
+};
+
+// A user's write or send. Most finish inside the call that starts them (a
+// short message, a copy into shared memory): those never enter PendingOps and
+// their completion is queued at once. One that has to wait for UCX is added to
+// PendingOps then (op_id != 0), which gives it its deadline and makes close
+// and shutdown fail it. This keeps a map insert and erase, two allocations
+// and a lock, off the latency path.
+struct UserOp {
+  uint64_t op_id = 0;
+  Completion done;
+};
+
+// ---------------------------------------------------------------------------
+
+class UcxCore : public std::enable_shared_from_this<UcxCore> {
+ public:
+  UcxCore(const TransportOptions& options, Handler* handler, WritePath forced)
+      : options_(options), handler_(handler), forced_(forced) {}
+  ~UcxCore() {
+    shutdown();
+    if (wake_fd_ >= 0) ::close(wake_fd_);
+  }
+
+  Status init(const sockaddr_storage* listen, socklen_t listen_len);
+
+  // Transport
+  std::vector<uint8_t> address() const { return address_; }
+  Result<ConnectionPtr> connect(std::span<const uint8_t> peer_address);
+  Result<std::shared_ptr<MemoryRegion>> register_memory(void* data, size_t length, MemoryKind kind);
+  Result<std::shared_ptr<MemoryRegion>> allocate_memory(size_t length, MemoryKind kind);
+  Status invalidate(void* data, size_t length);
+  size_t progress();
+  void wait(std::chrono::milliseconds timeout);
+  void wake() {
+    const uint64_t one = 1;
+    [[maybe_unused]] ssize_t n = ::write(wake_fd_, &one, sizeof(one));
+  }
+  void shutdown();
+  UcxCounters counters() const {
+    UcxCounters c;
+    c.writes_put = writes_put_.load();
+    c.writes_am = writes_am_.load();
+    c.flushes = flushes_.load();
+    c.rejected_writes = rejected_writes_.load();
+    c.rejected_messages = rejected_messages_.load();
+    return c;
+  }
+
+  // Connection
+  Result<std::shared_ptr<RemoteRegion>> import_region(UcxConnection& conn,
+                                                      std::span<const uint8_t> key);
+  Status check_write(const UcxConnection& conn, const WriteRequest& req) const;
+  Status write(UcxConnection& conn, const WriteRequest& req, Completion done);
+  Status send(UcxConnection& conn, std::span<const uint8_t> message, Completion done);
+  void close_connection(UcxConnection& conn);
+  void release_rkey(UcxRemoteRegion* remote);
+
+  // UCX callbacks (mu_ held).
+  void on_request_done(OpCtx* op, ucs_status_t status);
+  ucs_status_t on_am(unsigned id, const void* header, size_t header_length, void* data,
+                     size_t length, const ucp_am_recv_param_t* param);
+  void on_conn_request(ucp_conn_request_h request) { accepts_.push_back(request); }
+  void on_ep_error(ucp_ep_h ep, ucs_status_t status);
+
+ private:
+  using ConnPtr = std::shared_ptr<UcxConnection>;
+
+  Clock::time_point deadline() const { return Clock::now() + options_.common.op_timeout; }
+  void maybe_wake() {
+    if (sleepers_.load() > 0) wake();
+  }
+
+  OpCtx* new_op(OpCtx::Kind kind);
+  // Unlinks a finished request's context and keeps it for reuse.
+  void unlink_op(OpCtx* op);
+  // Like finish_request, for a request that carries a user operation.
+  void finish_user(UserOp& u, OpCtx* op, ucs_status_ptr_t r, uint64_t conn_id,
+                   std::string_view what);
+  void complete_user(UserOp& u, Status status) {
+    if (u.op_id != 0) {
+      complete(u.op_id, std::move(status));
+    } else if (u.done) {
+      push_completion(PendingOps::Ready{std::move(u.done), std::move(status)});
+    }
+  }
+  // Hands a ucp_*_nbx result to its OpCtx: completes it now, fails it now, or
+  // leaves it to the callback.
+  void finish_request(OpCtx* op, ucs_status_ptr_t r);
+  void complete(uint64_t op_id, Status status) {
+    PendingOps::Ready r = pending_.take(op_id, std::move(status));
+    if (r.done) push_completion(std::move(r));
+  }
+  void push_completion(PendingOps::Ready r) {
+    Event e;
+    e.kind = Event::kCompletion;
+    e.ready = std::move(r);
+    events_.push_back(std::move(e));
+  }
+  void push_event(Event::Kind kind, const ConnPtr& conn) {
+    Event e;
+    e.kind = kind;
+    e.conn = conn;
+    events_.push_back(std::move(e));
+  }
+
+  void start_write(UcxConnection& conn, UserOp u, const std::shared_ptr<UcxRegion>& src,
+                   const std::shared_ptr<UcxRemoteRegion>& remote, uint64_t local_offset,
+                   uint64_t remote_offset, uint64_t length, uint32_t notify);
+  void start_flush(UcxConnection& conn);
+  void on_flushed(const ConnPtr& conn, std::vector<UcxConnection::Unflushed> batch,
+                  ucs_status_t status);
+  // Sends the notifications of writes whose bytes are visible at the peer and
+  // completes them.
+  void announce(UcxConnection& conn, const UcxConnection::Unflushed* writes, size_t n);
+  // Whether a write to `remote` is a memcpy into the peer's mapped memory.
+  bool copies_into_mapping(const UcxConnection& conn, const UcxRemoteRegion& remote) const {
+    return forced_ != WritePath::kAm && conn.path_.load() == WritePath::kPut && remote.mapped();
+  }
+  void start_send(UcxConnection& conn, UserOp u, std::span<const uint8_t> message);
+  // The notification of one write whose bytes are already in place.
+  void notify_one(UcxConnection& conn, UserOp u, const WriteHeader& h);
+  bool send_control(UcxConnection& conn, unsigned id, std::vector<uint8_t> payload,
+                    OpCtx::Kind kind);
+  void handle_control(const ConnPtr& conn, unsigned id, std::span<const uint8_t> payload);
+  void handle_hello(const ConnPtr& conn, std::span<const uint8_t> payload);
+  bool hold_early(UcxConnection& conn, unsigned id, std::span<const uint8_t> payload);
+  void handle_hello_ack(const ConnPtr& conn, std::span<const uint8_t> payload);
+  void dispatch_queued(UcxConnection& conn);
+  static Status foreign_key(const UcxConnection& conn);
+  void handle_notify(const ConnPtr& conn, std::span<const uint8_t> payload);
+  void connection_ready(UcxConnection& conn);
+  std::vector<uint8_t> hello_payload(const UcxConnection& conn) const;
+  bool validate_target(const WriteHeader& h, std::shared_ptr<UcxRegion>* region);
+  void reject_write(const UcxConnection* conn, const std::string& why);
+  ucs_status_t on_am_write(const ConnPtr& conn, const void* header, size_t header_length,
+                           void* data, size_t length, const ucp_am_recv_param_t* param);
+
+  void accept(ucp_conn_request_h request);
+  // Marks `conn` closed, fails its operations with `why`, queues its
+  // on_disconnect, and closes its endpoint (after a bye, if `send_bye`).
+  void close_locked(UcxConnection& conn, const Status& why, bool send_bye);
+  void force_close_ep(UcxConnection& conn);
+  void run_deferred();
+  void check_deadlines(Clock::time_point now);
+  void drain_graveyard();
+  void deliver(Event& e);
+  Result<std::shared_ptr<UcxRegion>> make_region(uint8_t* data, size_t length, MemoryKind kind,
+                                                 ucp_mem_h memh);
+
+  const TransportOptions options_;
+  Handler* const handler_;
+  const WritePath forced_;
+  const uint64_t instance_ = random_u64() | 1;  // never 0, which means "not known yet"
+  const size_t am_eager_max_ = std::getenv("UCX_RNDV_THRESH") != nullptr ? 0 : kAmEagerMax;
+
+  std::shared_ptr<UcxContext> context_;
+  int efd_ = -1;
+  int wake_fd_ = -1;
+  std::vector<uint8_t> address_;
+  std::string listen_text_;
+
+  std::mutex progress_mu_;  // one progress() at a time: handlers run in order
+  mutable std::mutex mu_;   // the worker and everything below
+  ucp_worker_h worker_ = nullptr;
+  ucp_listener_h listener_ = nullptr;
+  std::atomic<bool> shut_{false};
+  std::map<uint64_t, ConnPtr> conns_;
+  std::unordered_map<ucp_ep_h, ConnPtr> by_ep_;
+  std::vector<Event> events_;
+  std::vector<Event> delivering_;  // guarded by progress_mu_
+  int64_t last_deadline_tick_ = 0;
+  OpCtx* live_ops_ = nullptr;
+  size_t live_count_ = 0;
+  std::vector<OpCtx*> free_ops_;
+  size_t handshaking_ = 0;  // connections with a handshake deadline
+  // Deferred work (see the comment at the top of the file).
+  std::vector<ucp_conn_request_h> accepts_;
+  struct Flushed {
+    ConnPtr conn;
+    std::vector<UcxConnection::Unflushed> batch;
+    ucs_status_t status;
+  };
+  std::vector<Flushed> flushed_;
+  std::vector<ConnPtr> acks_;   // accepted: the hello answer is still to send
+  std::vector<ConnPtr> ready_;  // connected: the queued operations are still to send
+  std::vector<std::pair<ConnPtr, Status>> failed_;
+  std::vector<ConnPtr> to_close_;
+
+  std::atomic<int> sleepers_{0};
+  PendingOps pending_;
+  RegistrationCache<UcxRegion> cache_;
+  std::atomic<uint64_t> next_region_{1};
+  std::mutex export_mu_;
+  std::unordered_map<uint64_t, std::weak_ptr<UcxRegion>> exported_;
+  // Held shared while copying into a peer's mapped memory, exclusively while
+  // shutdown unmaps it; never held while taking mu_.
+  std::shared_mutex mapping_mu_;
+  std::mutex rkey_mu_;  // after mu_ when both are held
+  std::set<UcxRemoteRegion*> live_remotes_;
+  std::vector<ucp_rkey_h> graveyard_;
+  std::atomic<bool> graveyard_nonempty_{false};
+
+  std::atomic<uint64_t> writes_put_{0}, writes_am_{0}, flushes_{0}, rejected_writes_{0},
+      rejected_messages_{0};
+};
+
+namespace {
+
+void send_cb(void* request, ucs_status_t status, void* user_data) {
+  auto* op = static_cast<OpCtx*>(user_data);
+  op->request = nullptr;
+  op->core->on_request_done(op, status);
+  ucp_request_free(request);
+}
+
+void recv_am_cb(void* request, ucs_status_t status, size_t /*length*/, void* user_data) {
+  auto* op = static_cast<OpCtx*>(user_data);
+  op->request = nullptr;
+  op->core->on_request_done(op, status);
+  ucp_request_free(request);
+}
+
+template <unsigned Id>
+ucs_status_t am_cb(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                   const ucp_am_recv_param_t* param) {
+  return static_cast<UcxCore*>(arg)->on_am(Id, header, header_length, data, length, param);
+}
+
+void conn_request_cb(ucp_conn_request_h request, void* arg) {
+  static_cast<UcxCore*>(arg)->on_conn_request(request);
+}
+
+void ep_error_cb(void* arg, ucp_ep_h ep, ucs_status_t status) {
+  static_cast<UcxCore*>(arg)->on_ep_error(ep, status);
+}
+
+}  // namespace
+
+UcxRemoteRegion::~UcxRemoteRegion() {
+  if (auto core = core_.lock()) core->release_rkey(this);
+}
+
+// ---------------------------------------------------------------------------
+// Setup
+
+Status UcxCore::init(const sockaddr_storage* listen, socklen_t listen_len) {
+  ucp_config_t* config = nullptr;
+  ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
+  if (st != UCS_OK) return ucs_to_status(st, "UCX cannot read its configuration (UCX_* variables)");
+  auto release = [&] { ucp_config_release(config); };
+  const UcxOptions& ucx = options_.ucx;
+  if (!ucx.tls.empty()) {
+    st = ucp_config_modify(config, "TLS", ucx.tls.c_str());
+    if (st != UCS_OK) {
+      release();
+      return InvalidArgument(
+          fmt::format("ucx.tls '{}' was rejected by UCX ({}); use a UCX_TLS "
+                      "value such as tcp, sm,tcp or rc,sm,tcp",
+                      ucx.tls, ucs_status_string(st)));
+    }
+  }
+  // UCX 1.13 leaves the shared-memory transports out of any endpoint that asks
+  // for peer error handling unless MM_ERROR_HANDLING=y: with "sm,tcp" a
+  // connection to a local peer then ran entirely over tcp (4.8 us one way
+  // instead of 0.7 us here). With it, sysv/posix carry the active messages
+  // and the RMA, and a dead peer is found by keep-alive. The environment
+  // still wins.
+  if (std::getenv("UCX_MM_ERROR_HANDLING") == nullptr && tls_may_use_shared_memory(ucx.tls)) {
+    st = ucp_config_modify(config, "MM_ERROR_HANDLING", "y");
+    if (st != UCS_OK) PSLD_LOG_DEBUG("ucx: MM_ERROR_HANDLING not set: {}", ucs_status_string(st));
+  }
+  // Keep-alive finds a peer that died without closing its sockets (shared
+  // memory lanes have none). UCX's default of 20 s is longer than a typical
+  // op_timeout; probe four times per op_timeout, at most every 100 ms.
+  if (std::getenv("UCX_KEEPALIVE_INTERVAL") == nullptr) {
+    const auto interval = std::clamp<int64_t>(options_.common.op_timeout.count() / 4, 100, 20000);
+    st = ucp_config_modify(config, "KEEPALIVE_INTERVAL", fmt::format("{}ms", interval).c_str());
+    if (st != UCS_OK) PSLD_LOG_DEBUG("ucx: KEEPALIVE_INTERVAL not set: {}", ucs_status_string(st));
+  }
+
+  ucp_params_t params{};
+  params.field_mask =
+      UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED | UCP_PARAM_FIELD_NAME;
+  params.features = UCP_FEATURE_AM | UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+  // Regions are mapped and unmapped from any thread (a MemoryRegion dies
+  // wherever its last holder lets go), outside the worker lock: the context
+  // must lock itself.
+  params.mt_workers_shared = 1;
+  params.name = "psld";
+  context_ = std::make_shared<UcxContext>();
+  st = ucp_init(&params, config, &context_->handle);
+  release();
+  if (st != UCS_OK) {
+    context_->handle = nullptr;
+    return Unavailable(
+        fmt::format("UCX could not start (ucp_init: {}) with UCX_TLS '{}'; `ucx_info -d` lists the "
+                    "transports this machine has",
+                    ucs_status_string(st), ucx.tls.empty() ? "(default)" : ucx.tls));
+  }
+
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // mu_ serializes every call
+  st = ucp_worker_create(context_->handle, &wp, &worker_);
+  if (st != UCS_OK) {
+    worker_ = nullptr;
+    return ucs_to_status(st, "UCX could not create a worker");
+  }
+  st = ucp_worker_get_efd(worker_, &efd_);
+  if (st != UCS_OK) return ucs_to_status(st, "UCX worker has no event fd");
+  wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (wake_fd_ < 0) return Unavailable(fmt::format("eventfd: {}", std::strerror(errno)));
+
+  auto set_handler = [&](unsigned id, ucp_am_recv_callback_t cb) {
+    ucp_am_handler_param_t hp{};
+    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                    UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+    hp.id = id;
+    hp.cb = cb;
+    hp.arg = this;
+    hp.flags = UCP_AM_FLAG_WHOLE_MSG;
+    return ucp_worker_set_am_recv_handler(worker_, &hp);
+  };
+  for (auto [id, cb] :
+       {std::pair{kAmHello, &am_cb<kAmHello>}, std::pair{kAmHelloAck, &am_cb<kAmHelloAck>},
+        std::pair{kAmMessage, &am_cb<kAmMessage>}, std::pair{kAmWrite, &am_cb<kAmWrite>},
+        std::pair{kAmNotify, &am_cb<kAmNotify>}, std::pair{kAmBye, &am_cb<kAmBye>}}) {
+    st = set_handler(id, cb);
+    if (st != UCS_OK) return ucs_to_status(st, "UCX refused an active-message handler");
+  }
+
+  if (listen != nullptr) {
+    ucp_listener_params_t lp{};
+    lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+    lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(listen);
+    lp.sockaddr.addrlen = listen_len;
+    lp.conn_handler.cb = conn_request_cb;
+    lp.conn_handler.arg = this;
+    st = ucp_listener_create(worker_, &lp, &listener_);
+    if (st != UCS_OK) {
+      listener_ = nullptr;
+      return Unavailable(
+          fmt::format("UCX cannot listen on '{}': {} (is the address local and "
+                      "the port free?)",
+                      options_.common.listen_address, ucs_status_string(st)));
+    }
+    ucp_listener_attr_t la{};
+    la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+    st = ucp_listener_query(listener_, &la);
+    if (st != UCS_OK) return ucs_to_status(st, "UCX cannot tell the listener's address");
+    // Text, "127.0.0.1:41234": what a launcher builds from MASTER_ADDR and a
+    // port, and what logs and configuration files can carry.
+    listen_text_ = socket_address_string(la.sockaddr);
+    address_.assign(listen_text_.begin(), listen_text_.end());
+    PSLD_LOG_INFO("ucx: listening on {} (UCX_TLS {})", listen_text_,
+                  ucx.tls.empty() ? std::string("from the environment") : ucx.tls);
+  }
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------
+// Requests
+
+OpCtx* UcxCore::new_op(OpCtx::Kind kind) {
+  OpCtx* op;
+  if (!free_ops_.empty()) {
+    op = free_ops_.back();
+    free_ops_.pop_back();
+  } else {
+    op = new OpCtx;
+    op->core = this;
+  }
+  op->kind = kind;
+  op->prev = nullptr;
+  op->next = live_ops_;
+  if (live_ops_ != nullptr) live_ops_->prev = op;
+  live_ops_ = op;
+  ++live_count_;
+  return op;
+}
+
+void UcxCore::unlink_op(OpCtx* op) {
+  if (op->prev != nullptr) op->prev->next = op->next;
+  if (op->next != nullptr) op->next->prev = op->prev;
+  if (live_ops_ == op) live_ops_ = op->next;
+  --live_count_;
+  op->request = nullptr;
+  op->op_id = 0;
+  op->deadline = Clock::time_point::max();
+  op->conn.reset();
+  op->region.reset();
+  op->remote.reset();
+  op->bytes.clear();  // keeps its capacity for the next message
+  op->batch.clear();
+  // A bounded pool: enough for a window of writes on a few connections.
+  if (free_ops_.size() < 1024 && op->bytes.capacity() <= 2 * kMaxMessageBytes) {
+    free_ops_.push_back(op);
+  } else {
+    delete op;
+  }
+}
+
+void UcxCore::finish_user(UserOp& u, OpCtx* op, ucs_status_ptr_t r, uint64_t conn_id,
+                          std::string_view what) {
+  if (r != nullptr && !UCS_PTR_IS_ERR(r)) {
+    if (u.op_id == 0) u.op_id = pending_.add(conn_id, op->deadline, std::move(u.done));
+    op->op_id = u.op_id;
+    op->request = r;
+    return;
+  }
+  complete_user(u, ucs_to_status(r == nullptr ? UCS_OK : UCS_PTR_STATUS(r), what));
+  unlink_op(op);
+}
+
+void UcxCore::finish_request(OpCtx* op, ucs_status_ptr_t r) {
+  if (r == nullptr) {
+    on_request_done(op, UCS_OK);
+  } else if (UCS_PTR_IS_ERR(r)) {
+    on_request_done(op, UCS_PTR_STATUS(r));
+  } else {
+    op->request = r;
+  }
+}
+
+void UcxCore::on_request_done(OpCtx* op, ucs_status_t status) {
+  switch (op->kind) {
+    case OpCtx::kPut:
+      // Local completion only; the flush that covers it completes the write.
+      if (status != UCS_OK) complete(op->op_id, ucs_to_status(status, "put failed"));
+      break;
+    case OpCtx::kFlush:
+      flushed_.push_back(Flushed{std::move(op->conn), std::move(op->batch), status});
+      break;
+    case OpCtx::kAmWrite:
+      complete(op->op_id, ucs_to_status(status, "write failed"));
+      break;
+    case OpCtx::kSend:
+      complete(op->op_id, ucs_to_status(status, "send failed"));
+      break;
+    case OpCtx::kControl:
+      if (status != UCS_OK && status != UCS_ERR_CANCELED) {
+        PSLD_LOG_DEBUG("ucx: control message on connection {} failed: {}",
+                       op->conn ? op->conn->id() : 0, ucs_status_string(status));
+      }
+      break;
+    case OpCtx::kBye:
+      if (op->conn && op->conn->bye_in_flight_) {
+        op->conn->bye_in_flight_ = false;
+        to_close_.push_back(op->conn);
+      }
+      break;
+    case OpCtx::kRecvWrite:
+      if (status == UCS_OK && op->conn && op->conn->state_ == UcxConnection::State::kReady) {
+        Event e;
+        e.kind = Event::kWrite;
+        e.conn = op->conn;
+        e.notify = op->notify;
+        e.length = op->length;
+        events_.push_back(std::move(e));
+      } else if (status != UCS_OK) {
+        PSLD_LOG_DEBUG("ucx: incoming write on connection {} failed: {}",
+                       op->conn ? op->conn->id() : 0, ucs_status_string(status));
+      }
+      break;
+    case OpCtx::kRecvControl:
+      if (status == UCS_OK && op->conn) handle_control(op->conn, op->am_id, op->bytes);
+      break;
+    case OpCtx::kClose:
+      break;
+  }
+  unlink_op(op);
+}
+
+// ---------------------------------------------------------------------------
+// Connections
+
+Result<ConnectionPtr> UcxCore::connect(std::span<const uint8_t> peer_address) {
+  const std::string where(peer_address.begin(), peer_address.end());
+  if (where.empty() || where.size() > kMaxAddressString ||
+      !std::all_of(where.begin(), where.end(), [](char c) { return c > ' ' && c < 127; })) {
+    return InvalidArgument(
+        "not a UCX transport address: pass the peer's Transport::address(), "
+        "host:port text such as 127.0.0.1:41234");
+  }
+  sockaddr_storage sa{};
+  socklen_t sa_len = 0;
+  PSLD_RETURN_IF_ERROR(parse_socket_address(where, false, &sa, &sa_len));
+
+  ConnPtr conn;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (worker_ == nullptr || shut_) return Unavailable("UCX transport is shut down");
+    conn = std::make_shared<UcxConnection>(weak_from_this(), true, fmt::format("ucx {}", where));
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+    ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&sa);
+    ep.sockaddr.addrlen = sa_len;
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = ep_error_cb;
+    ep.err_handler.arg = this;
+    ucs_status_t st = ucp_ep_create(worker_, &ep, &conn->ep_);
+    if (st != UCS_OK) {
+      return Unavailable(fmt::format("cannot connect to {}: {}", where, ucs_status_string(st)));
+    }
+    conn->handshake_deadline_ = deadline();
+    ++handshaking_;
+    conns_[conn->id()] = conn;
+    by_ep_[conn->ep_] = conn;
+    // UCX queues what is sent before wire-up completes, so the hello goes
+    // now; writes and sends wait for the answer, which tells us the lanes.
+    send_control(*conn, kAmHello, hello_payload(*conn), OpCtx::kControl);
+    run_deferred();
+  }
+  maybe_wake();
+  return ConnectionPtr(conn);
+}
+
+std::vector<uint8_t> UcxCore::hello_payload(const UcxConnection& conn) const {
+  WireWriter w;
+  w.u32(kHelloMagic);
+  w.u8(kWireVersion);
+  w.u64(instance_);
+  w.u64(conn.id());
+  w.str(listen_text_);
+  return w.take();
+}
+
+void UcxCore::accept(ucp_conn_request_h request) {
+  if (shut_ || listener_ == nullptr) {
+    if (listener_ != nullptr) ucp_listener_reject(listener_, request);
+    return;
+  }
+  ucp_conn_request_attr_t attr{};
+  attr.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
+  std::string who = "unknown client";
+  if (ucp_conn_request_query(request, &attr) == UCS_OK) {
+    who = socket_address_string(attr.client_address);
+  }
+  ucp_ep_params_t ep{};
+  ep.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep.conn_request = request;
+  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ep.err_handler.cb = ep_error_cb;
+  ep.err_handler.arg = this;
+  auto conn = std::make_shared<UcxConnection>(weak_from_this(), false, fmt::format("ucx {}", who));
+  ucs_status_t st = ucp_ep_create(worker_, &ep, &conn->ep_);
+  if (st != UCS_OK) {
+    PSLD_LOG_WARN("ucx: cannot accept a connection from {}: {}", who, ucs_status_string(st));
+    return;
+  }
+  // Invisible to the application until the client's hello arrives.
+  conn->handshake_deadline_ = deadline();
+  ++handshaking_;
+  conns_[conn->id()] = conn;
+  by_ep_[conn->ep_] = conn;
+}
+
+void UcxCore::handle_hello(const ConnPtr& conn, std::span<const uint8_t> payload) {
+  WireReader r(payload);
+  uint32_t magic = 0;
+  uint8_t version = 0;
+  uint64_t instance = 0, peer_conn = 0;
+  std::string listen;
+  if (conn->client_ || conn->state_ != UcxConnection::State::kHandshake || !r.u32(&magic) ||
+      magic != kHelloMagic || !r.u8(&version) || version != kWireVersion || !r.u64(&instance) ||
+      !r.u64(&peer_conn) || !r.str(&listen, kMaxAddressString) || !r.done()) {
+    ++rejected_messages_;
+    close_locked(*conn, DataLoss("malformed hello from " + conn->peer()), false);
+    return;
+  }
+  conn->peer_instance_ = instance;
+  connection_ready(*conn);
+  push_event(Event::kAccept, conn);
+  acks_.push_back(conn);  // sending is deferred: this runs inside a UCX callback
+}
+
+void UcxCore::handle_hello_ack(const ConnPtr& conn, std::span<const uint8_t> payload) {
+  WireReader r(payload);
+  uint32_t magic = 0;
+  uint8_t version = 0;
+  uint64_t instance = 0, peer_conn = 0;
+  std::string listen;
+  if (!conn->client_ || conn->state_ != UcxConnection::State::kHandshake || !r.u32(&magic) ||
+      magic != kHelloMagic || !r.u8(&version) || version != kWireVersion || !r.u64(&instance) ||
+      !r.u64(&peer_conn) || !r.str(&listen, kMaxAddressString) || !r.done()) {
+    ++rejected_messages_;
+    close_locked(*conn, DataLoss("malformed hello answer from " + conn->peer()), false);
+    return;
+  }
+  conn->peer_instance_ = instance;
+  connection_ready(*conn);
+  ready_.push_back(conn);  // sending is deferred: this runs inside a UCX callback
+  // What the server sent right after accepting (from its on_accept handler)
+  // can overtake its deferred answer; it was held until now.
+  std::vector<std::pair<unsigned, std::vector<uint8_t>>> early;
+  early.swap(conn->early_);
+  for (auto& [early_id, bytes] : early) handle_control(conn, early_id, bytes);
+}
+
+bool UcxCore::hold_early(UcxConnection& conn, unsigned id, std::span<const uint8_t> payload) {
+  if (!conn.client_ || conn.state_ != UcxConnection::State::kHandshake) return false;
+  // Bounded: a peer cannot make us buffer without limit before it answers.
+  if (conn.early_.size() >= kMaxEarlyMessages) return false;
+  conn.early_.emplace_back(id, std::vector<uint8_t>(payload.begin(), payload.end()));
+  return true;
+}
+
+Status UcxCore::foreign_key(const UcxConnection& conn) {
+  return InvalidArgument(
+      "remote key was exported by another transport than this connection's peer (" + conn.peer() +
+      "); import it on a connection to the transport that registered the region");
+}
+
+void UcxCore::dispatch_queued(UcxConnection& conn) {
+  // Operations issued during the handshake go out in the order they came.
+  std::deque<UcxConnection::Queued> queued;
+  queued.swap(conn.queued_);
+  for (auto& q : queued) {
+    if (conn.state_ != UcxConnection::State::kReady) break;  // closed meanwhile: already failed
+    if (!pending_.contains(q.op_id)) continue;               // timed out meanwhile
+    if (q.is_write && q.remote->owner() != conn.peer_instance_.load()) {
+      // Imported before the handshake named the peer: checked now.
+      complete(q.op_id, foreign_key(conn));
+    } else if (q.is_write) {
+      start_write(conn, UserOp{q.op_id, nullptr}, q.src, q.remote, q.local_offset, q.remote_offset,
+                  q.length, q.notify);
+    } else {
+      start_send(conn, UserOp{q.op_id, nullptr}, q.message);
+    }
+  }
+}
+
+void UcxCore::connection_ready(UcxConnection& conn) {
+  conn.state_ = UcxConnection::State::kReady;
+  --handshaking_;
+  const std::string info = endpoint_info(conn.ep_);
+  const LaneSummary lanes = summarize_lanes(info);
+  conn.rma_ = lanes.rma;
+  WritePath path = forced_;
+  std::string why = "forced by ucx.write_path";
+  if (path == WritePath::kAuto) {
+    if (lanes.rma == RmaKind::kEmulated) {
+      path = WritePath::kAm;
+      why =
+          "UCX only emulates put on these lanes; active-message rendezvous lands the data "
+          "straight in the target";
+    } else {
+      path = WritePath::kPut;
+      why = lanes.rma == RmaKind::kRdma ? "native RDMA put"
+                                        : "shared-memory put into regions the peer allocated "
+                                          "with allocate_memory (others use am)";
+    }
+  }
+  conn.path_ = path;
+  PSLD_LOG_INFO("ucx: connection {} ({}): lanes {}; writes use {} ({})", conn.id(), conn.peer(),
+                lanes.text, path == WritePath::kPut ? "put" : "am", why);
+  PSLD_LOG_DEBUG("ucx: connection {} endpoint:\n{}", conn.id(), info);
+}
+
+Result<std::shared_ptr<RemoteRegion>> UcxCore::import_region(UcxConnection& conn,
+                                                             std::span<const uint8_t> key) {
+  WireReader r(key);
+  uint32_t magic = 0;
+  uint8_t version = 0, kind = 0;
+  uint64_t owner = 0, region = 0, base = 0, length = 0, secret = 0, sum = 0;
+  std::span<const uint8_t> packed;
+  if (!r.u32(&magic) || magic != kKeyMagic) {
+    return DataLoss(
+        "not a UCX remote key (a key of another transport kind, or corrupted); "
+        "import keys made by this connection's peer's ucx transport");
+  }
+  if (!r.u8(&version) || version != kWireVersion || !r.u8(&kind) || !r.u64(&owner) ||
+      !r.u64(&region) || !r.u64(&base) || !r.u64(&length) || !r.u64(&secret) ||
+      !r.blob(&packed, kMaxPackedRkey) || key.size() < 8 || !r.u64(&sum) || !r.done()) {
+    return DataLoss("malformed UCX remote key (truncated or padded)");
+  }
+  if (sum != fnv1a(key.first(key.size() - 8))) {
+    return DataLoss("UCX remote key failed its checksum (corrupted in transit?)");
+  }
+  if (length == 0 || base + length < base || packed.empty()) {
+    return DataLoss("UCX remote key describes an impossible region");
+  }
+  if (kind == static_cast<uint8_t>(MemoryKind::kCuda)) {
+    return Unimplemented("the UCX backend does not write to CUDA memory yet");
+  }
+  if (kind != static_cast<uint8_t>(MemoryKind::kHost)) {
+    return DataLoss("UCX remote key names an unknown memory kind");
+  }
+  std::vector<uint8_t> padded(packed.size() + kRkeyPad, 0);
+  std::memcpy(padded.data(), packed.data(), packed.size());
+
+  std::lock_guard<std::mutex> lock(mu_);
+  if (worker_ == nullptr || conn.state_ == UcxConnection::State::kClosed || conn.ep_ == nullptr) {
+    return Unavailable("connection to " + conn.peer() + " is closed");
+  }
+  // Before the handshake answered the peer is not known yet; then the writes
+  // check the key (check_write, dispatch_queued).
+  if (conn.peer_instance_.load() != 0 && owner != conn.peer_instance_.load()) {
+    return foreign_key(conn);
+  }
+  ucp_rkey_h rkey = nullptr;
+  ucs_status_t st = ucp_ep_rkey_unpack(conn.ep_, padded.data(), &rkey);
+  if (st != UCS_OK) {
+    return DataLoss(fmt::format("UCX could not unpack the remote key: {}", ucs_status_string(st)));
+  }
+  // Shared memory the peer allocated (UCP_MEM_MAP_ALLOCATE) is attached by
+  // the unpack; ucp_rkey_ptr says where.
+  void* mapped_at = nullptr;
+  const bool mapped = ucp_rkey_ptr(rkey, base, &mapped_at) == UCS_OK && mapped_at != nullptr;
+  auto remote = std::make_shared<UcxRemoteRegion>(
+      length, region, conn.id(), owner, base, secret,
+      mapped ? static_cast<uint8_t*>(mapped_at) : nullptr, rkey, weak_from_this());
+  {
+    std::lock_guard<std::mutex> rlock(rkey_mu_);
+    live_remotes_.insert(remote.get());
+  }
+  return std::shared_ptr<RemoteRegion>(remote);
+}
+
+void UcxCore::release_rkey(UcxRemoteRegion* remote) {
+  std::lock_guard<std::mutex> lock(rkey_mu_);
+  live_remotes_.erase(remote);
+  if (remote->rkey_ != nullptr) {
+    graveyard_.push_back(remote->rkey_);
+    remote->rkey_ = nullptr;
+    graveyard_nonempty_ = true;
+  }
+}
+
+void UcxCore::drain_graveyard() {
+  if (!graveyard_nonempty_.load()) return;
+  std::vector<ucp_rkey_h> dead;
+  {
+    std::lock_guard<std::mutex> lock(rkey_mu_);
+    dead.swap(graveyard_);
+    graveyard_nonempty_ = false;
+  }
+  for (ucp_rkey_h k : dead)
+    ucp_rkey_destroy(k);
+}
+
+// ---------------------------------------------------------------------------
+// Writes and sends
+
+Status UcxCore::check_write(const UcxConnection& conn, const WriteRequest& req) const {
+  if (!conn.is_open()) return Unavailable("connection to " + conn.peer() + " is closed");
+  if (shut_) return Unavailable("UCX transport is shut down");
+  auto* local = dynamic_cast<const UcxRegion*>(req.local);
+  if (local == nullptr || local->owner() != instance_) {
+    return InvalidArgument("write source is not a region registered with this transport");
+  }
+  auto* remote = dynamic_cast<const UcxRemoteRegion*>(req.remote);
+  if (remote == nullptr || remote->connection_id() != conn.id()) {
+    return InvalidArgument("write target was not imported on this connection");
+  }
+  const uint64_t peer = conn.peer_instance_.load();
+  if (peer != 0 && remote->owner() != peer) return foreign_key(conn);
+  if (req.local_offset > local->length() || req.length > local->length() - req.local_offset) {
+    return OutOfRange(
+        fmt::format("write of {} bytes at offset {} exceeds the {}-byte source region", req.length,
+                    req.local_offset, local->length()));
+  }
+  if (req.remote_offset > remote->length() || req.length > remote->length() - req.remote_offset) {
+    return OutOfRange(
+        fmt::format("write of {} bytes at offset {} exceeds the {}-byte remote region", req.length,
+                    req.remote_offset, remote->length()));
+  }
+  return Status::Ok();
+}
+
+Status UcxCore::write(UcxConnection& conn, const WriteRequest& req, Completion done) {
+  PSLD_RETURN_IF_ERROR(check_write(conn, req));
+  auto src =
+      const_cast<UcxRegion*>(static_cast<const UcxRegion*>(req.local))->weak_from_this().lock();
+  auto remote = const_cast<UcxRemoteRegion*>(static_cast<const UcxRemoteRegion*>(req.remote))
+                    ->weak_from_this()
+                    .lock();
+  if (!src || !remote) return InvalidArgument("write region is being destroyed");
+  if (copies_into_mapping(conn, *remote)) {
+    // Shared memory: the put is this memcpy. It runs outside mu_ so that a
+    // large copy does not stall the thread progressing the worker; the
+    // notification goes out after it, so the peer cannot see it early.
+    {
+      std::shared_lock<std::shared_mutex> map(mapping_mu_);
+      if (remote->mapped_base_ == nullptr) return Unavailable("UCX transport is shut down");
+      if (req.length > 0) {
+        std::memcpy(remote->mapped_base_ + req.remote_offset, src->data() + req.local_offset,
+                    req.length);
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (worker_ == nullptr || conn.state_ != UcxConnection::State::kReady) {
+        return Unavailable("connection to " + conn.peer() + " is closed");
+      }
+      ++writes_put_;
+      notify_one(conn, UserOp{0, std::move(done)},
+                 WriteHeader{remote->peer_region_id(), remote->secret(), req.remote_offset,
+                             req.length, req.notify});
+      run_deferred();
+    }
+    maybe_wake();
+    return Status::Ok();
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (worker_ == nullptr || conn.state_ == UcxConnection::State::kClosed) {
+      return Unavailable("connection to " + conn.peer() + " is closed");
+    }
+    if (conn.state_ == UcxConnection::State::kHandshake) {
+      UcxConnection::Queued q;
+      q.op_id = pending_.add(conn.id(), deadline(), std::move(done));
+      q.is_write = true;
+      q.src = std::move(src);
+      q.remote = std::move(remote);
+      q.local_offset = req.local_offset;
+      q.remote_offset = req.remote_offset;
+      q.length = req.length;
+      q.notify = req.notify;
+      conn.queued_.push_back(std::move(q));
+    } else {
+      start_write(conn, UserOp{0, std::move(done)}, src, remote, req.local_offset,
+                  req.remote_offset, req.length, req.notify);
+      run_deferred();
+    }
+  }
+  maybe_wake();
+  return Status::Ok();
+}
+
+void UcxCore::start_write(UcxConnection& conn, UserOp u, const std::shared_ptr<UcxRegion>& src,
+                          const std::shared_ptr<UcxRemoteRegion>& remote, uint64_t local_offset,
+                          uint64_t remote_offset, uint64_t length, uint32_t notify) {
+  const WriteHeader h{remote->peer_region_id(), remote->secret(), remote_offset, length, notify};
+  if (copies_into_mapping(conn, *remote)) {
+    // Under mu_, so shutdown cannot unmap meanwhile.
+    ++writes_put_;
+    if (length > 0) {
+      std::memcpy(remote->mapped_base_ + remote_offset, src->data() + local_offset, length);
+    }
+    notify_one(conn, std::move(u), h);
+    return;
+  }
+  // Over shared memory UCX can put only into memory it maps; a region the
+  // peer registered from its own heap is reached by active message unless
+  // put was forced (UCX then emulates it).
+  const bool put = conn.path_.load() == WritePath::kPut &&
+                   (forced_ == WritePath::kPut || conn.rma_ == RmaKind::kRdma);
+  if (!put && conn.path_.load() == WritePath::kPut && !remote->fallback_logged_) {
+    remote->fallback_logged_ = true;
+    PSLD_LOG_INFO(
+        "ucx: region {} of {} is not shared memory this process can map (the peer registered it "
+        "with register_memory, not allocate_memory); writes to it use am",
+        remote->peer_region_id(), conn.peer());
+  }
+  if (put) {
+    ++writes_put_;
+    // Completes at the flush, which is always later: track it now.
+    if (u.op_id == 0) u.op_id = pending_.add(conn.id(), deadline(), std::move(u.done));
+    if (length > 0) {
+      OpCtx* op = new_op(OpCtx::kPut);
+      op->op_id = u.op_id;
+      op->deadline = deadline();
+      op->region = src;
+      op->remote = remote;
+      ucp_request_param_t p{};
+      p.op_attr_mask =
+          UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
+      p.cb.send = send_cb;
+      p.user_data = op;
+      p.memh = src->memh();
+      finish_request(op, ucp_put_nbx(conn.ep_, src->data() + local_offset, length,
+                                     remote->base() + remote_offset, remote->rkey_, &p));
+      if (!pending_.contains(u.op_id)) return;  // failed at once
+    }
+    conn.unflushed_.push_back({u.op_id, h});
+    if (!conn.flush_in_flight_) start_flush(conn);
+    return;
+  }
+  ++writes_am_;
+  OpCtx* op = new_op(OpCtx::kAmWrite);
+  op->deadline = deadline();
+  op->region = src;
+  encode_header(h, op->header);
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                   UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMH;
+  p.cb.send = send_cb;
+  p.user_data = op;
+  p.flags = UCP_AM_SEND_FLAG_REPLY;
+  if (length <= am_eager_max_) p.flags |= UCP_AM_SEND_FLAG_EAGER;
+  p.memh = src->memh();
+  finish_user(u, op,
+              ucp_am_send_nbx(conn.ep_, kAmWrite, op->header, kWriteHeaderBytes,
+                              src->data() + local_offset, length, &p),
+              conn.id(), "write failed");
+}
+
+void UcxCore::notify_one(UcxConnection& conn, UserOp u, const WriteHeader& h) {
+  OpCtx* op = new_op(OpCtx::kSend);
+  op->deadline = deadline();
+  op->bytes.resize(4 + kWriteHeaderBytes);
+  store_le(op->bytes.data(), 1, 4);
+  encode_header(h, op->bytes.data() + 4);
+  ucp_request_param_t p{};
+  p.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  p.cb.send = send_cb;
+  p.user_data = op;
+  p.flags = UCP_AM_SEND_FLAG_REPLY;
+  finish_user(
+      u, op,
+      ucp_am_send_nbx(conn.ep_, kAmNotify, nullptr, 0, op->bytes.data(), op->bytes.size(), &p),
+      conn.id(), "notification failed");
+}
+
+// Ordering for ucp_put_nbx (RDMA, or put forced where UCX emulates it): a
+// notification leaves only after a flush that covers its put completed, i.e.
+// after the bytes are visible at the target. One flush is in flight per
+// connection; puts issued meanwhile wait for the next one, so a window of
+// writes shares one flush. (Shared memory skips all this: ucp_ep_flush_nbx
+// flushes every lane, and UCX 1.13's tcp flush on the rendezvous lanes is a
+// round trip, 24 us per ping-pong; the memcpy in write() needs no flush.)
+void UcxCore::start_flush(UcxConnection& conn) {
+  if (conn.unflushed_.empty() || conn.ep_ == nullptr) return;
+  OpCtx* op = new_op(OpCtx::kFlush);
+  op->conn = conn.shared_from_this();
+  op->batch.swap(conn.unflushed_);
+  conn.flush_in_flight_ = true;
+  ++flushes_;
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.send = send_cb;
+  p.user_data = op;
+  finish_request(op, ucp_ep_flush_nbx(conn.ep_, &p));
+}
+
+void UcxCore::on_flushed(const ConnPtr& conn, std::vector<UcxConnection::Unflushed> batch,
+                         ucs_status_t status) {
+  conn->flush_in_flight_ = false;
+  if (status == UCS_OK && conn->state_ == UcxConnection::State::kReady) {
+    announce(*conn, batch.data(), batch.size());
+  } else {
+    for (const auto& u : batch)
+      complete(u.op_id, ucs_to_status(status, "flush failed"));
+  }
+  if (conn->state_ == UcxConnection::State::kReady && !conn->unflushed_.empty()) {
+    start_flush(*conn);
+  }
+}
+
+void UcxCore::announce(UcxConnection& conn, const UcxConnection::Unflushed* writes, size_t n) {
+  // Only writes still pending are announced: one that timed out was reported
+  // as failed, so the receiver must not hear of it.
+  std::vector<uint64_t> ops;
+  std::vector<uint8_t> payload;
+  size_t k = 0;
+  auto send_batch = [&] {
+    if (k == 0) return;
+    store_le(payload.data(), k, 4);
+    const bool sent = send_control(conn, kAmNotify, std::move(payload), OpCtx::kControl);
+    for (uint64_t id : ops) {
+      complete(id, sent ? Status::Ok()
+                        : Unavailable("the notification to " + conn.peer() + " could not be sent"));
+    }
+    ops.clear();
+    payload.clear();
+    k = 0;
+  };
+  for (size_t i = 0; i < n; ++i) {
+    if (!pending_.contains(writes[i].op_id)) continue;
+    if (k == 0) payload.assign(4, 0);
+    payload.resize(4 + (k + 1) * kWriteHeaderBytes);
+    encode_header(writes[i].header, payload.data() + 4 + k * kWriteHeaderBytes);
+    ops.push_back(writes[i].op_id);
+    if (++k == kNotifyBatch) send_batch();
+  }
+  send_batch();
+}
+
+Status UcxCore::send(UcxConnection& conn, std::span<const uint8_t> message, Completion done) {
+  if (message.size() > kMaxMessageBytes) {
+    return InvalidArgument(
+        fmt::format("message of {} bytes exceeds the {}-byte limit; larger "
+                    "payloads belong in a write",
+                    message.size(), kMaxMessageBytes));
+  }
+  if (!conn.is_open()) return Unavailable("connection to " + conn.peer() + " is closed");
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (worker_ == nullptr || conn.state_ == UcxConnection::State::kClosed) {
+      return Unavailable("connection to " + conn.peer() + " is closed");
+    }
+    if (conn.state_ == UcxConnection::State::kHandshake) {
+      UcxConnection::Queued q;
+      q.op_id = pending_.add(conn.id(), deadline(), std::move(done));
+      q.message.assign(message.begin(), message.end());
+      conn.queued_.push_back(std::move(q));
+    } else {
+      start_send(conn, UserOp{0, std::move(done)}, message);
+      run_deferred();
+    }
+  }
+  maybe_wake();
+  return Status::Ok();
+}
+
+void UcxCore::start_send(UcxConnection& conn, UserOp u, std::span<const uint8_t> message) {
+  OpCtx* op = new_op(OpCtx::kSend);
+  op->deadline = deadline();
+  op->bytes.assign(message.begin(), message.end());  // send() copies before it returns
+  ucp_request_param_t p{};
+  p.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  p.cb.send = send_cb;
+  p.user_data = op;
+  p.flags = UCP_AM_SEND_FLAG_REPLY;
+  finish_user(
+      u, op,
+      ucp_am_send_nbx(conn.ep_, kAmMessage, nullptr, 0, op->bytes.data(), op->bytes.size(), &p),
+      conn.id(), "send failed");
+}
+
+// False when UCX refused the message at once.
+bool UcxCore::send_control(UcxConnection& conn, unsigned id, std::vector<uint8_t> payload,
+                           OpCtx::Kind kind) {
+  if (conn.ep_ == nullptr) return false;
+  OpCtx* op = new_op(kind);
+  op->conn = conn.shared_from_this();
+  op->bytes = std::move(payload);
+  ucp_request_param_t p{};
+  p.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  p.cb.send = send_cb;
+  p.user_data = op;
+  p.flags = UCP_AM_SEND_FLAG_REPLY;
+  ucs_status_ptr_t r =
+      ucp_am_send_nbx(conn.ep_, id, nullptr, 0, op->bytes.data(), op->bytes.size(), &p);
+  const bool ok = !UCS_PTR_IS_ERR(r);
+  finish_request(op, r);
+  return ok;
+}
+
+// ---------------------------------------------------------------------------
+// Incoming active messages
+
+bool UcxCore::validate_target(const WriteHeader& h, std::shared_ptr<UcxRegion>* region) {
+  std::shared_ptr<UcxRegion> r;
+  {
+    std::lock_guard<std::mutex> lock(export_mu_);
+    auto it = exported_.find(h.region);
+    if (it != exported_.end()) r = it->second.lock();
+  }
+  // The secret makes a region id useless to a peer that never got the key;
+  // the bounds keep a valid key inside its region.
+  if (!r || r->secret() != h.secret || h.offset > r->length() ||
+      h.length > r->length() - h.offset) {
+    return false;
+  }
+  *region = std::move(r);
+  return true;
+}
+
+void UcxCore::reject_write(const UcxConnection* conn, const std::string& why) {
+  const uint64_t n = ++rejected_writes_;
+  // The first few say why; a flood from a broken peer stays one line in 1000.
+  if (n <= 10 || n % 1000 == 0) {
+    PSLD_LOG_WARN("ucx: rejected an incoming write from {} ({}; {} rejected so far)",
+                  conn != nullptr ? conn->peer() : std::string("an unknown endpoint"), why, n);
+  }
+}
+
+ucs_status_t UcxCore::on_am(unsigned id, const void* header, size_t header_length, void* data,
+                            size_t length, const ucp_am_recv_param_t* param) {
+  ConnPtr conn;
+  if ((param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0) {
+    auto it = by_ep_.find(param->reply_ep);
+    if (it != by_ep_.end()) conn = it->second;
+  }
+  const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+  if (!conn || conn->state_ == UcxConnection::State::kClosed) {
+    // A late message for a connection we closed; a rendezvous descriptor is
+    // released by UCX when we return UCS_OK without receiving it.
+    return UCS_OK;
+  }
+  if (id == kAmWrite) return on_am_write(conn, header, header_length, data, length, param);
+  if (header_length != 0 || length > kMaxMessageBytes + 64) {
+    ++rejected_messages_;
+    PSLD_LOG_WARN("ucx: dropped a malformed message (id {}, {} bytes) from {}", id, length,
+                  conn->peer());
+    return UCS_OK;
+  }
+  if (rndv) {
+    // UCX chose rendezvous for a small message (a low UCX_RNDV_THRESH): fetch
+    // it into a buffer and handle it when it lands.
+    OpCtx* op = new_op(OpCtx::kRecvControl);
+    op->conn = conn;
+    op->am_id = id;
+    op->bytes.resize(length);
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.recv_am = recv_am_cb;
+    p.user_data = op;
+    finish_request(op, ucp_am_recv_data_nbx(worker_, data, op->bytes.data(), length, &p));
+    return UCS_OK;
+  }
+  handle_control(conn, id, {static_cast<const uint8_t*>(data), length});
+  return UCS_OK;
+}
+
+void UcxCore::handle_control(const ConnPtr& conn, unsigned id, std::span<const uint8_t> payload) {
+  if (conn->state_ == UcxConnection::State::kClosed) return;
+  switch (id) {
+    case kAmMessage: {
+      if (hold_early(*conn, id, payload)) return;
+      if (conn->state_ != UcxConnection::State::kReady) break;
+      Event e;
+      e.kind = Event::kMessage;
+      e.conn = conn;
+      e.bytes.assign(payload.begin(), payload.end());
+      events_.push_back(std::move(e));
+      return;
+    }
+    case kAmNotify:
+      if (hold_early(*conn, id, payload)) return;
+      if (conn->state_ != UcxConnection::State::kReady) break;
+      handle_notify(conn, payload);
+      return;
+    // The handshake changes state here, at once, so that a message that
+    // follows it in the same ucp_worker_progress() finds the connection
+    // ready; what it has to send waits for run_deferred().
+    case kAmHello:
+      handle_hello(conn, payload);
+      return;
+    case kAmHelloAck:
+      handle_hello_ack(conn, payload);
+      return;
+    case kAmBye:
+      close_locked(*conn, Unavailable("peer closed the connection"), false);
+      return;
+    default:
+      break;
+  }
+  ++rejected_messages_;
+  PSLD_LOG_WARN("ucx: dropped an unexpected message (id {}) from {}", id, conn->peer());
+}
+
+void UcxCore::handle_notify(const ConnPtr& conn, std::span<const uint8_t> payload) {
+  if (payload.size() < 4) {
+    reject_write(conn.get(), "truncated notification");
+    return;
+  }
+  const uint64_t n = load_le(payload.data(), 4);
+  if (n == 0 || n > kNotifyBatch || payload.size() != 4 + n * kWriteHeaderBytes) {
+    reject_write(conn.get(), "malformed notification batch");
+    return;
+  }
+  for (uint64_t i = 0; i < n; ++i) {
+    const WriteHeader h = decode_header(payload.data() + 4 + i * kWriteHeaderBytes);
+    std::shared_ptr<UcxRegion> region;
+    if (!validate_target(h, &region)) {
+      reject_write(conn.get(),
+                   "notification names no region we export, a wrong secret, or "
+                   "bytes outside the region");
+      continue;
+    }
+    Event e;
+    e.kind = Event::kWrite;
+    e.conn = conn;
+    e.notify = h.notify;
+    e.length = h.length;
+    events_.push_back(std::move(e));
+  }
+}
+
+ucs_status_t UcxCore::on_am_write(const ConnPtr& conn, const void* header, size_t header_length,
+                                  void* data, size_t length, const ucp_am_recv_param_t* param) {
+  if (conn->state_ != UcxConnection::State::kReady || header_length != kWriteHeaderBytes) {
+    reject_write(conn.get(), "malformed write header");
+    return UCS_OK;
+  }
+  const WriteHeader h = decode_header(static_cast<const uint8_t*>(header));
+  std::shared_ptr<UcxRegion> region;
+  if (h.length != length || !validate_target(h, &region)) {
+    reject_write(conn.get(),
+                 "write names no region we export, a wrong secret, or bytes outside "
+                 "the region");
+    return UCS_OK;  // a rendezvous is released unreceived
+  }
+  uint8_t* dst = region->data() + h.offset;
+  if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
+    // Rendezvous: UCX fetches the payload straight into the target region,
+    // and on_write waits for that to complete.
+    OpCtx* op = new_op(OpCtx::kRecvWrite);
+    op->conn = conn;
+    op->region = region;
+    op->notify = h.notify;
+    op->length = h.length;
+    ucp_request_param_t p{};
+    p.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
+    p.cb.recv_am = recv_am_cb;
+    p.user_data = op;
+    p.memh = region->memh();
+    finish_request(op, ucp_am_recv_data_nbx(worker_, data, dst, length, &p));
+    return UCS_OK;
+  }
+  // Eager: UCX already holds the bytes; one copy puts them in place.
+  if (length > 0) std::memcpy(dst, data, length);
+  Event e;
+  e.kind = Event::kWrite;
+  e.conn = conn;
+  e.notify = h.notify;
+  e.length = h.length;
+  events_.push_back(std::move(e));
+  return UCS_OK;
+}
+
+// ---------------------------------------------------------------------------
+// Closing
+
+void UcxCore::on_ep_error(ucp_ep_h ep, ucs_status_t status) {
+  auto it = by_ep_.find(ep);
+  if (it == by_ep_.end()) return;
+  ConnPtr conn = it->second;
+  failed_.emplace_back(conn, Unavailable(fmt::format("connection to {} failed: {} (peer died or "
+                                                     "closed)",
+                                                     conn->peer(), ucs_status_string(status))));
+}
+
+void UcxCore::close_connection(UcxConnection& conn) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (conn.state_ == UcxConnection::State::kClosed) return;
+    close_locked(conn, Aborted("connection closed locally"), true);
+    run_deferred();
+  }
+  maybe_wake();
+}
+
+void UcxCore::close_locked(UcxConnection& conn, const Status& why, bool send_bye) {
+  if (conn.state_ == UcxConnection::State::kClosed) return;
+  if (conn.state_ == UcxConnection::State::kHandshake) --handshaking_;
+  const bool was_visible = conn.state_ == UcxConnection::State::kReady || conn.client_;
+  conn.state_ = UcxConnection::State::kClosed;
+  conn.open_ = false;
+  for (auto& r : pending_.fail_connection(conn.id(), why))
+    push_completion(std::move(r));
+  conn.queued_.clear();
+  conn.unflushed_.clear();
+  ConnPtr self = conn.shared_from_this();
+  if (was_visible) {
+    Event e;
+    e.kind = Event::kDisconnect;
+    e.conn = self;
+    e.why = why;
+    events_.push_back(std::move(e));
+  }
+  // The bye tells the peer at once, whatever the lanes; UCX's own disconnect
+  // (through the connection manager, or a closed socket) comes later or, over
+  // shared memory, only with keep-alive.
+  if (send_bye && conn.ep_ != nullptr) {
+    conn.bye_in_flight_ = true;
+    conn.bye_deadline_ = Clock::now() + std::min<Clock::duration>(options_.common.op_timeout,
+                                                                  std::chrono::seconds(1));
+    send_control(conn, kAmBye, {}, OpCtx::kBye);  // its completion queues the close
+    return;
+  }
+  to_close_.push_back(self);
+}
+
+void UcxCore::force_close_ep(UcxConnection& conn) {
+  if (conn.ep_ == nullptr) return;
+  ucp_ep_h ep = conn.ep_;
+  conn.ep_ = nullptr;
+  conn.bye_in_flight_ = false;
+  by_ep_.erase(ep);
+  conns_.erase(conn.id());
+  // FORCE: the peer may be dead, and a flushing close would wait for it.
+  // Outstanding requests complete with UCS_ERR_CANCELED (their operations
+  // already failed above, so PendingOps ignores them).
+  OpCtx* op = new_op(OpCtx::kClose);
+  ucp_request_param_t p{};
+  p.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  p.cb.send = send_cb;
+  p.user_data = op;
+  p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  finish_request(op, ucp_ep_close_nbx(ep, &p));
+}
+
+void UcxCore::run_deferred() {
+  for (;;) {
+    if (!accepts_.empty()) {
+      std::vector<ucp_conn_request_h> a;
+      a.swap(accepts_);
+      for (auto* r : a)
+        accept(r);
+      continue;
+    }
+    if (!acks_.empty()) {
+      std::vector<ConnPtr> a;
+      a.swap(acks_);
+      for (auto& conn : a) {
+        if (conn->state_ == UcxConnection::State::kReady) {
+          send_control(*conn, kAmHelloAck, hello_payload(*conn), OpCtx::kControl);
+        }
+      }
+      continue;
+    }
+    if (!ready_.empty()) {
+      std::vector<ConnPtr> r;
+      r.swap(ready_);
+      for (auto& conn : r)
+        dispatch_queued(*conn);
+      continue;
+    }
+    if (!failed_.empty()) {
+      std::vector<std::pair<ConnPtr, Status>> f;
+      f.swap(failed_);
+      for (auto& [conn, why] : f) {
+        close_locked(*conn, why, false);
+        to_close_.push_back(conn);  // also when a bye was in flight
+      }
+      continue;
+    }
+    if (!flushed_.empty()) {
+      std::vector<Flushed> f;
+      f.swap(flushed_);
+      for (auto& x : f)
+        on_flushed(x.conn, std::move(x.batch), x.status);
+      continue;
+    }
+    if (!to_close_.empty()) {
+      std::vector<ConnPtr> c;
+      c.swap(to_close_);
+      for (auto& conn : c)
+        force_close_ep(*conn);
+      continue;
+    }
+    break;
+  }
+}
+
+void UcxCore::check_deadlines(Clock::time_point now) {
+  if (pending_.next_deadline() <= now) {
+    // UCX 1.13 can cancel receives only; a send keeps running after its
+    // operation timed out, and its late completion is ignored by PendingOps.
+    for (OpCtx* op = live_ops_; op != nullptr; op = op->next) {
+      if (op->op_id != 0 && op->request != nullptr && op->deadline <= now) {
+        ucp_request_cancel(worker_, op->request);
+      }
+    }
+    for (auto& r : pending_.expire(now))
+      push_completion(std::move(r));
+  }
+  if (handshaking_ == 0 && to_close_.empty()) {
+    bool any_bye = false;
+    for (auto& [id, conn] : conns_)
+      any_bye |= conn->bye_in_flight_;
+    if (!any_bye) return;
+  }
+  std::vector<ConnPtr> expired_handshakes, stuck_byes;
+  for (auto& [id, conn] : conns_) {
+    if (conn->state_ == UcxConnection::State::kHandshake && conn->handshake_deadline_ <= now) {
+      expired_handshakes.push_back(conn);
+    }
+    if (conn->bye_in_flight_ && conn->bye_deadline_ <= now) stuck_byes.push_back(conn);
+  }
+  for (auto& conn : expired_handshakes) {
+    close_locked(*conn,
+                 Unavailable(fmt::format("{} did not answer the handshake within {} ms (nobody "
+                                         "listening there, or its transport is not progressed)",
+                                         conn->peer(), options_.common.op_timeout.count())),
+                 false);
+  }
+  for (auto& conn : stuck_byes)
+    to_close_.push_back(conn);
+  run_deferred();
+}
+
+// ---------------------------------------------------------------------------
+// Progress
+
+size_t UcxCore::progress() {
+  std::lock_guard<std::mutex> progress_lock(progress_mu_);
+  size_t work = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (worker_ == nullptr) return 0;
+    drain_graveyard();
+    work = ucp_worker_progress(worker_);
+    run_deferred();
+    // Deadlines are milliseconds away: look at them once per tick of the
+    // coarse clock (a variable in the vDSO, no TSC read), not on every call of
+    // a busy-polling loop, where the check (a clock read and PendingOps' lock)
+    // was ~10% of an idle spin.
+    timespec coarse{};
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &coarse);
+    const int64_t tick = static_cast<int64_t>(coarse.tv_sec) * 1000000000 + coarse.tv_nsec;
+    if (tick != last_deadline_tick_) {
+      last_deadline_tick_ = tick;
+      check_deadlines(Clock::now());
+    }
+    events_.swap(delivering_);
+  }
+  for (Event& e : delivering_)
+    deliver(e);
+  work += delivering_.size();
+  delivering_.clear();
+  return work;
+}
+
+void UcxCore::deliver(Event& e) {
+  if (e.kind == Event::kCompletion) {
+    e.ready.run();
+    return;
+  }
+  if (shut_) return;  // after shutdown no handler runs
+  switch (e.kind) {
+    case Event::kAccept:
+      handler_->on_accept(e.conn);
+      break;
+    case Event::kWrite:
+      handler_->on_write(e.conn, e.notify, e.length);
+      break;
+    case Event::kMessage:
+      handler_->on_message(e.conn, e.bytes);
+      break;
+    case Event::kDisconnect:
+      handler_->on_disconnect(e.conn, e.why);
+      break;
+    case Event::kCompletion:
+      break;
+  }
+}
+
+void UcxCore::wait(std::chrono::milliseconds timeout) {
+  auto until = Clock::now() + timeout;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (worker_ == nullptr) return;
+    if (!events_.empty()) return;
+    until = std::min(until, pending_.next_deadline());
+    if (handshaking_ > 0) until = std::min(until, Clock::now() + std::chrono::milliseconds(10));
+    // Arming fails with BUSY when events are already pending: no sleep.
+    if (ucp_worker_arm(worker_) != UCS_OK) return;
+    sleepers_.fetch_add(1);
+  }
+  pollfd fds[2] = {{efd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+  const auto left = until - Clock::now();
+  if (left > Clock::duration::zero()) {
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
+    timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+    ppoll(fds, 2, &ts, nullptr);
+  }
+  if (fds[1].revents & POLLIN) {
+    uint64_t v = 0;
+    [[maybe_unused]] ssize_t n = ::read(wake_fd_, &v, sizeof(v));
+  }
+  sleepers_.fetch_sub(1);
+}
+
+// ---------------------------------------------------------------------------
+// Memory
+
+Result<std::shared_ptr<MemoryRegion>> UcxCore::register_memory(void* data, size_t length,
+                                                               MemoryKind kind) {
+  if (data == nullptr || length == 0) {
+    return InvalidArgument("register_memory needs a non-null pointer and a non-zero length");
+  }
+  if (kind != MemoryKind::kHost) {
+    return Unimplemented(
+        "the UCX backend registers host memory only (CUDA memory comes with "
+        "the GPU backend work)");
+  }
+  if (shut_) return Unavailable("UCX transport is shut down");
+  if (auto hit = cache_.find(data, length, kind)) return std::shared_ptr<MemoryRegion>(hit);
+  ucp_mem_map_params_t mp{};
+  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  mp.address = data;
+  mp.length = length;
+  ucp_mem_h memh = nullptr;
+  ucs_status_t st = ucp_mem_map(context_->handle, &mp, &memh);
+  if (st != UCS_OK) return ucs_to_status(st, fmt::format("ucp_mem_map of {} bytes", length));
+  PSLD_ASSIGN_OR_RETURN(auto region, make_region(static_cast<uint8_t*>(data), length, kind, memh));
+  return std::shared_ptr<MemoryRegion>(cache_.insert(std::move(region)));
+}
+
+Result<std::shared_ptr<MemoryRegion>> UcxCore::allocate_memory(size_t length, MemoryKind kind) {
+  if (length == 0) return InvalidArgument("allocate_memory needs a non-zero length");
+  if (kind != MemoryKind::kHost) {
+    return Unimplemented(
+        "the UCX backend allocates host memory only (CUDA memory comes with "
+        "the GPU backend work)");
+  }
+  if (shut_) return Unavailable("UCX transport is shut down");
+  // UCP_MEM_MAP_ALLOCATE lets UCX pick the allocator (UCX_ALLOC_PRIO: sysv,
+  // then posix shared memory, ...), so a peer on this host maps the region
+  // and a put into it is a plain memcpy.
+  ucp_mem_map_params_t mp{};
+  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                  UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+  mp.address = nullptr;
+  mp.length = length;
+  mp.flags = UCP_MEM_MAP_ALLOCATE;
+  ucp_mem_h memh = nullptr;
+  ucs_status_t st = ucp_mem_map(context_->handle, &mp, &memh);
+  if (st != UCS_OK) {
+    return ResourceExhausted(
+        fmt::format("UCX cannot allocate {} bytes: {}", length, ucs_status_string(st)));
+  }
+  ucp_mem_attr_t attr{};
+  attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+  st = ucp_mem_query(memh, &attr);
+  if (st != UCS_OK || attr.address == nullptr || attr.length < length) {
+    ucp_mem_unmap(context_->handle, memh);
+    return Internal("ucp_mem_query failed on memory UCX just allocated");
+  }
+  std::memset(attr.address, 0, length);
+  PSLD_ASSIGN_OR_RETURN(auto region,
+                        make_region(static_cast<uint8_t*>(attr.address), length, kind, memh));
+  return std::shared_ptr<MemoryRegion>(std::move(region));
+}
+
+// Packs the remote key and exports the region; takes ownership of memh.
+Result<std::shared_ptr<UcxRegion>> UcxCore::make_region(uint8_t* data, size_t length,
+                                                        MemoryKind kind, ucp_mem_h memh) {
+  const uint64_t id = next_region_.fetch_add(1);
+  const uint64_t secret = random_u64();
+  void* packed = nullptr;
+  size_t packed_size = 0;
+  ucs_status_t st = ucp_rkey_pack(context_->handle, memh, &packed, &packed_size);
+  if (st != UCS_OK) {
+    ucp_mem_unmap(context_->handle, memh);
+    return ucs_to_status(st, "ucp_rkey_pack");
+  }
+  // magic, version, kind, exporter, region id, base, length, secret, UCX's
+  // packed key, and a checksum over all of it.
+  WireWriter w;
+  w.u32(kKeyMagic);
+  w.u8(kWireVersion);
+  w.u8(static_cast<uint8_t>(kind));
+  w.u64(instance_);
+  w.u64(id);
+  w.u64(reinterpret_cast<uintptr_t>(data));
+  w.u64(length);
+  w.u64(secret);
+  w.blob({static_cast<const uint8_t*>(packed), packed_size});
+  ucp_rkey_buffer_release(packed);
+  w.u64(fnv1a(w.data()));
+  std::weak_ptr<UcxCore> weak = weak_from_this();
+  auto* raw = new UcxRegion(data, length, kind, id, context_, memh, instance_, secret, w.take());
+  // The deleter unexports the region, so a peer's later write is rejected.
+  std::shared_ptr<UcxRegion> region(raw, [weak, id](UcxRegion* p) {
+    if (auto core = weak.lock()) {
+      std::lock_guard<std::mutex> lock(core->export_mu_);
+      core->exported_.erase(id);
+    }
+    delete p;
+  });
+  std::lock_guard<std::mutex> lock(export_mu_);
+  exported_[id] = region;
+  return region;
+}
+
+Status UcxCore::invalidate(void* data, size_t length) {
+  std::vector<std::shared_ptr<UcxRegion>> regions;
+  for (MemoryKind k : {MemoryKind::kHost, MemoryKind::kCuda}) {
+    if (auto r = cache_.find(data, length, k)) regions.push_back(std::move(r));
+  }
+  PSLD_RETURN_IF_ERROR(cache_.invalidate(data, length));
+  // Peers' writes to these regions are rejected from now on; the memory stays
+  // registered until the last holder lets go.
+  std::lock_guard<std::mutex> lock(export_mu_);
+  for (auto& r : regions)
+    exported_.erase(r->id());
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------
+// Shutdown
+
+void UcxCore::shutdown() {
+  std::vector<Event> events;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    shut_ = true;
+    if (worker_ != nullptr) {
+      if (listener_ != nullptr) {
+        for (ucp_conn_request_h r : accepts_)
+          ucp_listener_reject(listener_, r);
+        ucp_listener_destroy(listener_);
+        listener_ = nullptr;
+      }
+      accepts_.clear();
+      std::vector<ConnPtr> conns;
+      for (auto& [id, conn] : conns_)
+        conns.push_back(conn);
+      for (auto& conn : conns)
+        close_locked(*conn, Aborted("transport shut down"), true);
+      run_deferred();
+      // Give the byes a moment to leave (they do not need the peer to
+      // progress on tcp or shared memory); then close whatever is left.
+      const auto give_up = Clock::now() + std::min<Clock::duration>(options_.common.op_timeout,
+                                                                    std::chrono::milliseconds(200));
+      for (;;) {
+        bool waiting = false;
+        for (auto& [id, conn] : conns_)
+          waiting |= conn->bye_in_flight_;
+        if (!waiting || Clock::now() > give_up) break;
+        ucp_worker_progress(worker_);
+        run_deferred();
+      }
+      for (auto& [id, conn] : conns_)
+        to_close_.push_back(conn);
+      run_deferred();
+      // Force-closing completes every request UCX still holds; wait (briefly)
+      // for the close requests themselves.
+      const auto close_by = Clock::now() + std::chrono::seconds(1);
+      while (live_count_ > 0 && Clock::now() < close_by) {
+        ucp_worker_progress(worker_);
+        run_deferred();
+      }
+      {
+        // Waits for copies into mapped memory still running in write().
+        std::unique_lock<std::shared_mutex> map(mapping_mu_);
+        std::lock_guard<std::mutex> rlock(rkey_mu_);
+        for (UcxRemoteRegion* remote : live_remotes_) {
+          if (remote->rkey_ != nullptr) ucp_rkey_destroy(remote->rkey_);
+          remote->rkey_ = nullptr;
+          remote->mapped_base_ = nullptr;
+        }
+        live_remotes_.clear();
+      }
+      drain_graveyard();
+      ucp_worker_destroy(worker_);
+      worker_ = nullptr;
+      // Requests UCX never called back for are gone with the worker.
+      while (live_ops_ != nullptr)
+        unlink_op(live_ops_);
+      for (OpCtx* op : free_ops_)
+        delete op;
+      free_ops_.clear();
+      by_ep_.clear();
+      conns_.clear();
+      flushed_.clear();
+      acks_.clear();
+      ready_.clear();
+      failed_.clear();
+      to_close_.clear();
+    }
+    events.swap(events_);
+  }
+  // Wake threads in wait(); they find the worker gone.
+  wake();
+  for (int i = 0; i < 1000 && sleepers_.load() > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  // Completions still owed are delivered here, exactly once; handler calls
+  // are dropped (after shutdown no handler runs).
+  for (Event& e : events) {
+    if (e.kind == Event::kCompletion) e.ready.run();
+  }
+  for (auto& r : pending_.fail_all(Aborted("transport shut down")))
+    r.run();
+  cache_.clear();
+  std::lock_guard<std::mutex> lock(export_mu_);
+  exported_.clear();
+}
+
+// ---------------------------------------------------------------------------
+// Connection methods: thin wrappers that find the core.
+
+Result<std::shared_ptr<RemoteRegion>> UcxConnection::import_region(std::span<const uint8_t> key) {
+  auto core = core_.lock();
+  if (!core) return Unavailable("UCX transport is gone");
+  return core->import_region(*this, key);
+}
+
+Status UcxConnection::check_write(const WriteRequest& request) const {
+  auto core = core_.lock();
+  if (!core) return Unavailable("UCX transport is gone");
+  return core->check_write(*this, request);
+}
+
+Status UcxConnection::write(const WriteRequest& request, Completion done) {
+  auto core = core_.lock();
+  if (!core) return Unavailable("UCX transport is gone");
+  return core->write(*this, request, std::move(done));
+}
+
+Status UcxConnection::send(std::span<const uint8_t> message, Completion done) {
+  auto core = core_.lock();
+  if (!core) return Unavailable("UCX transport is gone");
+  return core->send(*this, message, std::move(done));
+}
+
+void UcxConnection::close() {
+  if (auto core = core_.lock()) {
+    core->close_connection(*this);
+  } else {
+    open_ = false;
+  }
+}
+
+// ---------------------------------------------------------------------------
+
+class UcxTransport final : public Transport {
+ public:
+  explicit UcxTransport(std::shared_ptr<UcxCore> core) : core_(std::move(core)) {}
+  ~UcxTransport() override { core_->shutdown(); }
+
+  std::string_view name() const override { return "ucx"; }
+  std::vector<uint8_t> address() const override { return core_->address(); }
+  Result<ConnectionPtr> connect(std::span<const uint8_t> peer_address) override {
+    return core_->connect(peer_address);
+  }
+  Result<std::shared_ptr<MemoryRegion>> register_memory(void* data, size_t length,
+                                                        MemoryKind kind) override {
+    return core_->register_memory(data, length, kind);
+  }
+  Result<std::shared_ptr<MemoryRegion>> allocate_memory(size_t length, MemoryKind kind) override {
+    return core_->allocate_memory(length, kind);
+  }
+  Status invalidate(void* data, size_t length) override { return core_->invalidate(data, length); }
+  size_t progress() override { return core_->progress(); }
+  void wait(std::chrono::milliseconds timeout) override { core_->wait(timeout); }
+  void wake() override { core_->wake(); }
+  void shutdown() override { core_->shutdown(); }
+
+  const UcxCore& core() const { return *core_; }
+
+ private:
+  std::shared_ptr<UcxCore> core_;
+};
+
+Result<std::unique_ptr<Transport>> create_ucx_transport(const TransportOptions& options,
+                                                        Handler* handler) {
+  if (handler == nullptr) return InvalidArgument("create_ucx_transport needs a Handler");
+  WritePath forced;
+  if (options.ucx.write_path == "auto") {
+    forced = WritePath::kAuto;
+  } else if (options.ucx.write_path == "put") {
+    forced = WritePath::kPut;
+  } else if (options.ucx.write_path == "am") {
+    forced = WritePath::kAm;
+  } else {
+    return InvalidArgument(
+        fmt::format("ucx.write_path '{}' is not valid; accepted values: auto, "
+                    "put, am",
+                    options.ucx.write_path));
+  }
+  if (options.common.op_timeout.count() <= 0) {
+    return InvalidArgument("common.op_timeout must be positive");
+  }
+  sockaddr_storage listen{};
+  socklen_t listen_len = 0;
+  const bool listening = !options.common.listen_address.empty();
+  if (listening) {
+    PSLD_RETURN_IF_ERROR(
+        parse_socket_address(options.common.listen_address, true, &listen, &listen_len)
+            .with_context("common.listen_address"));
+  }
+  auto core = std::make_shared<UcxCore>(options, handler, forced);
+  Status s = core->init(listening ? &listen : nullptr, listen_len);
+  if (!s.ok()) {
+    core->shutdown();
+    return s;
+  }
+  return std::unique_ptr<Transport>(new UcxTransport(std::move(core)));
+}
+
+Result<UcxCounters> ucx_counters(const Transport& transport) {
+  auto* t = dynamic_cast<const UcxTransport*>(&transport);
+  if (t == nullptr) return InvalidArgument("not a UCX transport");
+  return t->core().counters();
+}
+
+}  // namespace psld::transport

@@ -1,0 +1,57 @@
+// The UCX backend (DESIGN.md §4): UCP active messages and RMA over whatever
+// UCX finds (InfiniBand/RoCE, shared memory, TCP).
+//
+// One ucp_context and one ucp_worker per Transport, so several transports
+// live in one process. Peers connect by socket address (ucp_listener /
+// ucp_ep_create with a sockaddr) with peer error handling, so a dead peer
+// fails pending operations with Unavailable and raises on_disconnect.
+//
+// Writes keep the one-sided contract through the fastest primitive UCX has on
+// the connection, chosen once its lanes are known and logged at info level:
+//
+//   "put": the bytes go straight into the peer's region, then a small active
+//          message carries the notification. Over shared memory, into a
+//          region the peer made with allocate_memory, the put is a memcpy into
+//          the peer's segment (mapped through ucp_rkey_ptr); over RDMA it is
+//          ucp_put_nbx then ucp_ep_flush_nbx, one flush covering every put
+//          issued before it.
+//   "am":  an active message whose header names the target (region id,
+//          secret, offset) and whose payload UCX moves eagerly or by
+//          rendezvous straight into the target region. Used where UCX only
+//          emulates put (tcp in UCX 1.13: ucp_put_bw ran at 0.16-0.37 GiB/s at
+//          1 MiB on our test machine against 8.7 GiB/s for active messages,
+//          and stalled at 16 MiB), and for heap regions of a shared-memory
+//          peer, which UCX cannot map.
+//
+// UcxOptions.write_path forces one ("put" or "am"); Connection::write_path()
+// says which the connection uses. docs/transport-results.md has the figures.
+//
+// This header has no UCX types, so tests and tools may include it in any
+// build that has the backend.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "psld/status.h"
+#include "transports/transport.h"
+
+namespace psld::transport {
+
+Result<std::unique_ptr<Transport>> create_ucx_transport(const TransportOptions& options,
+                                                        Handler* handler);
+
+// What a UCX transport counted since it was created; for tests and
+// diagnostics.
+struct UcxCounters {
+  uint64_t writes_put = 0;         // writes started on the put path
+  uint64_t writes_am = 0;          // writes started on the active-message path
+  uint64_t flushes = 0;            // ucp_ep_flush_nbx calls (one covers many puts)
+  uint64_t rejected_writes = 0;    // incoming writes or notifications that failed validation
+  uint64_t rejected_messages = 0;  // other malformed incoming active messages
+};
+
+// InvalidArgument when `transport` is not a UCX transport.
+Result<UcxCounters> ucx_counters(const Transport& transport);
+
+}  // namespace psld::transport

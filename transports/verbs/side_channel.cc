@@ -1,0 +1,211 @@
+#include "transports/verbs/side_channel.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <memory>
+#include <string>
+
+namespace psld::transport::verbs {
+namespace {
+
+std::string errno_text(int err) {
+  return fmt::format("{} ({})", std::strerror(err), err);
+}
+
+using AddrInfoPtr = std::unique_ptr<addrinfo, void (*)(addrinfo*)>;
+
+Result<AddrInfoPtr> resolve(const HostPort& hp, bool passive) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0);
+  addrinfo* res = nullptr;
+  const std::string port = std::to_string(hp.port);
+  const int rc = getaddrinfo(hp.host.c_str(), port.c_str(), &hints, &res);
+  if (rc != 0 || res == nullptr) {
+    return Unavailable(
+        fmt::format("cannot resolve '{}': {}", format_host_port(hp), gai_strerror(rc)));
+  }
+  return AddrInfoPtr(res, freeaddrinfo);
+}
+
+}  // namespace
+
+SideChannel::SideChannel(SideChannel&& other) noexcept
+    : fd_(std::exchange(other.fd_, -1)),
+      eof_(other.eof_),
+      in_(std::move(other.in_)),
+      out_(std::move(other.out_)) {}
+
+SideChannel& SideChannel::operator=(SideChannel&& other) noexcept {
+  if (this != &other) {
+    close();
+    fd_ = std::exchange(other.fd_, -1);
+    eof_ = other.eof_;
+    in_ = std::move(other.in_);
+    out_ = std::move(other.out_);
+  }
+  return *this;
+}
+
+Status SideChannel::send(std::span<const uint8_t> bytes) {
+  if (fd_ < 0) return Unavailable("side channel is closed");
+  if (out_.size() + bytes.size() > kMaxBufferedBytes) {
+    return ResourceExhausted("side channel output buffer is full (peer does not read)");
+  }
+  out_.insert(out_.end(), bytes.begin(), bytes.end());
+  return flush();
+}
+
+Status SideChannel::flush() {
+  if (fd_ < 0) return Unavailable("side channel is closed");
+  size_t done = 0;
+  while (done < out_.size()) {
+    // MSG_NOSIGNAL: a peer that went away must be an error value here, not a
+    // SIGPIPE that kills the trainer.
+    const ssize_t n = ::send(fd_, out_.data() + done, out_.size() - done, MSG_NOSIGNAL);
+    if (n > 0) {
+      done += static_cast<size_t>(n);
+    } else if (n < 0 && errno == EINTR) {
+      continue;
+    } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      break;
+    } else {
+      const int err = errno;
+      out_.erase(out_.begin(), out_.begin() + static_cast<ptrdiff_t>(done));
+      return Unavailable("side channel send failed: " + errno_text(err));
+    }
+  }
+  out_.erase(out_.begin(), out_.begin() + static_cast<ptrdiff_t>(done));
+  return Status::Ok();
+}
+
+Status SideChannel::read_available() {
+  if (fd_ < 0) return Unavailable("side channel is closed");
+  uint8_t buf[512];
+  while (!eof_) {
+    const ssize_t n = ::recv(fd_, buf, sizeof(buf), 0);
+    if (n > 0) {
+      if (in_.size() + static_cast<size_t>(n) > kMaxBufferedBytes) {
+        return DataLoss("peer sent more on the side channel than the protocol allows");
+      }
+      in_.insert(in_.end(), buf, buf + n);
+    } else if (n == 0) {
+      eof_ = true;
+    } else if (errno == EINTR) {
+      continue;
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      break;
+    } else {
+      return Unavailable("side channel receive failed: " + errno_text(errno));
+    }
+  }
+  return Status::Ok();
+}
+
+void SideChannel::consume(size_t n) {
+  in_.erase(in_.begin(), in_.begin() + static_cast<ptrdiff_t>(std::min(n, in_.size())));
+}
+
+void SideChannel::close() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    fd_ = -1;
+  }
+}
+
+void tune_side_channel_socket(int fd) {
+  const int one = 1, idle = 10, interval = 5, count = 3;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof(count));
+}
+
+Result<int> tcp_listen(const HostPort& where) {
+  PSLD_ASSIGN_OR_RETURN(AddrInfoPtr ai, resolve(where, /*passive=*/true));
+  const int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return Unavailable("socket() for the verbs side channel: " + errno_text(errno));
+  const int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (::bind(fd, ai->ai_addr, ai->ai_addrlen) != 0 || ::listen(fd, SOMAXCONN) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return Unavailable(
+        fmt::format("cannot listen on {}: {}", format_host_port(where), errno_text(err)));
+  }
+  return fd;
+}
+
+Result<HostPort> socket_address(int fd, bool peer) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof(ss);
+  auto* sa = reinterpret_cast<sockaddr*>(&ss);
+  if ((peer ? getpeername(fd, sa, &len) : getsockname(fd, sa, &len)) != 0) {
+    return Unavailable(
+        fmt::format("{}: {}", peer ? "getpeername" : "getsockname", errno_text(errno)));
+  }
+  char host[NI_MAXHOST] = {};
+  char port[NI_MAXSERV] = {};
+  const int rc =
+      getnameinfo(sa, len, host, sizeof(host), port, sizeof(port), NI_NUMERICHOST | NI_NUMERICSERV);
+  if (rc != 0) return Unavailable(fmt::format("getnameinfo: {}", gai_strerror(rc)));
+  return HostPort{host, static_cast<uint16_t>(std::stoul(port))};
+}
+
+Result<int> tcp_connect(const HostPort& to, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  PSLD_ASSIGN_OR_RETURN(AddrInfoPtr ai, resolve(to, /*passive=*/false));
+  std::string errors;
+  for (addrinfo* a = ai.get(); a != nullptr; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+      errors += " socket: " + errno_text(errno) + ";";
+      continue;
+    }
+    int err = 0;
+    if (::connect(fd, a->ai_addr, a->ai_addrlen) != 0) {
+      err = errno;
+      while (err == EINPROGRESS || err == EINTR) {
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+            deadline - std::chrono::steady_clock::now());
+        if (left.count() <= 0) {
+          err = ETIMEDOUT;
+          break;
+        }
+        pollfd p{fd, POLLOUT, 0};
+        const int rc = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count(), INT32_MAX)));
+        if (rc < 0 && errno == EINTR) continue;
+        if (rc < 0) {
+          err = errno;
+          break;
+        }
+        if (rc == 0) continue;  // the loop re-checks the deadline
+        socklen_t len = sizeof(err);
+        if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
+        break;
+      }
+    }
+    if (err == 0) {
+      tune_side_channel_socket(fd);
+      return fd;
+    }
+    ::close(fd);
+    errors += " " + errno_text(err) + ";";
+  }
+  return Unavailable(fmt::format("cannot connect to verbs peer {}:{}", format_host_port(to),
+                                 errors.empty() ? " no address" : errors));
+}
+
+}  // namespace psld::transport::verbs
