@@ -1,0 +1,998 @@
+#include "psld/config.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <cctype>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace psld {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+using ::testing::StartsWith;
+
+// An environment the test controls: load_config sees only these variables.
+class FakeEnv {
+ public:
+  FakeEnv(std::initializer_list<std::pair<const std::string, std::string>> vars = {})
+      : vars_(vars) {}
+  void set(const std::string& name, const std::string& value) { vars_[name] = value; }
+
+  ConfigSources sources(std::vector<std::string> args = {}) const {
+    ConfigSources s;
+    s.args = std::move(args);
+    s.getenv = [this](const char* name) -> const char* {
+      auto it = vars_.find(name);
+      return it == vars_.end() ? nullptr : it->second.c_str();
+    };
+    s.env_names = [this] {
+      std::vector<std::string> names;
+      for (const auto& [name, value] : vars_)
+        names.push_back(name);
+      return names;
+    };
+    return s;
+  }
+
+ private:
+  std::map<std::string, std::string> vars_;
+};
+
+// A fresh directory under $TMPDIR (or /tmp), removed with everything in it.
+class TempDir {
+ public:
+  TempDir() {
+    std::string base = std::filesystem::temp_directory_path() / "psld-config-XXXXXX";
+    std::vector<char> buf(base.begin(), base.end());
+    buf.push_back('\0');
+    char* made = mkdtemp(buf.data());
+    EXPECT_NE(made, nullptr);
+    path_ = made != nullptr ? made : "";
+  }
+  ~TempDir() {
+    std::error_code ec;
+    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+
+  std::string write(const std::string& name, const std::string& text) const {
+    std::string p = path_ + "/" + name;
+    std::ofstream(p) << text;
+    return p;
+  }
+
+ private:
+  std::string path_;
+};
+
+Result<Config> load(const FakeEnv& env, std::vector<std::string> args = {}) {
+  return load_config(env.sources(std::move(args)));
+}
+
+std::string error_of(const Result<Config>& r) {
+  EXPECT_FALSE(r.ok()) << "expected an error";
+  return r.ok() ? "" : r.status().message();
+}
+
+// ---- defaults --------------------------------------------------------------
+
+TEST(Config, DefaultsAreValidAndDocumented) {
+  Config c;
+  EXPECT_TRUE(validate(c).ok()) << validate(c).to_string();
+  EXPECT_EQ(c.job.role, Role::kAuto);
+  EXPECT_EQ(c.job.rank, -1);
+  EXPECT_EQ(c.data.chunk_bytes, uint64_t{4} << 20);
+  EXPECT_EQ(c.data.slots_per_worker, 16u);
+  EXPECT_EQ(c.data.sync, SyncMode::kBsp);
+  EXPECT_EQ(c.liveness.heartbeat_interval_ms, 500);
+  EXPECT_EQ(c.liveness.heartbeat_timeout_ms, 5000);
+  EXPECT_EQ(c.liveness.connect_timeout_ms, 10000);
+  EXPECT_EQ(c.stats.interval_ms, 100);
+  EXPECT_TRUE(c.balancer.enabled);
+  EXPECT_EQ(c.job.listen, "127.0.0.1:0");
+  // PyTorch's defaults.
+  EXPECT_EQ(c.optimizer.lr, 1e-3);
+  EXPECT_EQ(c.optimizer.momentum, 0.0);
+  EXPECT_EQ(c.optimizer.beta1, 0.9);
+  EXPECT_EQ(c.optimizer.beta2, 0.999);
+  EXPECT_EQ(c.optimizer.eps, 1e-8);
+  EXPECT_EQ(c.optimizer.weight_decay, 0.0);
+}
+
+TEST(Config, LoadingNothingGivesTheDefaults) {
+  auto r = load(FakeEnv{});
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(*r, Config{});
+  EXPECT_EQ(r->launcher, "none");
+  ASSERT_EQ(r->sources.size(), config_keys().size());
+  for (const auto& [key, source] : r->sources)
+    EXPECT_EQ(source, "default") << key;
+}
+
+TEST(Config, EnumNames) {
+  EXPECT_EQ(role_name(Role::kCoordinator), "coordinator");
+  EXPECT_EQ(sync_mode_name(SyncMode::kStaleness), "staleness");
+  EXPECT_EQ(server_mode_name(ServerMode::kSum), "sum");
+  EXPECT_EQ(optimizer_kind_name(OptimizerKind::kAdamW), "adamw");
+}
+
+// ---- naming: one table drives every source ---------------------------------
+
+TEST(Config, KeysEnvNamesAndFlagsFollowOneRule) {
+  std::set<std::string> keys;
+  std::set<std::string> envs;
+  for (const ConfigKeyInfo& k : config_keys()) {
+    EXPECT_TRUE(keys.insert(k.key).second) << k.key;
+    EXPECT_TRUE(envs.insert(k.env).second) << k.env;
+    std::string expected = "PSLD_";
+    for (char ch : k.key)
+      expected += ch == '.' ? '_' : static_cast<char>(std::toupper(ch));
+    EXPECT_EQ(k.env, expected);
+    EXPECT_FALSE(k.default_value.empty()) << k.key;
+    EXPECT_FALSE(k.accepted.empty()) << k.key;
+    EXPECT_FALSE(k.meaning.empty()) << k.key;
+  }
+  EXPECT_TRUE(keys.count("job.num_workers"));
+  EXPECT_TRUE(keys.count("optimizer.lr"));
+  EXPECT_TRUE(envs.count("PSLD_LOG"));  // the variable transports/log.cc reads
+  EXPECT_GE(keys.size(), 40u);
+}
+
+TEST(Config, EveryKeyCanBeSetFromEachSource) {
+  // Each key set to a non-default value by env, by flag and by file gives the
+  // same config, and every source is recorded.
+  std::map<std::string, std::string> values = {
+      {"log", "debug"},
+      {"job.role", "server"},
+      {"job.rank", "1"},
+      {"job.local_rank", "3"},
+      {"job.num_workers", "5"},
+      {"job.num_servers", "3"},
+      {"job.num_standby", "2"},
+      {"job.colocate_servers", "false"},
+      {"job.coordinator", "10.0.0.1:4000"},
+      {"job.secret", "s3cret"},
+      {"job.transport", "loopback"},
+      {"job.listen", "0.0.0.0:5000"},
+      {"data.chunk_bytes", "1048576"},
+      {"data.slots_per_worker", "32"},
+      {"data.sync", "staleness"},
+      {"data.staleness_rounds", "3"},
+      {"data.request_timeout_ms", "0"},
+      {"server.mode", "sum"},
+      {"server.threads", "4"},
+      {"optimizer.kind", "adam"},
+      {"optimizer.lr", "0.25"},
+      {"optimizer.momentum", "0.5"},
+      {"optimizer.dampening", "0.125"},
+      {"optimizer.nesterov", "false"},
+      {"optimizer.beta1", "0.8"},
+      {"optimizer.beta2", "0.99"},
+      {"optimizer.eps", "1e-6"},
+      {"optimizer.weight_decay", "0.0001"},
+      {"liveness.heartbeat_interval_ms", "200"},
+      {"liveness.heartbeat_timeout_ms", "1000"},
+      {"liveness.connect_timeout_ms", "3000"},
+      {"stats.interval_ms", "50"},
+      {"balancer.enabled", "false"},
+      {"balancer.interval_ms", "500"},
+      {"ucx.tls", "tcp,self"},
+      {"ucx.write_path", "am"},
+      {"verbs.device", "mlx5_1"},
+      {"verbs.port", "2"},
+      {"verbs.gid_index", "3"},
+      {"link.egress_bytes_per_second", "125000000"},
+      {"link.ingress_bytes_per_second", "250000000"},
+      {"link.latency_us", "100"},
+  };
+  ASSERT_EQ(values.size(), config_keys().size()) << "a key was added: give it a test value";
+
+  FakeEnv env;
+  std::vector<std::string> flags;
+  std::map<std::string, std::string> tables;  // section -> TOML lines
+  for (const ConfigKeyInfo& k : config_keys()) {
+    ASSERT_TRUE(values.count(k.key)) << k.key;
+    const std::string& v = values[k.key];
+    env.set(k.env, v);
+    flags.push_back("--" + k.key + "=" + v);
+    bool is_text = k.accepted.find("one of") != std::string::npos ||
+                   k.accepted.find("string") != std::string::npos ||
+                   k.accepted.find("host:port") != std::string::npos ||
+                   k.accepted.find("name") != std::string::npos ||
+                   k.accepted.find("list") != std::string::npos;
+    size_t dot = k.key.find('.');
+    std::string section = dot == std::string::npos ? "" : k.key.substr(0, dot);
+    std::string leaf = dot == std::string::npos ? k.key : k.key.substr(dot + 1);
+    tables[section] += leaf + " = " + (is_text ? "\"" + v + "\"" : v) + "\n";
+  }
+  std::string toml = tables[""];
+  for (const auto& [section, lines] : tables) {
+    if (!section.empty()) toml += "[" + section + "]\n" + lines;
+  }
+  TempDir dir;
+  std::string path = dir.write("all.toml", toml);
+  FakeEnv file_env{{"PSLD_CONFIG", path}};
+
+  auto from_env = load(env);
+  auto from_flags = load(FakeEnv{}, flags);
+  auto from_file = load(file_env);
+  ASSERT_TRUE(from_env.ok()) << from_env.status().to_string();
+  ASSERT_TRUE(from_flags.ok()) << from_flags.status().to_string();
+  ASSERT_TRUE(from_file.ok()) << from_file.status().to_string() << "\n" << toml;
+  EXPECT_EQ(*from_env, *from_flags);
+  EXPECT_EQ(*from_env, *from_file);
+  EXPECT_NE(*from_env, Config{});
+  for (const ConfigKeyInfo& k : config_keys()) {
+    EXPECT_EQ(from_env->sources.at(k.key), "env " + k.env);
+    EXPECT_EQ(from_flags->sources.at(k.key), "flag --" + k.key);
+    EXPECT_THAT(from_file->sources.at(k.key), StartsWith("file " + path + ":"));
+  }
+  // Spot checks that the values landed in the right members.
+  EXPECT_EQ(from_env->job.role, Role::kServer);
+  EXPECT_EQ(from_env->job.secret, "s3cret");
+  EXPECT_EQ(from_env->data.sync, SyncMode::kStaleness);
+  EXPECT_EQ(from_env->optimizer.eps, 1e-6);
+  EXPECT_EQ(from_env->link.latency_us, 100u);
+  EXPECT_EQ(from_env->log, "debug");
+}
+
+// ---- precedence --------------------------------------------------------------
+
+TEST(Config, FileThenEnvThenFlags) {
+  TempDir dir;
+  std::string path = dir.write("job.toml",
+                               "# a job\n"
+                               "[job]\n"
+                               "num_workers = 4\n"
+                               "num_servers = 2\n"
+                               "transport = \"loopback\"\n"
+                               "\n"
+                               "[optimizer]\n"
+                               "kind = \"adam\"\n"
+                               "lr = 0.1\n"
+                               "beta1 = 0.8\n"
+                               "[data]\n"
+                               "chunk_bytes = 65536\n");
+  FakeEnv env{{"PSLD_CONFIG", path},
+              {"PSLD_JOB_NUM_SERVERS", "3"},
+              {"PSLD_OPTIMIZER_LR", "0.01"},
+              {"PSLD_DATA_CHUNK_BYTES", "1024"}};
+  auto r = load(env, {"--optimizer.lr=0.5", "--data.chunk_bytes", "2048"});
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  const Config& c = *r;
+  EXPECT_EQ(c.job.num_workers, 4);  // file
+  EXPECT_EQ(c.sources.at("job.num_workers"), "file " + path + ":3");
+  EXPECT_EQ(c.job.transport, "loopback");
+  EXPECT_EQ(c.job.num_servers, 3);  // env over file
+  EXPECT_EQ(c.sources.at("job.num_servers"), "env PSLD_JOB_NUM_SERVERS");
+  EXPECT_EQ(c.optimizer.kind, OptimizerKind::kAdam);
+  EXPECT_EQ(c.optimizer.beta1, 0.8);
+  EXPECT_EQ(c.sources.at("optimizer.beta1"), "file " + path + ":10");
+  EXPECT_EQ(c.optimizer.lr, 0.5);  // flag over env over file
+  EXPECT_EQ(c.sources.at("optimizer.lr"), "flag --optimizer.lr");
+  EXPECT_EQ(c.data.chunk_bytes, 2048u);  // flag, `--key value` form
+  EXPECT_EQ(c.sources.at("data.chunk_bytes"), "flag --data.chunk_bytes");
+  EXPECT_EQ(c.optimizer.beta2, 0.999);  // default
+  EXPECT_EQ(c.sources.at("optimizer.beta2"), "default");
+}
+
+TEST(Config, ConfigFlagWinsOverPsldConfig) {
+  TempDir dir;
+  std::string a = dir.write("a.toml", "[job]\nnum_workers = 2\n");
+  std::string b = dir.write("b.toml", "[job]\nnum_workers = 7\n");
+  FakeEnv env{{"PSLD_CONFIG", a}};
+  auto from_env = load(env);
+  ASSERT_TRUE(from_env.ok()) << from_env.status().to_string();
+  EXPECT_EQ(from_env->job.num_workers, 2);
+  auto from_flag = load(env, {"--config", b});
+  ASSERT_TRUE(from_flag.ok()) << from_flag.status().to_string();
+  EXPECT_EQ(from_flag->job.num_workers, 7);
+  auto from_eq_flag = load(env, {"--config=" + b});
+  ASSERT_TRUE(from_eq_flag.ok());
+  EXPECT_EQ(from_eq_flag->job.num_workers, 7);
+}
+
+TEST(Config, TopLevelKeysAndDottedKeysInTheFile) {
+  TempDir dir;
+  FakeEnv env{{"PSLD_CONFIG", dir.write("c.toml",
+                                        "log = \"info\"\n"
+                                        "job.num_workers = 3\n"
+                                        "[optimizer]\n"
+                                        "lr = 1  # an integer is a fine number\n")}};
+  auto r = load(env);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->log, "info");
+  EXPECT_EQ(r->job.num_workers, 3);
+  EXPECT_EQ(r->optimizer.lr, 1.0);
+}
+
+TEST(Config, BooleanFlags) {
+  auto alone = load(FakeEnv{}, {"--job.colocate_servers", "--balancer.enabled", "false"});
+  ASSERT_TRUE(alone.ok()) << alone.status().to_string();
+  EXPECT_TRUE(alone->job.colocate_servers);
+  EXPECT_FALSE(alone->balancer.enabled);
+  auto eq = load(FakeEnv{}, {"--balancer.enabled=0", "--optimizer.nesterov=false"});
+  ASSERT_TRUE(eq.ok()) << eq.status().to_string();
+  EXPECT_FALSE(eq->balancer.enabled);
+  auto env = load(FakeEnv{{"PSLD_BALANCER_ENABLED", "0"}});
+  ASSERT_TRUE(env.ok());
+  EXPECT_FALSE(env->balancer.enabled);
+  EXPECT_THAT(error_of(load(FakeEnv{{"PSLD_BALANCER_ENABLED", "yes"}})),
+              HasSubstr("balancer.enabled: 'yes' from env PSLD_BALANCER_ENABLED is not true or "
+                        "false"));
+}
+
+TEST(Config, LastFlagWins) {
+  auto r = load(FakeEnv{}, {"--job.num_workers=2", "--job.num_workers=6"});
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->job.num_workers, 6);
+}
+
+// ---- derived defaults --------------------------------------------------------
+
+TEST(Config, DefaultsThatDependOnAnotherKey) {
+  auto momentum = load(FakeEnv{{"PSLD_OPTIMIZER_KIND", "momentum"}});
+  ASSERT_TRUE(momentum.ok());
+  EXPECT_EQ(momentum->optimizer.momentum, 0.9);
+  EXPECT_THAT(momentum->sources.at("optimizer.momentum"), HasSubstr("optimizer.kind = momentum"));
+
+  auto adamw = load(FakeEnv{}, {"--optimizer.kind=adamw"});
+  ASSERT_TRUE(adamw.ok());
+  EXPECT_EQ(adamw->optimizer.weight_decay, 0.01);  // torch.optim.AdamW
+
+  // An explicit value, even the plain default, is kept.
+  auto explicit_zero = load(FakeEnv{}, {"--optimizer.kind=adamw", "--optimizer.weight_decay=0"});
+  ASSERT_TRUE(explicit_zero.ok());
+  EXPECT_EQ(explicit_zero->optimizer.weight_decay, 0.0);
+
+  auto colocated = load(FakeEnv{{"PSLD_JOB_NUM_WORKERS", "6"}}, {"--job.colocate_servers"});
+  ASSERT_TRUE(colocated.ok()) << colocated.status().to_string();
+  EXPECT_EQ(colocated->job.num_servers, 6);
+  EXPECT_THAT(colocated->sources.at("job.num_servers"), HasSubstr("colocate_servers"));
+}
+
+// ---- launchers -----------------------------------------------------------------
+
+TEST(Config, OpenMpi) {
+  FakeEnv env{{"OMPI_COMM_WORLD_RANK", "3"},
+              {"OMPI_COMM_WORLD_SIZE", "8"},
+              {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}};
+  auto r = load(env, {"--job.colocate_servers"});
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->launcher, "openmpi");
+  EXPECT_EQ(r->job.rank, 3);
+  EXPECT_EQ(r->job.num_workers, 8);
+  EXPECT_EQ(r->job.num_servers, 8);  // colocated: one server per process
+  EXPECT_EQ(r->job.local_rank, 1);
+  EXPECT_EQ(r->sources.at("job.rank"), "env OMPI_COMM_WORLD_RANK");
+  EXPECT_EQ(r->sources.at("job.num_workers"), "env OMPI_COMM_WORLD_SIZE");
+  EXPECT_EQ(r->job.coordinator, Config{}.job.coordinator);  // mpirun gives no address
+}
+
+TEST(Config, SlurmStep) {
+  FakeEnv env{{"SLURM_PROCID", "5"},         {"SLURM_NTASKS", "16"},
+              {"SLURM_STEP_NUM_TASKS", "8"}, {"SLURM_LOCALID", "2"},
+              {"SLURM_STEP_ID", "0"},        {"SLURM_LAUNCH_NODE_IPADDR", "10.1.2.3"}};
+  auto r = load(env);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->launcher, "slurm");
+  EXPECT_EQ(r->job.rank, 5);
+  EXPECT_EQ(r->job.num_workers, 8);  // the step's tasks, not the allocation's
+  EXPECT_EQ(r->job.local_rank, 2);
+  EXPECT_EQ(r->job.coordinator, "10.1.2.3:29600");  // port kept from the default
+  EXPECT_EQ(r->sources.at("job.coordinator"), "env SLURM_LAUNCH_NODE_IPADDR");
+
+  FakeEnv no_step_size{{"SLURM_PROCID", "1"},
+                       {"SLURM_NTASKS", "4"},
+                       {"SLURM_STEP_ID", "2"},
+                       {"SLURM_LAUNCH_NODE_IPADDR", "10.1.2.3"}};
+  TempDir dir;
+  no_step_size.set("PSLD_CONFIG", dir.write("c.toml", "[job]\ncoordinator = \"head:7000\"\n"));
+  auto s = load(no_step_size);
+  ASSERT_TRUE(s.ok()) << s.status().to_string();
+  EXPECT_EQ(s->job.num_workers, 4);
+  EXPECT_EQ(s->job.coordinator, "10.1.2.3:7000");  // host from Slurm, port from the file
+}
+
+TEST(Config, SbatchShellIsNotALaunchedStep) {
+  // An sbatch script's own shell has SLURM_PROCID=0 and SLURM_NTASKS=N but
+  // launched nothing: taking N as the world size would wait for N-1 ghosts.
+  FakeEnv env{{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "0"}};
+  auto r = load(env);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->launcher, "none");
+  EXPECT_EQ(r->job.num_workers, 1);
+  EXPECT_EQ(r->job.rank, -1);
+}
+
+TEST(Config, Torchrun) {
+  FakeEnv env{{"RANK", "2"},
+              {"WORLD_SIZE", "4"},
+              {"LOCAL_RANK", "0"},
+              {"MASTER_ADDR", "node7"},
+              {"MASTER_PORT", "29501"}};
+  auto r = load(env);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->launcher, "torchrun");
+  EXPECT_EQ(r->job.rank, 2);
+  EXPECT_EQ(r->job.num_workers, 4);
+  EXPECT_EQ(r->job.local_rank, 0);
+  EXPECT_EQ(r->job.coordinator, "node7:29501");
+  EXPECT_EQ(r->sources.at("job.coordinator"), "env MASTER_ADDR, MASTER_PORT");
+}
+
+TEST(Config, TorchrunIpv6MasterAddrGetsBrackets) {
+  FakeEnv env{{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_ADDR", "fd00::7"}, {"MASTER_PORT", "9"}};
+  auto r = load(env);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->job.coordinator, "[fd00::7]:9");
+}
+
+TEST(Config, InnermostLauncherWins) {
+  // torchrun started by srun: RANK is the process's rank, SLURM_PROCID the node's.
+  FakeEnv env{{"SLURM_PROCID", "1"},
+              {"SLURM_NTASKS", "2"},
+              {"SLURM_STEP_ID", "0"},
+              {"RANK", "5"},
+              {"WORLD_SIZE", "16"}};
+  auto r = load(env);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->launcher, "torchrun");
+  EXPECT_EQ(r->job.rank, 5);
+  EXPECT_EQ(r->job.num_workers, 16);
+}
+
+TEST(Config, PsldVariablesWinOverTheLauncher) {
+  FakeEnv env{{"OMPI_COMM_WORLD_RANK", "3"},
+              {"OMPI_COMM_WORLD_SIZE", "8"},
+              {"PSLD_JOB_RANK", "0"},
+              {"PSLD_JOB_NUM_WORKERS", "2"}};
+  auto r = load(env);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->launcher, "openmpi");
+  EXPECT_EQ(r->job.rank, 0);
+  EXPECT_EQ(r->sources.at("job.rank"), "env PSLD_JOB_RANK");
+  EXPECT_EQ(r->job.num_workers, 2);
+  // A flag wins over both.
+  auto f = load(env, {"--job.rank=1"});
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ(f->job.rank, 1);
+}
+
+TEST(Config, LauncherWinsOverTheFile) {
+  TempDir dir;
+  FakeEnv env{{"PSLD_CONFIG", dir.write("c.toml", "[job]\nnum_workers = 2\nrank = 1\n")},
+              {"OMPI_COMM_WORLD_RANK", "6"},
+              {"OMPI_COMM_WORLD_SIZE", "8"}};
+  auto r = load(env);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->job.num_workers, 8);
+  EXPECT_EQ(r->job.rank, 6);
+}
+
+TEST(Config, PsldLaunch) {
+  FakeEnv env{{"PSLD_JOB_RANK", "1"}, {"PSLD_JOB_NUM_WORKERS", "2"}, {"PSLD_JOB_ROLE", "worker"}};
+  auto r = load(env);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->launcher, "psld");
+  EXPECT_EQ(r->job.rank, 1);
+}
+
+TEST(Config, ServerStepMapsWorldSizeToServers) {
+  // `srun -n 2 psld server`: two servers, not two workers.
+  FakeEnv env{{"SLURM_PROCID", "1"},
+              {"SLURM_NTASKS", "2"},
+              {"SLURM_STEP_ID", "1"},
+              {"PSLD_JOB_NUM_WORKERS", "8"}};
+  auto r = load(env, {"--job.role=server"});
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->job.num_servers, 2);
+  EXPECT_EQ(r->job.num_workers, 8);
+  EXPECT_EQ(r->job.rank, 1);
+}
+
+TEST(Config, BadLauncherValuesNameTheVariable) {
+  FakeEnv env{{"OMPI_COMM_WORLD_RANK", "x"}, {"OMPI_COMM_WORLD_SIZE", "8"}};
+  EXPECT_THAT(error_of(load(env)),
+              HasSubstr("job.rank: 'x' from env OMPI_COMM_WORLD_RANK is not an integer"));
+  FakeEnv past_end{{"RANK", "4"}, {"WORLD_SIZE", "4"}};
+  std::string msg = error_of(load(past_end));
+  EXPECT_THAT(msg, HasSubstr("job.rank: 4 from env RANK must be -1 or below job.num_workers "
+                             "(4 from env WORLD_SIZE)"));
+}
+
+// ---- validation ------------------------------------------------------------------
+
+struct Rule {
+  const char* name;
+  std::function<void(Config&)> change;
+  const char* key;       // the message starts "key: "
+  const char* accepted;  // and says what is accepted
+};
+
+TEST(Config, EveryValidationRuleNamesItsKey) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  const std::vector<Rule> rules = {
+      {"log", [](Config& c) { c.log = "verbose"; }, "log", "one of error, warn, info, debug"},
+      {"role", [](Config& c) { c.job.role = static_cast<Role>(9); }, "job.role",
+       "one of auto, worker, server, coordinator"},
+      {"rank<-1", [](Config& c) { c.job.rank = -2; }, "job.rank", "an integer in -1..65535"},
+      {"local_rank", [](Config& c) { c.job.local_rank = -5; }, "job.local_rank", "-1..65535"},
+      {"workers=0", [](Config& c) { c.job.num_workers = 0; }, "job.num_workers", "1..65536"},
+      {"servers=0", [](Config& c) { c.job.num_servers = 0; }, "job.num_servers", "1..65536"},
+      {"standby<0", [](Config& c) { c.job.num_standby = -1; }, "job.num_standby", "0..65536"},
+      {"coordinator no port", [](Config& c) { c.job.coordinator = "head"; }, "job.coordinator",
+       "host:port"},
+      {"coordinator port 0", [](Config& c) { c.job.coordinator = "head:0"; }, "job.coordinator",
+       "1..65535"},
+      {"coordinator port big", [](Config& c) { c.job.coordinator = "head:70000"; },
+       "job.coordinator", "1..65535"},
+      {"coordinator no host", [](Config& c) { c.job.coordinator = ":80"; }, "job.coordinator",
+       "no host"},
+      {"coordinator bare v6", [](Config& c) { c.job.coordinator = "fd00::1:80"; },
+       "job.coordinator", "brackets"},
+      {"transport", [](Config& c) { c.job.transport = "tcp"; }, "job.transport",
+       "one of ucx, verbs, loopback"},
+      {"listen", [](Config& c) { c.job.listen = "127.0.0.1"; }, "job.listen", "0..65535"},
+      {"chunk 0", [](Config& c) { c.data.chunk_bytes = 0; }, "data.chunk_bytes",
+       "a multiple of 8 in 8..1073741824"},
+      {"chunk odd", [](Config& c) { c.data.chunk_bytes = 12; }, "data.chunk_bytes",
+       "a multiple of 8"},
+      {"chunk huge", [](Config& c) { c.data.chunk_bytes = (uint64_t{1} << 30) + 8; },
+       "data.chunk_bytes", "8..1073741824"},
+      {"slots 0", [](Config& c) { c.data.slots_per_worker = 0; }, "data.slots_per_worker",
+       "1..4096"},
+      {"slots big", [](Config& c) { c.data.slots_per_worker = 4097; }, "data.slots_per_worker",
+       "1..4096"},
+      {"sync", [](Config& c) { c.data.sync = static_cast<SyncMode>(7); }, "data.sync",
+       "one of bsp, async, staleness"},
+      {"staleness 0", [](Config& c) { c.data.staleness_rounds = 0; }, "data.staleness_rounds",
+       "1..1000000"},
+      {"timeout<0", [](Config& c) { c.data.request_timeout_ms = -1; }, "data.request_timeout_ms",
+       "0..86400000"},
+      {"mode", [](Config& c) { c.server.mode = static_cast<ServerMode>(5); }, "server.mode",
+       "one of sum, optimizer"},
+      {"threads", [](Config& c) { c.server.threads = 0; }, "server.threads", "1..1024"},
+      {"kind", [](Config& c) { c.optimizer.kind = static_cast<OptimizerKind>(4); },
+       "optimizer.kind", "one of sgd, momentum, adam, adamw"},
+      {"lr<0", [](Config& c) { c.optimizer.lr = -0.1; }, "optimizer.lr", "a finite number >= 0"},
+      {"lr nan", [nan](Config& c) { c.optimizer.lr = nan; }, "optimizer.lr", ">= 0"},
+      {"lr inf", [inf](Config& c) { c.optimizer.lr = inf; }, "optimizer.lr", "finite"},
+      {"momentum 1", [](Config& c) { c.optimizer.momentum = 1.0; }, "optimizer.momentum",
+       "a number in [0, 1)"},
+      {"momentum<0", [](Config& c) { c.optimizer.momentum = -0.5; }, "optimizer.momentum",
+       "[0, 1)"},
+      {"dampening", [](Config& c) { c.optimizer.dampening = 1.5; }, "optimizer.dampening",
+       "[0, 1]"},
+      {"beta1", [](Config& c) { c.optimizer.beta1 = 1.0; }, "optimizer.beta1", "[0, 1)"},
+      {"beta2", [](Config& c) { c.optimizer.beta2 = -0.1; }, "optimizer.beta2", "[0, 1)"},
+      {"eps", [](Config& c) { c.optimizer.eps = -1e-8; }, "optimizer.eps", ">= 0"},
+      {"weight_decay", [](Config& c) { c.optimizer.weight_decay = -0.1; }, "optimizer.weight_decay",
+       ">= 0"},
+      {"heartbeat 0", [](Config& c) { c.liveness.heartbeat_interval_ms = 0; },
+       "liveness.heartbeat_interval_ms", "1..3600000"},
+      {"heartbeat timeout", [](Config& c) { c.liveness.heartbeat_timeout_ms = 1000; },
+       "liveness.heartbeat_timeout_ms", "must exceed 2 x liveness.heartbeat_interval_ms (500"},
+      {"connect 0", [](Config& c) { c.liveness.connect_timeout_ms = 0; },
+       "liveness.connect_timeout_ms", "1..86400000"},
+      {"stats 0", [](Config& c) { c.stats.interval_ms = 0; }, "stats.interval_ms", "1..3600000"},
+      {"balancer 0", [](Config& c) { c.balancer.interval_ms = 0; }, "balancer.interval_ms",
+       "1..86400000"},
+      {"balancer<stats", [](Config& c) { c.balancer.interval_ms = 50; }, "balancer.interval_ms",
+       "must be at least stats.interval_ms (100"},
+      {"tls empty name", [](Config& c) { c.ucx.tls = "tcp,,sm"; }, "ucx.tls", "UCX_TLS list"},
+      {"tls space", [](Config& c) { c.ucx.tls = "rc x"; }, "ucx.tls", "UCX_TLS list"},
+      {"write_path", [](Config& c) { c.ucx.write_path = "rdma"; }, "ucx.write_path",
+       "one of auto, put, am"},
+      {"device", [](Config& c) { c.verbs.device = "mlx5 0"; }, "verbs.device",
+       "an RDMA device name"},
+      {"port 0", [](Config& c) { c.verbs.port = 0; }, "verbs.port", "1..255"},
+      {"gid", [](Config& c) { c.verbs.gid_index = -2; }, "verbs.gid_index", "-1..255"},
+      {"egress", [](Config& c) { c.link.egress_bytes_per_second = uint64_t{1} << 60; },
+       "link.egress_bytes_per_second", "0..10000000000000"},
+      {"ingress", [](Config& c) { c.link.ingress_bytes_per_second = uint64_t{1} << 50; },
+       "link.ingress_bytes_per_second", "0..10000000000000"},
+      {"latency", [](Config& c) { c.link.latency_us = 20000000; }, "link.latency_us",
+       "0..10000000"},
+      {"worker rank", [](Config& c) { c.job.rank = 1; }, "job.rank",
+       "must be -1 or below job.num_workers (1"},
+      {"server rank",
+       [](Config& c) {
+         c.job.role = Role::kServer;
+         c.job.num_servers = 2;
+         c.job.num_standby = 1;
+         c.job.rank = 3;
+       },
+       "job.rank", "below job.num_servers + job.num_standby (3)"},
+      {"coordinator rank",
+       [](Config& c) {
+         c.job.role = Role::kCoordinator;
+         c.job.num_workers = 4;
+         c.job.rank = 1;
+       },
+       "job.rank", "one coordinator"},
+      {"colocate",
+       [](Config& c) {
+         c.job.colocate_servers = true;
+         c.job.num_workers = 4;
+         c.job.num_servers = 2;
+       },
+       "job.num_servers", "must equal job.num_workers (4"},
+      {"nesterov no momentum", [](Config& c) { c.optimizer.nesterov = true; }, "optimizer.nesterov",
+       "needs optimizer.momentum > 0"},
+      {"nesterov dampening",
+       [](Config& c) {
+         c.optimizer.nesterov = true;
+         c.optimizer.momentum = 0.9;
+         c.optimizer.dampening = 0.1;
+       },
+       "optimizer.nesterov", "optimizer.dampening = 0"},
+  };
+  for (const Rule& rule : rules) {
+    SCOPED_TRACE(rule.name);
+    Config c;
+    rule.change(c);
+    Status s = validate(c);
+    ASSERT_FALSE(s.ok());
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(s.message(), StartsWith(std::string(rule.key) + ": "));
+    EXPECT_THAT(s.message(), HasSubstr(rule.accepted));
+  }
+}
+
+TEST(Config, EdgesOfTheRangesAreValid) {
+  const std::vector<std::function<void(Config&)>> valid = {
+      [](Config& c) { c.data.chunk_bytes = 8; },
+      [](Config& c) { c.data.chunk_bytes = uint64_t{1} << 30; },
+      [](Config& c) { c.data.slots_per_worker = 4096; },
+      [](Config& c) { c.liveness.heartbeat_timeout_ms = 1001; },
+      [](Config& c) { c.balancer.interval_ms = c.stats.interval_ms; },
+      [](Config& c) { c.optimizer.lr = 0; },
+      [](Config& c) { c.optimizer.momentum = 0.999; },
+      [](Config& c) {
+        c.optimizer.nesterov = true;
+        c.optimizer.momentum = 0.9;
+      },
+      [](Config& c) { c.job.coordinator = "[::1]:1"; },
+      [](Config& c) { c.job.listen = "0.0.0.0:65535"; },
+      [](Config& c) { c.ucx.tls = "^ib,cuda_copy"; },
+      [](Config& c) {
+        c.job.role = Role::kServer;
+        c.job.num_standby = 1;
+        c.job.rank = 1;
+      },
+      [](Config& c) {
+        c.job.num_workers = 4;
+        c.job.rank = 3;
+      },
+  };
+  for (size_t i = 0; i < valid.size(); ++i) {
+    Config c;
+    valid[i](c);
+    EXPECT_TRUE(validate(c).ok()) << i << ": " << validate(c).to_string();
+  }
+}
+
+TEST(Config, ValidateNamesTheSource) {
+  auto r = load(FakeEnv{{"PSLD_LIVENESS_HEARTBEAT_TIMEOUT_MS", "900"}});
+  EXPECT_THAT(error_of(r), HasSubstr("liveness.heartbeat_timeout_ms: 900 from env "
+                                     "PSLD_LIVENESS_HEARTBEAT_TIMEOUT_MS must exceed 2 x "
+                                     "liveness.heartbeat_interval_ms (500 by default)"));
+}
+
+// ---- wrong types -----------------------------------------------------------------
+
+TEST(Config, WrongValuesNameKeySourceAndAcceptedValues) {
+  EXPECT_EQ(error_of(load(FakeEnv{}, {"--data.sync=bps"})),
+            "data.sync: 'bps' from flag --data.sync is not one of bsp, async, staleness");
+  EXPECT_EQ(error_of(load(FakeEnv{{"PSLD_JOB_NUM_WORKERS", "abc"}})),
+            "job.num_workers: 'abc' from env PSLD_JOB_NUM_WORKERS is not an integer in 1..65536");
+  EXPECT_THAT(error_of(load(FakeEnv{{"PSLD_JOB_NUM_WORKERS", "1.5"}})),
+              HasSubstr("'1.5' from env PSLD_JOB_NUM_WORKERS is not an integer"));
+  EXPECT_THAT(error_of(load(FakeEnv{}, {"--job.num_workers", "0"})),
+              HasSubstr("job.num_workers: '0' from flag --job.num_workers is not an integer in "
+                        "1..65536"));
+  EXPECT_THAT(error_of(load(FakeEnv{}, {"--job.num_workers=99999999999999999999"})),
+              HasSubstr("is not an integer in 1..65536"));
+  EXPECT_THAT(error_of(load(FakeEnv{}, {"--optimizer.lr=fast"})),
+              HasSubstr("optimizer.lr: 'fast' from flag --optimizer.lr is not a finite number"));
+  EXPECT_THAT(error_of(load(FakeEnv{}, {"--optimizer.lr=nan"})), HasSubstr("optimizer.lr"));
+  EXPECT_THAT(error_of(load(FakeEnv{}, {"--job.coordinator=head"})),
+              HasSubstr("job.coordinator: 'head' from flag --job.coordinator is not host:port "
+                        "with a port in 1..65535 (no ':port')"));
+
+  TempDir dir;
+  std::string path = dir.write("t.toml",
+                               "[job]\n"
+                               "num_workers = 1.5\n"
+                               "num_servers = \"2\"\n"
+                               "colocate_servers = \"true\"\n"
+                               "role = 3\n"
+                               "[data]\n"
+                               "chunk_bytes = -8\n");
+  std::string msg = error_of(load(FakeEnv{{"PSLD_CONFIG", path}}));
+  EXPECT_THAT(msg, HasSubstr("job.num_workers: 1.5 from file " + path +
+                             ":2 is not an integer in 1..65536"));
+  EXPECT_THAT(msg, HasSubstr("job.num_servers: \"2\" (a string) from file " + path + ":3"));
+  EXPECT_THAT(msg, HasSubstr("job.colocate_servers: \"true\" (a string) from file " + path +
+                             ":4 is not true or false"));
+  EXPECT_THAT(msg, HasSubstr("job.role: 3 from file " + path + ":5 is not one of auto"));
+  EXPECT_THAT(msg, HasSubstr("data.chunk_bytes: -8 from file " + path + ":7"));
+}
+
+TEST(Config, AllProblemsAreReportedAtOnce) {
+  std::string msg = error_of(
+      load(FakeEnv{{"PSLD_JOB_NUM_WORKERS", "x"}, {"PSLD_JOB_RANKK", "1"}}, {"--data.sync=bps"}));
+  EXPECT_THAT(msg, HasSubstr("job.num_workers"));
+  EXPECT_THAT(msg, HasSubstr("PSLD_JOB_RANKK"));
+  EXPECT_THAT(msg, HasSubstr("data.sync"));
+}
+
+TEST(Config, SecretIsNeverEchoed) {
+  TempDir dir;
+  std::string path = dir.write("s.toml", "[job]\nsecret = 12345\n");
+  std::string msg = error_of(load(FakeEnv{{"PSLD_CONFIG", path}}));
+  EXPECT_THAT(msg, HasSubstr("job.secret: <redacted> from file"));
+  EXPECT_THAT(msg, Not(HasSubstr("12345")));
+}
+
+// ---- unknown names -------------------------------------------------------------------
+
+TEST(Config, UnknownEnvironmentVariableSuggestsTheKey) {
+  EXPECT_THAT(error_of(load(FakeEnv{{"PSLD_JOB_NUM_WORKER", "4"}})),
+              HasSubstr("unknown environment variable PSLD_JOB_NUM_WORKER; did you mean "
+                        "PSLD_JOB_NUM_WORKERS?"));
+  // The likeliest mistake: leaving out the section.
+  EXPECT_THAT(error_of(load(FakeEnv{{"PSLD_NUM_WORKERS", "4"}})),
+              HasSubstr("did you mean PSLD_JOB_NUM_WORKERS?"));
+  EXPECT_THAT(error_of(load(FakeEnv{{"PSLD_LR", "0.1"}})),
+              HasSubstr("did you mean PSLD_OPTIMIZER_LR?"));
+  EXPECT_THAT(error_of(load(FakeEnv{{"PSLD_ZZZZZZZZZZZZ", "1"}})),
+              HasSubstr("docs/configuration.md"));
+}
+
+TEST(Config, OtherPsldVariablesAreNotConfigKeys) {
+  FakeEnv env{{"PSLD_KERNEL_ISA", "scalar"},
+              {"PSLD_JOBS", "2"},
+              {"PSLD_PLACEMENT_EMIT", "/x"},
+              {"PSLD_LOG", "info"}};
+  auto r = load(env);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->log, "info");
+}
+
+TEST(Config, ListedButUnsetVariablesAreIgnored) {
+  ConfigSources s;
+  s.getenv = [](const char*) -> const char* { return nullptr; };
+  s.env_names = [] { return std::vector<std::string>{"PSLD_TYPO"}; };
+  EXPECT_TRUE(load_config(s).ok());
+}
+
+TEST(Config, UnknownFlagsSuggestTheKey) {
+  EXPECT_THAT(error_of(load(FakeEnv{}, {"--job.num-workers=4"})),
+              HasSubstr("unknown flag --job.num-workers; did you mean --job.num_workers?"));
+  EXPECT_THAT(error_of(load(FakeEnv{}, {"--num_workers=4"})),
+              HasSubstr("did you mean --job.num_workers?"));
+  EXPECT_THAT(error_of(load(FakeEnv{}, {"--optimizer.lrr", "0.1"})),
+              HasSubstr("did you mean --optimizer.lr?"));
+  EXPECT_THAT(error_of(load(FakeEnv{}, {"positional"})),
+              HasSubstr("unexpected argument 'positional'"));
+  EXPECT_THAT(error_of(load(FakeEnv{}, {"--job.num_workers"})),
+              HasSubstr("flag --job.num_workers needs a value"));
+  EXPECT_THAT(error_of(load(FakeEnv{}, {"--job.num_workers", "--job.rank=0"})),
+              HasSubstr("flag --job.num_workers needs a value"));
+}
+
+TEST(Config, UnknownFileKeysSuggestTheKey) {
+  TempDir dir;
+  std::string path = dir.write("u.toml",
+                               "[job]\n"
+                               "num_workers = 2\n"
+                               "num_worker = 2\n"
+                               "[optimiser]\n"
+                               "lr = 0.1\n"
+                               "[data]\n"
+                               "[data.extra]\n"
+                               "x = 1\n");
+  std::string msg = error_of(load(FakeEnv{{"PSLD_CONFIG", path}}));
+  EXPECT_THAT(msg, HasSubstr(path + ":3: unknown key job.num_worker; did you mean "
+                                    "job.num_workers?"));
+  EXPECT_THAT(msg, HasSubstr(path + ":4: unknown table [optimiser]; did you mean [optimizer]?"));
+  EXPECT_THAT(msg, HasSubstr(path + ":7: unknown key data.extra"));
+}
+
+// ---- the file itself -------------------------------------------------------------------
+
+TEST(Config, MalformedTomlGivesTheLine) {
+  TempDir dir;
+  std::string path = dir.write("bad.toml", "[job]\nnum_workers = 2\nrole = worker\n");
+  auto r = load(FakeEnv{{"PSLD_CONFIG", path}});
+  std::string msg = error_of(r);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(msg, StartsWith("config file " + path + ":3: TOML syntax error"));
+  EXPECT_THAT(msg, HasSubstr("strings need quotes"));
+
+  std::string unterminated = dir.write("u.toml", "# x\n\n[job\n");
+  EXPECT_THAT(error_of(load(FakeEnv{}, {"--config=" + unterminated})),
+              StartsWith("config file " + unterminated + ":3: TOML syntax error"));
+
+  std::string twice = dir.write("t.toml", "[job]\nrank = 1\nrank = 2\n");
+  EXPECT_THAT(error_of(load(FakeEnv{}, {"--config=" + twice})), HasSubstr(twice + ":3:"));
+}
+
+TEST(Config, MissingFileIsNotFound) {
+  auto r = load(FakeEnv{{"PSLD_CONFIG", "/nonexistent/psld.toml"}});
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kNotFound);
+  EXPECT_THAT(r.status().message(), HasSubstr("/nonexistent/psld.toml (from env PSLD_CONFIG)"));
+}
+
+// ---- printing ----------------------------------------------------------------------------
+
+TEST(Config, PrintsOneLinePerKeyWithItsSource) {
+  auto r = load(FakeEnv{{"PSLD_JOB_NUM_WORKERS", "4"}}, {"--optimizer.lr=0.5"});
+  ASSERT_TRUE(r.ok());
+  std::string text = to_string(*r);
+  EXPECT_THAT(text, HasSubstr("launcher: none"));
+  EXPECT_THAT(text, HasSubstr("\n[job]\n"));
+  EXPECT_THAT(text, HasSubstr("num_workers = 4"));
+  EXPECT_THAT(text, HasSubstr("# env PSLD_JOB_NUM_WORKERS\n"));
+  EXPECT_THAT(text, HasSubstr("lr = 0.5"));
+  EXPECT_THAT(text, HasSubstr("# flag --optimizer.lr\n"));
+  EXPECT_THAT(text, HasSubstr("role = \"auto\""));
+  EXPECT_THAT(text, HasSubstr("eps = 1e-8 "));
+  EXPECT_THAT(text, HasSubstr("beta1 = 0.9 "));
+  EXPECT_THAT(text, HasSubstr("dampening = 0.0 "));  // a float stays a float
+  // Every key once, without sources too.
+  std::string plain = "\n" + to_string(*r, false);
+  EXPECT_THAT(plain, Not(HasSubstr("# env")));
+  for (const ConfigKeyInfo& k : config_keys()) {
+    std::string leaf = k.key.substr(k.key.find('.') + 1);
+    EXPECT_THAT(plain, HasSubstr("\n" + (leaf == "secret" ? "# " + leaf : leaf) + " = ")) << k.key;
+  }
+}
+
+Config everything_changed() {
+  Config c;
+  c.log = "error";
+  c.job.role = Role::kWorker;
+  c.job.rank = 2;
+  c.job.local_rank = 1;
+  c.job.num_workers = 3;
+  c.job.num_servers = 3;
+  c.job.num_standby = 1;
+  c.job.colocate_servers = true;
+  c.job.coordinator = "[fe80::1]:1234";
+  c.job.transport = "verbs";
+  c.job.listen = "host.example:0";
+  c.data.chunk_bytes = 8192;
+  c.data.slots_per_worker = 3;
+  c.data.sync = SyncMode::kAsync;
+  c.data.staleness_rounds = 9;
+  c.data.request_timeout_ms = 123;
+  c.server.mode = ServerMode::kSum;
+  c.server.threads = 7;
+  c.optimizer.kind = OptimizerKind::kMomentum;
+  c.optimizer.lr = 0.1;  // not exact in binary: must still round-trip
+  c.optimizer.momentum = 0.95;
+  c.optimizer.dampening = 0;
+  c.optimizer.nesterov = true;
+  c.optimizer.beta1 = 1.0 / 3;
+  c.optimizer.beta2 = 0.5;
+  c.optimizer.eps = 1e-300;
+  c.optimizer.weight_decay = 2;
+  c.liveness.heartbeat_interval_ms = 10;
+  c.liveness.heartbeat_timeout_ms = 21;
+  c.liveness.connect_timeout_ms = 99;
+  c.stats.interval_ms = 7;
+  c.balancer.enabled = false;
+  c.balancer.interval_ms = 7;
+  c.ucx.tls = "^ib";
+  c.ucx.write_path = "put";
+  c.verbs.device = "mlx5_0";
+  c.verbs.port = 2;
+  c.verbs.gid_index = 0;
+  c.link.egress_bytes_per_second = 1;
+  c.link.ingress_bytes_per_second = 10000000000000;
+  c.link.latency_us = 5;
+  return c;
+}
+
+TEST(Config, PrintedTextLoadsBackToTheSameConfig) {
+  TempDir dir;
+  Config c = everything_changed();
+  ASSERT_TRUE(validate(c).ok()) << validate(c).to_string();
+  for (const ConfigKeyInfo& k : config_keys()) {
+    if (k.key == "job.secret") continue;
+    EXPECT_NE(to_string(c, false).find(k.key.substr(k.key.find('.') + 1) + " = "),
+              std::string::npos);
+  }
+  for (bool with_sources : {true, false}) {
+    SCOPED_TRACE(with_sources);
+    std::string text = to_string(c, with_sources);
+    auto r = load(FakeEnv{}, {"--config=" + dir.write("round.toml", text)});
+    ASSERT_TRUE(r.ok()) << r.status().to_string() << "\n" << text;
+    EXPECT_EQ(*r, c) << text << "\n---\n" << to_string(*r);
+    EXPECT_EQ(to_string(*r, false), to_string(c, false));
+  }
+  // And a loaded config with its sources, including a string needing escapes.
+  FakeEnv env{{"PSLD_UCX_TLS", "tcp"}, {"PSLD_VERBS_DEVICE", "a.b-c_d"}};
+  auto loaded = load(env, {"--optimizer.kind=adamw", "--log=debug"});
+  ASSERT_TRUE(loaded.ok());
+  auto again = load(FakeEnv{}, {"--config=" + dir.write("again.toml", to_string(*loaded))});
+  ASSERT_TRUE(again.ok()) << again.status().to_string();
+  EXPECT_EQ(*again, *loaded);
+}
+
+TEST(Config, SecretIsNeverPrinted) {
+  const std::string secret = "hunter2-\"quoted\"-s3cret";
+  auto r = load(FakeEnv{{"PSLD_JOB_SECRET", secret}});
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->job.secret, secret);
+  for (bool with_sources : {true, false}) {
+    std::string text = to_string(*r, with_sources);
+    EXPECT_THAT(text, Not(HasSubstr("hunter2")));
+    EXPECT_THAT(text, HasSubstr("# secret = <set>"));
+  }
+  EXPECT_THAT(to_string(Config{}), HasSubstr("# secret = <unset>"));
+  // The printed text loads, without the secret: it has to be given again.
+  TempDir dir;
+  auto back = load(FakeEnv{}, {"--config=" + dir.write("s.toml", to_string(*r))});
+  ASSERT_TRUE(back.ok()) << back.status().to_string();
+  EXPECT_EQ(back->job.secret, "");
+  Config expected = *r;
+  expected.job.secret.clear();
+  EXPECT_EQ(*back, expected);
+}
+
+TEST(Config, ConfigKeysDescribeTheDefaults) {
+  std::map<std::string, ConfigKeyInfo> keys;
+  for (const ConfigKeyInfo& k : config_keys())
+    keys[k.key] = k;
+  EXPECT_EQ(keys.at("job.num_workers").default_value, "1");
+  EXPECT_EQ(keys.at("job.num_workers").accepted, "an integer in 1..65536");
+  EXPECT_EQ(keys.at("data.chunk_bytes").default_value, "4194304");
+  EXPECT_EQ(keys.at("data.sync").default_value, "\"bsp\"");
+  EXPECT_EQ(keys.at("optimizer.lr").default_value, "0.001");
+  EXPECT_EQ(keys.at("job.secret").default_value, "<unset>");
+  EXPECT_EQ(keys.at("log").env, "PSLD_LOG");
+}
+
+// docs/configuration.md documents every key: its row has the key, the
+// variable and the default.
+TEST(Config, DocumentationListsEveryKey) {
+  // __FILE__ is relative to the build directory ("../tests/config_test.cc"),
+  // which is the working directory under `meson test` and the parent of this
+  // binary's directory.
+  std::filesystem::path relative =
+      std::filesystem::path(__FILE__).parent_path() / ".." / "docs" / "configuration.md";
+  std::error_code ec;
+  std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  std::ifstream in(relative);
+  if (!in && !ec) in.open(exe.parent_path().parent_path() / relative);
+  if (!in) GTEST_SKIP() << "no " << relative << " from here or from " << exe;
+  std::stringstream text;
+  text << in.rdbuf();
+  for (const ConfigKeyInfo& k : config_keys()) {
+    std::string row =
+        "| `" + k.key + "` | `" + k.env + "` | `--" + k.key + "` | `" + k.default_value + "` |";
+    EXPECT_NE(text.str().find(row), std::string::npos) << "missing or stale row: " << row;
+  }
+}
+
+}  // namespace
+}  // namespace psld
