@@ -1,0 +1,67 @@
+/* psld/c_api.h — the worker API for C and other languages (ctypes, cffi,
+ * Rust FFI). Mirrors psld/worker.h.
+ *
+ * Every function returns 0 on success or a psld_status code (> 0); the
+ * message of the last error on this thread is psld_last_error(). Handles are
+ * opaque; free them with the matching *_free / shutdown call. */
+#ifndef PSLD_C_API_H_
+#define PSLD_C_API_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Same values as psld::StatusCode. */
+enum psld_status {
+  PSLD_OK = 0,
+  PSLD_INVALID_ARGUMENT = 1,
+  PSLD_NOT_FOUND = 2,
+  PSLD_ALREADY_EXISTS = 3,
+  PSLD_OUT_OF_RANGE = 4,
+  PSLD_FAILED_PRECONDITION = 5,
+  PSLD_RESOURCE_EXHAUSTED = 6,
+  PSLD_UNAVAILABLE = 7,
+  PSLD_TIMEOUT = 8,
+  PSLD_ABORTED = 9,
+  PSLD_DATA_LOSS = 10,
+  PSLD_MOVED = 11,
+  PSLD_UNIMPLEMENTED = 12,
+  PSLD_INTERNAL = 13,
+};
+
+enum psld_dtype { PSLD_FLOAT32 = 1, PSLD_FLOAT16 = 2, PSLD_BFLOAT16 = 3 };
+
+typedef struct psld_worker psld_worker;
+typedef struct psld_request psld_request;
+
+/* The message of the last failed call on this thread ("" if none). */
+const char* psld_last_error(void);
+
+/* Joins the job configured by the environment (PSLD_*, launchers) and
+ * `argc`/`argv` flags (--key=value; may be 0/NULL). */
+int psld_worker_join(int argc, const char* const* argv, psld_worker** out);
+int psld_worker_rank(const psld_worker* w, uint32_t* rank, uint32_t* num_workers);
+/* Registers `bytes` at `data` as tensor `name`; `init` may be NULL. */
+int psld_register_tensor(psld_worker* w, const char* name, int dtype, size_t bytes, void* data,
+                         const void* init, uint32_t* tensor);
+int psld_push(psld_worker* w, uint32_t tensor, psld_request** out);
+int psld_pull(psld_worker* w, uint32_t tensor, psld_request** out);
+int psld_push_pull(psld_worker* w, uint32_t tensor, psld_request** out);
+/* Waits up to timeout_ms (< 0: forever) for the request; PSLD_TIMEOUT leaves
+ * it in flight. */
+int psld_request_wait(psld_request* r, int64_t timeout_ms);
+/* 1 when complete, 0 otherwise. */
+int psld_request_test(const psld_request* r);
+void psld_request_free(psld_request* r);
+int psld_barrier(psld_worker* w, int64_t timeout_ms);
+/* Says goodbye, disconnects and frees the worker. */
+int psld_worker_shutdown(psld_worker* w);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* PSLD_C_API_H_ */

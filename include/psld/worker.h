@@ -1,0 +1,105 @@
+// psld/worker.h — what a trainer embeds.
+//
+//   auto cfg = psld::load_config({argv_rest});            // file, PSLD_* env, flags, launcher env
+//   auto worker = psld::Worker::join(*cfg);               // blocks until the job starts
+//   auto w = worker->register_tensor("fc1.weight", psld::DType::kFloat32,
+//                                    bytes, grad_and_param, initial_value);
+//   for (...) {
+//     compute gradients into grad_and_param;
+//     auto req = worker->push_pull(*w);                   // zero-copy: reads and writes your memory
+//     req->wait();                                        // now it holds the new parameters
+//   }
+//   worker->shutdown();
+//
+// Zero-copy contract: the library reads pushes from, and writes pulls into,
+// the memory passed to register_tensor. It must stay valid, and must not be
+// written by the caller while a request on it is in flight, until shutdown().
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string_view>
+
+#include "psld/config.h"
+#include "psld/status.h"
+
+namespace psld {
+
+class RequestState;
+class WorkerService;
+
+enum class DType : uint8_t {
+  kFloat32 = 1,
+  kFloat16 = 2,   // IEEE binary16; servers accumulate in fp32
+  kBFloat16 = 3,  // bfloat16; servers accumulate in fp32
+};
+
+// A registered tensor.
+struct TensorHandle {
+  uint32_t index = 0;
+};
+
+// A push, pull or push_pull in flight. Cheap to copy; all copies see the same
+// request. An empty Request is complete and Ok.
+class Request {
+ public:
+  Request() = default;
+  // Waits until every chunk of the request completed or one failed; returns
+  // Ok or the first error (Timeout when `timeout` passed first, leaving the
+  // request in flight).
+  Status wait(std::chrono::milliseconds timeout = std::chrono::hours(24)) const;
+  // True once the request is complete (successfully or not).
+  bool test() const;
+
+ private:
+  friend class Worker;
+  explicit Request(std::shared_ptr<RequestState> state) : state_(std::move(state)) {}
+  std::shared_ptr<RequestState> state_;
+};
+
+class Worker {
+ public:
+  // Joins the job described by `config` (role worker): contacts the
+  // coordinator, waits until every worker and server joined (up to
+  // liveness.connect_timeout_ms), and connects to the servers.
+  static Result<std::unique_ptr<Worker>> join(const Config& config);
+  ~Worker();
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  uint32_t rank() const;
+  uint32_t num_workers() const;
+
+  // Registers `bytes` of memory at `data` as the tensor `name`. Every worker
+  // registers the same names with the same dtype and size (else an error
+  // naming the tensor). With `init`, worker 0 sets the initial value (copied
+  // into `data` first); call barrier() before other workers pull it.
+  Result<TensorHandle> register_tensor(std::string_view name, DType dtype, size_t bytes,
+                                       void* data, const void* init = nullptr);
+
+  // Sends the tensor's contents (a gradient) for the next round.
+  Result<Request> push(TensorHandle tensor);
+  // Fetches the parameters of the round this worker last pushed (BSP: waits
+  // until every worker pushed it) into the tensor's memory.
+  Result<Request> pull(TensorHandle tensor);
+  // push, then the result of that round written back into the same memory.
+  Result<Request> push_pull(TensorHandle tensor);
+
+  // Returns once every worker called barrier() the same number of times.
+  Status barrier(std::chrono::milliseconds timeout = std::chrono::minutes(10));
+
+  // Ok while the job runs; the reason (naming the failed process) otherwise.
+  Status health() const;
+
+  // Tells the coordinator this worker is done and disconnects. Requests still
+  // in flight fail with Aborted. Idempotent; the destructor calls it.
+  Status shutdown();
+
+ private:
+  explicit Worker(std::unique_ptr<WorkerService> impl);
+  std::unique_ptr<WorkerService> impl_;
+};
+
+}  // namespace psld

@@ -1,0 +1,109 @@
+// The public classes of include/psld/ over the services in lib/.
+#include "lib/coordinator.h"
+#include "lib/runtime_options.h"
+#include "lib/server.h"
+#include "lib/worker.h"
+#include "psld/coordinator.h"
+#include "psld/server.h"
+#include "psld/worker.h"
+#include "transports/log.h"
+
+namespace psld {
+
+namespace {
+Status check_config(const Config& config) {
+  PSLD_RETURN_IF_ERROR(validate(config).with_context("invalid configuration"));
+  LogLevel level;
+  if (parse_log_level(config.log, &level)) set_log_level(level);
+  return Status::Ok();
+}
+}  // namespace
+
+// ---- Request
+
+Status Request::wait(std::chrono::milliseconds timeout) const {
+  return state_ ? state_->wait(timeout) : Status::Ok();
+}
+
+bool Request::test() const { return state_ ? state_->test() : true; }
+
+// ---- Worker
+
+Result<std::unique_ptr<Worker>> Worker::join(const Config& config) {
+  PSLD_RETURN_IF_ERROR(check_config(config));
+  PSLD_ASSIGN_OR_RETURN(auto impl, WorkerService::start(runtime_options_from_config(config)));
+  return std::unique_ptr<Worker>(new Worker(std::move(impl)));
+}
+
+Worker::Worker(std::unique_ptr<WorkerService> impl) : impl_(std::move(impl)) {}
+Worker::~Worker() { (void)shutdown(); }
+
+uint32_t Worker::rank() const { return impl_->rank(); }
+uint32_t Worker::num_workers() const { return impl_->num_workers(); }
+
+Result<TensorHandle> Worker::register_tensor(std::string_view name, DType dtype, size_t bytes,
+                                             void* data, const void* init) {
+  if (dtype != DType::kFloat32 && dtype != DType::kFloat16 && dtype != DType::kBFloat16) {
+    return InvalidArgument("dtype must be kFloat32, kFloat16 or kBFloat16");
+  }
+  PSLD_ASSIGN_OR_RETURN(uint32_t index,
+                        impl_->register_tensor(std::string(name), static_cast<protocol::DType>(dtype),
+                                               bytes, data, init));
+  return TensorHandle{index};
+}
+
+Result<Request> Worker::push(TensorHandle t) {
+  PSLD_ASSIGN_OR_RETURN(auto state, impl_->submit(t.index, RequestKind::kPush));
+  return Request(std::move(state));
+}
+
+Result<Request> Worker::pull(TensorHandle t) {
+  PSLD_ASSIGN_OR_RETURN(auto state, impl_->submit(t.index, RequestKind::kPull));
+  return Request(std::move(state));
+}
+
+Result<Request> Worker::push_pull(TensorHandle t) {
+  PSLD_ASSIGN_OR_RETURN(auto state, impl_->submit(t.index, RequestKind::kPushPull));
+  return Request(std::move(state));
+}
+
+Status Worker::barrier(std::chrono::milliseconds timeout) { return impl_->barrier(timeout); }
+Status Worker::health() const { return impl_->health(); }
+Status Worker::shutdown() { return impl_ ? impl_->shutdown() : Status::Ok(); }
+
+// ---- Server
+
+Result<std::unique_ptr<Server>> Server::start(const Config& config) {
+  PSLD_RETURN_IF_ERROR(check_config(config));
+  PSLD_ASSIGN_OR_RETURN(auto impl, ServerService::start(runtime_options_from_config(config)));
+  return std::unique_ptr<Server>(new Server(std::move(impl)));
+}
+
+Server::Server(std::unique_ptr<ServerService> impl) : impl_(std::move(impl)) {}
+Server::~Server() { shutdown(); }
+uint32_t Server::rank() const { return impl_->rank(); }
+std::string Server::address() const { return impl_->address(); }
+Status Server::wait(std::chrono::milliseconds timeout) { return impl_->wait(timeout); }
+void Server::shutdown() {
+  if (impl_) impl_->shutdown();
+}
+
+// ---- Coordinator
+
+Result<std::unique_ptr<Coordinator>> Coordinator::start(const Config& config) {
+  PSLD_RETURN_IF_ERROR(check_config(config));
+  RuntimeOptions o = runtime_options_from_config(config);
+  o.endpoint.options.common.listen_address = config.job.coordinator;
+  PSLD_ASSIGN_OR_RETURN(auto impl, CoordinatorService::start(o));
+  return std::unique_ptr<Coordinator>(new Coordinator(std::move(impl)));
+}
+
+Coordinator::Coordinator(std::unique_ptr<CoordinatorService> impl) : impl_(std::move(impl)) {}
+Coordinator::~Coordinator() { shutdown(); }
+std::string Coordinator::address() const { return impl_->address(); }
+Status Coordinator::wait(std::chrono::milliseconds timeout) { return impl_->wait(timeout); }
+void Coordinator::shutdown() {
+  if (impl_) impl_->shutdown();
+}
+
+}  // namespace psld

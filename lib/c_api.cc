@@ -1,0 +1,108 @@
+#include "psld/c_api.h"
+
+#include <string>
+
+#include "psld/worker.h"
+
+struct psld_worker {
+  std::unique_ptr<psld::Worker> w;
+};
+struct psld_request {
+  psld::Request r;
+};
+
+namespace {
+
+thread_local std::string g_last_error;
+
+int fail(const psld::Status& s) {
+  g_last_error = s.to_string();
+  return static_cast<int>(s.code());
+}
+
+int fail_args(const char* what) {
+  return fail(psld::InvalidArgument(std::string(what) + " must not be NULL"));
+}
+
+std::chrono::milliseconds to_timeout(int64_t ms) {
+  return ms < 0 ? std::chrono::hours(24 * 365) : std::chrono::milliseconds(ms);
+}
+
+template <typename Fn>
+int submit(psld_worker* w, uint32_t tensor, psld_request** out, Fn fn) {
+  if (w == nullptr || out == nullptr) return fail_args("worker and out");
+  psld::Result<psld::Request> r = fn(*w->w, psld::TensorHandle{tensor});
+  if (!r.ok()) return fail(r.status());
+  *out = new psld_request{*r};
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* psld_last_error(void) { return g_last_error.c_str(); }
+
+int psld_worker_join(int argc, const char* const* argv, psld_worker** out) {
+  if (out == nullptr) return fail_args("out");
+  psld::ConfigSources sources;
+  for (int i = 0; i < argc && argv != nullptr; ++i) sources.args.emplace_back(argv[i]);
+  auto config = psld::load_config(sources);
+  if (!config.ok()) return fail(config.status());
+  auto w = psld::Worker::join(*config);
+  if (!w.ok()) return fail(w.status());
+  *out = new psld_worker{std::move(w).value()};
+  return 0;
+}
+
+int psld_worker_rank(const psld_worker* w, uint32_t* rank, uint32_t* num_workers) {
+  if (w == nullptr) return fail_args("worker");
+  if (rank) *rank = w->w->rank();
+  if (num_workers) *num_workers = w->w->num_workers();
+  return 0;
+}
+
+int psld_register_tensor(psld_worker* w, const char* name, int dtype, size_t bytes, void* data,
+                         const void* init, uint32_t* tensor) {
+  if (w == nullptr || name == nullptr || tensor == nullptr) return fail_args("worker, name and tensor");
+  auto h = w->w->register_tensor(name, static_cast<psld::DType>(dtype), bytes, data, init);
+  if (!h.ok()) return fail(h.status());
+  *tensor = h->index;
+  return 0;
+}
+
+int psld_push(psld_worker* w, uint32_t tensor, psld_request** out) {
+  return submit(w, tensor, out, [](psld::Worker& k, psld::TensorHandle t) { return k.push(t); });
+}
+int psld_pull(psld_worker* w, uint32_t tensor, psld_request** out) {
+  return submit(w, tensor, out, [](psld::Worker& k, psld::TensorHandle t) { return k.pull(t); });
+}
+int psld_push_pull(psld_worker* w, uint32_t tensor, psld_request** out) {
+  return submit(w, tensor, out,
+                [](psld::Worker& k, psld::TensorHandle t) { return k.push_pull(t); });
+}
+
+int psld_request_wait(psld_request* r, int64_t timeout_ms) {
+  if (r == nullptr) return fail_args("request");
+  psld::Status s = r->r.wait(to_timeout(timeout_ms));
+  return s.ok() ? 0 : fail(s);
+}
+
+int psld_request_test(const psld_request* r) { return r == nullptr || r->r.test() ? 1 : 0; }
+
+void psld_request_free(psld_request* r) { delete r; }
+
+int psld_barrier(psld_worker* w, int64_t timeout_ms) {
+  if (w == nullptr) return fail_args("worker");
+  psld::Status s = w->w->barrier(to_timeout(timeout_ms));
+  return s.ok() ? 0 : fail(s);
+}
+
+int psld_worker_shutdown(psld_worker* w) {
+  if (w == nullptr) return 0;
+  psld::Status s = w->w->shutdown();
+  delete w;
+  return s.ok() ? 0 : fail(s);
+}
+
+}  // extern "C"

@@ -1,0 +1,347 @@
+#include "lib/coordinator.h"
+
+#include <fmt/format.h>
+
+#include <random>
+
+#include "transports/log.h"
+
+namespace psld {
+
+using MemberRole = protocol::Role;
+using transport::Clock;
+using transport::ConnectionPtr;
+
+namespace {
+
+uint64_t random_nonce() {
+  std::random_device rd;
+  return (static_cast<uint64_t>(rd()) << 32) ^ rd();
+}
+
+// A serialized placement, cut into pieces that fit one control message.
+std::vector<protocol::PlacementChunk> placement_chunks(const Placement& p) {
+  constexpr size_t kPiece = 7168;
+  const std::vector<uint8_t> bytes = p.serialize();
+  const uint32_t count = static_cast<uint32_t>((bytes.size() + kPiece - 1) / kPiece);
+  std::vector<protocol::PlacementChunk> out;
+  for (uint32_t i = 0; i < count; ++i) {
+    const size_t lo = i * kPiece, hi = std::min(bytes.size(), lo + kPiece);
+    out.push_back({p.epoch(), i, count, std::vector<uint8_t>(bytes.begin() + lo, bytes.begin() + hi)});
+  }
+  return out;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<CoordinatorService>> CoordinatorService::start(const RuntimeOptions& options) {
+  if (options.num_workers == 0 || options.num_servers == 0) {
+    return InvalidArgument("a job needs at least one worker and one server");
+  }
+  if (options.endpoint.options.common.listen_address.empty()) {
+    return InvalidArgument("the coordinator needs a listen address");
+  }
+  std::unique_ptr<CoordinatorService> c(new CoordinatorService(options));
+  PSLD_RETURN_IF_ERROR(c->Endpoint::start(options.endpoint));
+  c->monitor_ = std::thread([raw = c.get()] { raw->monitor(); });
+  PSLD_LOG_INFO("coordinator listening at {} for {} workers, {} servers (+{} standby)", c->address(),
+                options.num_workers, options.num_servers, options.num_standby);
+  return c;
+}
+
+CoordinatorService::CoordinatorService(const RuntimeOptions& options) : options_(options) {}
+
+CoordinatorService::~CoordinatorService() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (monitor_.joinable()) monitor_.join();
+  stop();
+}
+
+size_t CoordinatorService::num_members() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t n = 0;
+  for (const auto& [id, m] : members_) n += m.welcomed;
+  return n;
+}
+
+std::string CoordinatorService::describe(const Member& m) const {
+  if (!m.welcomed) return "an unadmitted peer at " + m.conn->peer();
+  return fmt::format("{} {} ({}, pid {})", protocol::role_name(m.role), m.rank,
+                     m.host.empty() ? m.conn->peer() : m.host, m.pid);
+}
+
+void CoordinatorService::on_accept(const ConnectionPtr& conn) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Member m;
+    m.conn = conn;
+    m.nonce = random_nonce();
+    m.last_seen = Clock::now();
+    members_[conn->id()] = m;
+    post(conn, protocol::Challenge{m.nonce});
+  }
+  flush();
+}
+
+void CoordinatorService::post(const ConnectionPtr& conn, protocol::Message message) {
+  outbox_.emplace_back(conn, std::move(message));
+}
+
+void CoordinatorService::flush() {
+  std::vector<std::pair<ConnectionPtr, protocol::Message>> out;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    out.swap(outbox_);
+  }
+  for (auto& [conn, message] : out) (void)send(conn, message);
+}
+
+void CoordinatorService::on_disconnect(const ConnectionPtr& conn, const Status& why) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = members_.find(conn->id());
+    if (it == members_.end()) return;
+    Member m = it->second;
+    members_.erase(it);
+    if (!m.welcomed) return;
+    (m.role == MemberRole::kWorker ? workers_ : servers_).erase(m.rank);
+    if (!m.said_goodbye && !job_over_ && !stopping_) {
+      fail_job(fmt::format("{} disconnected: {}", describe(m), why.message()));
+    }
+  }
+  flush();
+}
+
+void CoordinatorService::on_control(const ConnectionPtr& conn, protocol::Message&& message) {
+  handle_control(conn, std::move(message));
+  flush();
+}
+
+void CoordinatorService::handle_control(const ConnectionPtr& conn, protocol::Message&& message) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = members_.find(conn->id());
+  if (it == members_.end()) return;
+  Member& m = it->second;
+  m.last_seen = Clock::now();
+  if (auto* hello = std::get_if<protocol::Hello>(&message)) {
+    handle_hello(m, *hello);
+    return;
+  }
+  if (!m.welcomed) {
+    PSLD_LOG_WARN("coordinator: {} sent {} before Hello; ignored", describe(m),
+                  protocol::message_name(message));
+    return;
+  }
+  if (auto* reg = std::get_if<protocol::RegisterTensor>(&message)) {
+    handle_register(m, *reg);
+  } else if (auto* b = std::get_if<protocol::BarrierEnter>(&message)) {
+    if (m.role != MemberRole::kWorker) return;
+    auto& entered = barriers_[b->barrier];
+    entered.insert(m.rank);
+    if (entered.size() == options_.num_workers) {
+      barriers_.erase(b->barrier);
+      for (const auto& [rank, id] : workers_) {
+        post(members_.at(id).conn, protocol::BarrierRelease{b->barrier});
+      }
+    }
+  } else if (auto* hb = std::get_if<protocol::Heartbeat>(&message)) {
+    post(conn, protocol::Heartbeat{hb->sequence});  // members watch us too
+  } else if (std::holds_alternative<protocol::Shutdown>(message)) {
+    m.said_goodbye = true;
+    if (m.role == MemberRole::kWorker) {
+      finished_workers_.insert(m.rank);
+      if (finished_workers_.size() == options_.num_workers) finish_job();
+    }
+  } else if (auto* f = std::get_if<protocol::JobFailed>(&message)) {
+    fail_job(fmt::format("{} reported: {}", describe(m), f->reason));
+  } else {
+    PSLD_LOG_WARN("coordinator: unexpected {} from {}", protocol::message_name(message),
+                  describe(m));
+  }
+}
+
+void CoordinatorService::handle_hello(Member& m, const protocol::Hello& hello) {
+  auto reject = [&](const std::string& reason) {
+    PSLD_LOG_WARN("coordinator rejected {} at {}: {}", protocol::role_name(hello.role),
+                  m.conn->peer(), reason);
+    post(m.conn, protocol::Reject{reason});
+  };
+  if (m.welcomed) return reject("already admitted");
+  if (hello.proof != protocol::secret_proof(options_.secret, m.nonce)) {
+    return reject("wrong job secret (check PSLD_SECRET on every process of the job)");
+  }
+  if (job_over_) return reject("the job is over");
+  uint32_t capacity = 0;
+  std::map<uint32_t, uint64_t>* ranks = nullptr;
+  if (hello.role == MemberRole::kWorker) {
+    capacity = options_.num_workers;
+    ranks = &workers_;
+  } else if (hello.role == MemberRole::kServer) {
+    capacity = options_.num_servers + options_.num_standby;
+    ranks = &servers_;
+  } else {
+    return reject("a coordinator cannot join another coordinator");
+  }
+  uint32_t rank = 0;
+  if (hello.rank_hint >= 0) {
+    rank = static_cast<uint32_t>(hello.rank_hint);
+    if (rank >= capacity) {
+      return reject(fmt::format("{} rank {} is out of range: the job has {} {}s",
+                                protocol::role_name(hello.role), rank, capacity,
+                                protocol::role_name(hello.role)));
+    }
+    if (ranks->count(rank)) {
+      return reject(fmt::format("{} rank {} is already taken", protocol::role_name(hello.role), rank));
+    }
+  } else {
+    while (rank < capacity && ranks->count(rank)) ++rank;
+    if (rank == capacity) {
+      return reject(fmt::format("the job already has all its {} {}s", capacity,
+                                protocol::role_name(hello.role)));
+    }
+  }
+  if (hello.role == MemberRole::kServer && hello.address.empty()) {
+    return reject("a server must say where it listens");
+  }
+  m.welcomed = true;
+  m.role = hello.role;
+  m.rank = rank;
+  m.host = hello.host;
+  m.pid = hello.pid;
+  m.address = hello.address;
+  (*ranks)[rank] = m.conn->id();
+  post(m.conn, protocol::Welcome{m.role, rank, options_.num_workers, options_.num_servers,
+                                       options_.num_standby, options_.chunk_bytes});
+  PSLD_LOG_INFO("coordinator admitted {}", describe(m));
+  if (job_started_) {
+    send_job_state(m);  // a late standby server, or a worker rejoining
+  } else {
+    maybe_start_job();
+  }
+}
+
+void CoordinatorService::maybe_start_job() {
+  if (workers_.size() < options_.num_workers) return;
+  for (uint32_t r = 0; r < options_.num_servers; ++r) {
+    if (!servers_.count(r)) return;
+  }
+  std::vector<ServerSpec> specs;
+  for (uint32_t r = 0; r < options_.num_servers; ++r) specs.push_back({r, 1.0});
+  auto p = Placement::initial(std::move(specs));
+  if (!p.ok()) return fail_job("cannot build the initial placement: " + p.status().to_string());
+  placement_ = std::move(p).value();
+  job_started_ = true;
+  PSLD_LOG_INFO("coordinator: all {} workers and {} servers joined; job starts",
+                options_.num_workers, options_.num_servers);
+  for (const auto& [id, m] : members_) {
+    if (m.welcomed) send_job_state(m);
+  }
+}
+
+void CoordinatorService::send_job_state(const Member& m) {
+  protocol::ServerList list;
+  for (const auto& [rank, id] : servers_) list.servers.push_back({rank, members_.at(id).address});
+  post(m.conn, list);
+  for (const auto& piece : placement_chunks(*placement_)) post(m.conn, piece);
+}
+
+void CoordinatorService::handle_register(Member& m, const protocol::RegisterTensor& reg) {
+  if (m.role != MemberRole::kWorker) return;
+  auto it = tensors_.find(reg.name);
+  if (it == tensors_.end()) {
+    if (reg.bytes % protocol::dtype_bytes(reg.dtype) != 0) {
+      post(m.conn, protocol::Error{0, reg.request,
+                                         static_cast<uint8_t>(StatusCode::kInvalidArgument),
+                                         fmt::format("tensor '{}': {} bytes is not a whole number "
+                                                     "of {} elements",
+                                                     reg.name, reg.bytes, dtype_name(reg.dtype))});
+      return;
+    }
+    it = tensors_.emplace(reg.name, TensorRecord{next_tensor_++, reg.dtype, reg.bytes, m.rank}).first;
+  } else if (it->second.dtype != reg.dtype || it->second.bytes != reg.bytes) {
+    post(m.conn,
+               protocol::Error{0, reg.request, static_cast<uint8_t>(StatusCode::kAlreadyExists),
+                               fmt::format("tensor '{}' was registered by worker {} as {} bytes of "
+                                           "{}, but worker {} registers it as {} bytes of {}",
+                                           reg.name, it->second.first_worker, it->second.bytes,
+                                           dtype_name(it->second.dtype), m.rank, reg.bytes,
+                                           dtype_name(reg.dtype))});
+    return;
+  }
+  post(m.conn, protocol::TensorInfo{reg.request, reg.name, it->second.id, reg.dtype,
+                                          reg.bytes, options_.chunk_bytes});
+}
+
+void CoordinatorService::fail_job(const std::string& reason) {
+  if (job_over_) return;
+  job_over_ = true;
+  job_status_ = Aborted(reason);
+  PSLD_LOG_ERROR("job failed: {}", reason);
+  for (const auto& [id, m] : members_) {
+    if (m.welcomed) post(m.conn, protocol::JobFailed{reason});
+  }
+  cv_.notify_all();
+}
+
+void CoordinatorService::finish_job() {
+  if (job_over_) return;
+  job_over_ = true;
+  job_status_ = Status::Ok();
+  for (const auto& [id, m] : members_) {
+    if (m.welcomed && m.role == MemberRole::kServer) post(m.conn, protocol::Shutdown{});
+  }
+  PSLD_LOG_INFO("coordinator: every worker finished; servers told to stop");
+  cv_.notify_all();
+}
+
+void CoordinatorService::monitor() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stopping_) {
+    cv_.wait_for(lock, options_.heartbeat_interval / 2);
+    if (stopping_ || job_over_) continue;
+    const auto now = Clock::now();
+    for (const auto& [id, m] : members_) {
+      if (!m.welcomed || m.said_goodbye) continue;
+      if (now - m.last_seen > options_.heartbeat_timeout) {
+        fail_job(fmt::format("{} sent no heartbeat for {} ms", describe(m),
+                             options_.heartbeat_timeout.count()));
+        break;
+      }
+    }
+    lock.unlock();
+    flush();
+    lock.lock();
+  }
+}
+
+Status CoordinatorService::wait(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!cv_.wait_for(lock, timeout, [&] { return job_over_; })) {
+    return Timeout(fmt::format("the job did not end within {} ms", timeout.count()));
+  }
+  return job_status_;
+}
+
+void CoordinatorService::shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!job_over_) {
+      job_over_ = true;
+      job_status_ = Aborted("the coordinator was shut down");
+      for (const auto& [id, m] : members_) {
+        if (m.welcomed) post(m.conn, protocol::JobFailed{"the coordinator was shut down"});
+      }
+    }
+    stopping_ = true;
+  }
+  flush();
+  cv_.notify_all();
+  if (monitor_.joinable()) monitor_.join();
+  stop();  // closing flushes what was sent
+}
+
+}  // namespace psld

@@ -1,0 +1,292 @@
+#include "lib/member.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include "transports/log.h"
+
+namespace psld {
+
+using transport::Clock;
+using transport::ConnectionPtr;
+
+namespace {
+std::string hostname() {
+  char buf[256] = {};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown";
+  return buf;
+}
+}  // namespace
+
+MemberSession::MemberSession(Endpoint& endpoint, protocol::Role role, const RuntimeOptions& options)
+    : endpoint_(endpoint), role_(role), options_(options) {}
+
+MemberSession::~MemberSession() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    goodbye_ = true;
+  }
+  cv_.notify_all();
+  if (heartbeat_.joinable()) heartbeat_.join();
+}
+
+Status MemberSession::join(std::vector<uint8_t> listen_address) {
+  if (options_.coordinator_address.empty()) {
+    return InvalidArgument(
+        "no coordinator address: set PSLD_COORDINATOR (host:port) or run under psld launch");
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    listen_address_ = std::move(listen_address);
+    last_heard_ = Clock::now();
+    joining_ = true;
+  }
+  const auto deadline = Clock::now() + options_.connect_timeout;
+  // The coordinator may still be starting: retry until the deadline.
+  Status last;
+  while (true) {
+    auto conn = connect_text(endpoint_.transport(), options_.coordinator_address);
+    if (conn.ok()) {
+      std::vector<protocol::Message> early;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        coordinator_ = *conn;
+        early.swap(early_);
+      }
+      for (auto& m : early) handle(*conn, m);
+      break;
+    }
+    last = conn.status();
+    if (Clock::now() + std::chrono::milliseconds(100) > deadline) {
+      return Unavailable(fmt::format("cannot reach the coordinator at {} within {} ms: {}",
+                                     options_.coordinator_address,
+                                     options_.connect_timeout.count(), last.message()));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  const bool done = cv_.wait_until(lock, deadline, [&] {
+    return !rejected_.empty() || !health_.ok() || (welcomed_ && have_servers_ && placement_);
+  });
+  if (!rejected_.empty()) {
+    return FailedPrecondition("the coordinator refused this " +
+                              std::string(protocol::role_name(role_)) + ": " + rejected_);
+  }
+  if (!health_.ok()) return health_;
+  if (!done) {
+    return Timeout(fmt::format("the coordinator at {} did not admit this {} within {} ms",
+                               options_.coordinator_address, protocol::role_name(role_),
+                               options_.connect_timeout.count()));
+  }
+  last_heard_ = Clock::now();
+  heartbeat_ = std::thread([this] { heartbeat_loop(); });
+  return Status::Ok();
+}
+
+bool MemberSession::handle(const ConnectionPtr& conn, protocol::Message& message) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!coordinator_) {
+      // The coordinator's first message can beat connect()'s return. Until
+      // join() has stored the connection, the only peer that can talk to
+      // us is the coordinator: keep its messages for join() to replay.
+      if (joining_) {
+        early_.push_back(std::move(message));
+        return true;
+      }
+      return false;
+    }
+    if (conn->id() != coordinator_->id()) return false;
+    last_heard_ = Clock::now();
+  }
+  if (auto* c = std::get_if<protocol::Challenge>(&message)) {
+    protocol::Hello hello;
+    hello.role = role_;
+    hello.rank_hint = options_.rank;
+    hello.proof = protocol::secret_proof(options_.secret, c->nonce);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      hello.address = listen_address_;
+    }
+    hello.pid = static_cast<uint32_t>(getpid());
+    hello.host = hostname();
+    (void)endpoint_.send(conn, hello);
+    return true;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (auto* w = std::get_if<protocol::Welcome>(&message)) {
+    welcome_ = *w;
+    welcomed_ = true;
+  } else if (auto* r = std::get_if<protocol::Reject>(&message)) {
+    rejected_ = r->reason;
+  } else if (auto* s = std::get_if<protocol::ServerList>(&message)) {
+    servers_ = s->servers;
+    have_servers_ = true;
+  } else if (auto* p = std::get_if<protocol::PlacementChunk>(&message)) {
+    if (placement_count_ != p->count) placement_pieces_.clear();
+    placement_count_ = p->count;
+    placement_pieces_[p->index] = std::move(p->bytes);
+    if (placement_pieces_.size() == placement_count_) {
+      std::vector<uint8_t> all;
+      for (auto& [i, piece] : placement_pieces_) all.insert(all.end(), piece.begin(), piece.end());
+      placement_pieces_.clear();
+      auto placement = Placement::deserialize(all);
+      if (placement.ok()) {
+        placement_ = std::make_shared<const Placement>(std::move(placement).value());
+      } else {
+        PSLD_LOG_ERROR("the coordinator sent a placement that does not decode: {}",
+                       placement.status().to_string());
+      }
+    }
+  } else if (auto* t = std::get_if<protocol::TensorInfo>(&message)) {
+    registrations_.insert_or_assign(t->request, *t);
+  } else if (auto* e = std::get_if<protocol::Error>(&message)) {
+    if (e->request != 0) {
+      registrations_.insert_or_assign(e->request,
+                                      Status(static_cast<StatusCode>(e->code), e->message));
+    } else {
+      PSLD_LOG_WARN("coordinator error: {}", e->message);
+    }
+  } else if (auto* b = std::get_if<protocol::BarrierRelease>(&message)) {
+    released_barriers_.insert(b->barrier);
+  } else if (std::holds_alternative<protocol::Heartbeat>(message)) {
+    // last_heard_ was updated above.
+  } else if (auto* f = std::get_if<protocol::JobFailed>(&message)) {
+    if (health_.ok()) health_ = Aborted("the job failed: " + f->reason);
+  } else if (std::holds_alternative<protocol::Shutdown>(message)) {
+    shutdown_ = true;
+  } else {
+    PSLD_LOG_WARN("unexpected {} from the coordinator", protocol::message_name(message));
+  }
+  cv_.notify_all();
+  return true;
+}
+
+bool MemberSession::on_disconnect(const ConnectionPtr& conn, const Status& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!coordinator_ || conn->id() != coordinator_->id()) return false;
+  if (!shutdown_ && !goodbye_ && health_.ok()) {
+    health_ = Unavailable("lost the coordinator at " + options_.coordinator_address + ": " +
+                          why.message());
+  }
+  cv_.notify_all();
+  return true;
+}
+
+void MemberSession::fail(const std::string& reason) {
+  if (health_.ok()) health_ = Unavailable(reason);
+  cv_.notify_all();
+}
+
+Status MemberSession::health() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return health_;
+}
+
+bool MemberSession::shutdown_requested() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return shutdown_;
+}
+
+Status MemberSession::wait_for_shutdown(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!cv_.wait_for(lock, timeout, [&] { return shutdown_ || !health_.ok(); })) {
+    return Timeout("the job did not end in time");
+  }
+  return shutdown_ ? Status::Ok() : health_;
+}
+
+std::vector<protocol::ServerEntry> MemberSession::servers() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return servers_;
+}
+
+std::shared_ptr<const Placement> MemberSession::placement() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return placement_;
+}
+
+Result<protocol::TensorInfo> MemberSession::register_tensor(const protocol::RegisterTensor& request,
+                                                            std::chrono::milliseconds timeout) {
+  protocol::RegisterTensor r = request;
+  ConnectionPtr conn;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    PSLD_RETURN_IF_ERROR(health_);
+    r.request = next_request_++;
+    conn = coordinator_;
+  }
+  PSLD_RETURN_IF_ERROR(endpoint_.send(conn, r));
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!cv_.wait_for(lock, timeout,
+                    [&] { return registrations_.count(r.request) || !health_.ok(); })) {
+    return Timeout(fmt::format("registering tensor '{}': no answer from the coordinator in {} ms",
+                               r.name, timeout.count()));
+  }
+  PSLD_RETURN_IF_ERROR(health_);
+  auto it = registrations_.find(r.request);
+  Result<protocol::TensorInfo> out = std::move(it->second);
+  registrations_.erase(it);
+  return out;
+}
+
+Status MemberSession::barrier(std::chrono::milliseconds timeout) {
+  uint64_t id = 0;
+  ConnectionPtr conn;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    PSLD_RETURN_IF_ERROR(health_);
+    id = next_barrier_++;
+    conn = coordinator_;
+  }
+  PSLD_RETURN_IF_ERROR(endpoint_.send(conn, protocol::BarrierEnter{id}));
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!cv_.wait_for(lock, timeout, [&] { return released_barriers_.count(id) || !health_.ok(); })) {
+    return Timeout(fmt::format("barrier {}: not every worker arrived within {} ms", id,
+                               timeout.count()));
+  }
+  PSLD_RETURN_IF_ERROR(health_);
+  released_barriers_.erase(id);
+  return Status::Ok();
+}
+
+void MemberSession::goodbye() {
+  ConnectionPtr conn;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (goodbye_) return;
+    goodbye_ = true;
+    if (welcomed_) conn = coordinator_;
+  }
+  cv_.notify_all();
+  if (heartbeat_.joinable()) heartbeat_.join();
+  if (conn && conn->is_open()) (void)endpoint_.send(conn, protocol::Shutdown{});
+}
+
+void MemberSession::report_failure(const std::string& reason) {
+  ConnectionPtr conn;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    conn = coordinator_;
+  }
+  if (conn) (void)endpoint_.send(conn, protocol::JobFailed{reason});
+}
+
+void MemberSession::heartbeat_loop() {
+  uint64_t seq = 0;
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!goodbye_) {
+    cv_.wait_for(lock, options_.heartbeat_interval);
+    if (goodbye_) break;
+    if (health_.ok() && !shutdown_ && Clock::now() - last_heard_ > options_.heartbeat_timeout) {
+      fail(fmt::format("the coordinator at {} sent nothing for {} ms",
+                       options_.coordinator_address, options_.heartbeat_timeout.count()));
+    }
+    ConnectionPtr conn = coordinator_;
+    lock.unlock();
+    if (conn && conn->is_open()) (void)endpoint_.send(conn, protocol::Heartbeat{++seq});
+    lock.lock();
+  }
+}
+
+}  // namespace psld

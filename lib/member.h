@@ -1,0 +1,96 @@
+// MemberSession: a worker's or server's conversation with the coordinator —
+// admission (Challenge / Hello / Welcome), the job state it hands out (server
+// list, placement), tensor registration, barriers, heartbeats in both
+// directions, and the job's end (Shutdown, or JobFailed with the reason).
+//
+// The owning Endpoint forwards the coordinator connection's messages and
+// disconnect to handle() / on_disconnect(); blocking calls wait on a
+// condition variable and give up with a clear error when the job fails, the
+// coordinator goes silent, or their timeout passes.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "lib/endpoint.h"
+#include "lib/placement.h"
+#include "lib/protocol.h"
+#include "lib/runtime_options.h"
+
+namespace psld {
+
+class MemberSession {
+ public:
+  MemberSession(Endpoint& endpoint, protocol::Role role, const RuntimeOptions& options);
+  ~MemberSession();
+
+  // Connects, proves the secret, and waits for Welcome and the job state
+  // (server list and placement) until connect_timeout. Starts heartbeats.
+  Status join(std::vector<uint8_t> listen_address);
+
+  // Returns true when `conn` is the coordinator's connection and the message
+  // was consumed.
+  bool handle(const transport::ConnectionPtr& conn, protocol::Message& message);
+  bool on_disconnect(const transport::ConnectionPtr& conn, const Status& why);
+
+  // Ok while the job runs; the reason once it failed or the coordinator is lost.
+  Status health() const;
+  bool shutdown_requested() const;
+  // Waits until the coordinator says the job is over (servers) or it fails.
+  Status wait_for_shutdown(std::chrono::milliseconds timeout);
+
+  const protocol::Welcome& welcome() const { return welcome_; }
+  std::vector<protocol::ServerEntry> servers() const;
+  std::shared_ptr<const Placement> placement() const;
+
+  Result<protocol::TensorInfo> register_tensor(const protocol::RegisterTensor& request,
+                                               std::chrono::milliseconds timeout);
+  Status barrier(std::chrono::milliseconds timeout);
+  // Tells the coordinator this member is done (workers) and stops heartbeats.
+  void goodbye();
+  // Reports a local fatal error to the coordinator, which fails the job.
+  void report_failure(const std::string& reason);
+
+ private:
+  void heartbeat_loop();
+  void fail(const std::string& reason);
+
+  Endpoint& endpoint_;
+  const protocol::Role role_;
+  const RuntimeOptions options_;
+  transport::ConnectionPtr coordinator_;
+  bool joining_ = false;                 // guarded by mu_
+  std::vector<protocol::Message> early_;  // guarded by mu_
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool welcomed_ = false;
+  std::string rejected_;
+  protocol::Welcome welcome_;
+  std::optional<uint64_t> nonce_;
+  std::vector<uint8_t> listen_address_;
+  std::vector<protocol::ServerEntry> servers_;
+  bool have_servers_ = false;
+  std::map<uint32_t, std::vector<uint8_t>> placement_pieces_;
+  uint32_t placement_count_ = 0;
+  std::shared_ptr<const Placement> placement_;
+  std::map<uint64_t, Result<protocol::TensorInfo>> registrations_;
+  uint64_t next_request_ = 1;
+  std::set<uint64_t> released_barriers_;
+  uint64_t next_barrier_ = 1;
+  Status health_;
+  bool shutdown_ = false;
+  bool goodbye_ = false;
+  transport::Clock::time_point last_heard_;
+  std::thread heartbeat_;
+};
+
+}  // namespace psld

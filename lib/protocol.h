@@ -1,0 +1,233 @@
+// lib/protocol.h — the control messages psld's processes exchange.
+//
+// Every message travels as a transport control message (Connection::send,
+// at most transport::kMaxMessageBytes): a 4-byte header {u16 type, u16
+// version} and a little-endian body. decode() validates everything (type,
+// version, every length and count against the buffer and against the
+// protocol's limits), so a malformed or hostile message is an error value,
+// never a crash or a huge allocation.
+//
+// Conversations:
+//   member -> coordinator : Hello (after the coordinator's Challenge)
+//   coordinator -> member : Welcome | Reject, then ServerList, PlacementMsg
+//   worker -> coordinator : RegisterTensor      -> TensorInfo (also to servers) | Error
+//   any -> coordinator    : BarrierEnter        -> BarrierRelease (to all)
+//   any <-> coordinator   : Heartbeat; coordinator -> all: JobFailed, Shutdown
+//   worker -> server      : WorkerHello          -> Grant (landing slots)
+//   worker -> server      : TensorKey (where pulls land), PushMeta (+ a write
+//                           into a slot, notify = tag), PullRequest
+//   server -> worker      : Credit, Moved, Error; pulls arrive as writes into
+//                           the worker's tensor, notify = tag
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "psld/keys.h"
+#include "psld/status.h"
+
+namespace psld::protocol {
+
+inline constexpr uint16_t kVersion = 1;
+
+enum class Role : uint8_t { kWorker = 1, kServer = 2, kCoordinator = 3 };
+std::string_view role_name(Role role);
+
+enum class DType : uint8_t { kF32 = 1, kF16 = 2, kBF16 = 3 };
+std::string_view dtype_name(DType dtype);
+uint32_t dtype_bytes(DType dtype);
+
+// Limits that bound what a peer can make us allocate.
+inline constexpr size_t kMaxNameBytes = 256;
+inline constexpr size_t kMaxBlobBytes = 1024;  // addresses, remote keys
+inline constexpr size_t kMaxReasonBytes = 1024;
+inline constexpr size_t kMaxListEntries = 4096;
+
+enum class Type : uint16_t {
+  kChallenge = 1,
+  kHello = 2,
+  kWelcome = 3,
+  kReject = 4,
+  kServerList = 5,
+  kPlacementChunk = 6,
+  kRegisterTensor = 7,
+  kTensorInfo = 8,
+  kBarrierEnter = 9,
+  kBarrierRelease = 10,
+  kHeartbeat = 11,
+  kJobFailed = 12,
+  kShutdown = 13,
+  kWorkerHello = 20,
+  kGrant = 21,
+  kTensorKey = 22,
+  kPushMeta = 23,
+  kPullRequest = 24,
+  kCredit = 25,
+  kMoved = 26,
+  kError = 27,
+  kAck = 28,
+};
+
+struct Challenge {
+  uint64_t nonce = 0;
+};
+
+struct Hello {
+  Role role = Role::kWorker;
+  int32_t rank_hint = -1;            // -1: the coordinator assigns
+  uint64_t proof = 0;                // keyed hash of the challenge nonce with the job secret
+  std::vector<uint8_t> address;      // where this member listens (servers), else empty
+  uint32_t pid = 0;
+  std::string host;
+};
+
+struct Welcome {
+  Role role = Role::kWorker;
+  uint32_t rank = 0;
+  uint32_t num_workers = 0;
+  uint32_t num_servers = 0;
+  uint32_t num_standby = 0;
+  uint64_t chunk_bytes = 0;
+};
+
+struct Reject {
+  std::string reason;
+};
+
+struct ServerEntry {
+  uint32_t rank = 0;  // the server's ServerId in placements
+  std::vector<uint8_t> address;
+};
+struct ServerList {
+  std::vector<ServerEntry> servers;
+};
+
+// A serialized Placement, split in pieces that fit a control message;
+// the receiver concatenates pieces [0, count) and deserializes.
+struct PlacementChunk {
+  uint64_t epoch = 0;
+  uint32_t index = 0;
+  uint32_t count = 0;
+  std::vector<uint8_t> bytes;
+};
+
+struct RegisterTensor {
+  uint64_t request = 0;  // echoed in TensorInfo / Error
+  std::string name;
+  DType dtype = DType::kF32;
+  uint64_t bytes = 0;
+  bool has_init = false;  // this worker will push an initial value
+};
+
+struct TensorInfo {
+  uint64_t request = 0;
+  std::string name;
+  TensorId id = 0;
+  DType dtype = DType::kF32;
+  uint64_t bytes = 0;
+  uint64_t chunk_bytes = 0;
+};
+
+struct BarrierEnter {
+  uint64_t barrier = 0;
+};
+struct BarrierRelease {
+  uint64_t barrier = 0;
+};
+
+struct Heartbeat {
+  uint64_t sequence = 0;
+};
+
+struct JobFailed {
+  std::string reason;
+};
+
+struct Shutdown {};
+
+struct WorkerHello {
+  uint32_t worker_rank = 0;
+  uint64_t proof = 0;
+};
+
+struct Grant {
+  uint32_t num_slots = 0;
+  uint64_t slot_bytes = 0;
+  std::vector<uint8_t> slots_key;  // remote key of the slot region
+};
+
+struct TensorKey {
+  uint64_t request = 0;  // acknowledged with Ack
+  TensorId tensor = 0;
+  std::vector<uint8_t> key;  // remote key of the worker's tensor memory
+};
+
+// Flags of a push.
+inline constexpr uint8_t kPushInit = 1;      // sets the initial value (round 0)
+inline constexpr uint8_t kPushThenPull = 2;  // push_pull: write the result back, tag = pull_tag
+
+struct PushMeta {
+  uint32_t tag = 0;  // the write's notify value
+  uint32_t slot = 0;
+  DType dtype = DType::kF32;
+  Key key = 0;
+  uint64_t round = 0;
+  uint64_t bytes = 0;
+  uint64_t epoch = 0;  // the worker's placement epoch
+  uint8_t flags = 0;
+  uint32_t pull_tag = 0;
+};
+
+struct PullRequest {
+  uint32_t tag = 0;
+  DType dtype = DType::kF32;
+  uint64_t bytes = 0;  // of this chunk
+  Key key = 0;
+  uint64_t round = 0;
+  uint64_t epoch = 0;
+};
+
+struct Credit {
+  std::vector<uint32_t> slots;
+};
+
+struct Moved {
+  uint32_t tag = 0;
+  Key key = 0;
+  uint64_t epoch = 0;  // the server's epoch, in which it does not own key
+};
+
+struct Error {
+  uint32_t tag = 0;  // 0: not about one request
+  uint64_t request = 0;
+  uint8_t code = 0;  // a StatusCode
+  std::string message;
+};
+
+// Confirms a request that has no other answer (TensorKey).
+struct Ack {
+  uint64_t request = 0;
+};
+
+using Message = std::variant<Challenge, Hello, Welcome, Reject, ServerList, PlacementChunk,
+                             RegisterTensor, TensorInfo, BarrierEnter, BarrierRelease, Heartbeat,
+                             JobFailed, Shutdown, WorkerHello, Grant, TensorKey, PushMeta,
+                             PullRequest, Credit, Moved, Error, Ack>;
+
+std::vector<uint8_t> encode(const Message& message);
+// DataLoss with what was wrong for anything malformed.
+Result<Message> decode(std::span<const uint8_t> bytes);
+
+// The name of a message's type, for logs and errors.
+std::string_view message_name(const Message& message);
+
+// The proof a member shows at Hello: a keyed hash of the coordinator's nonce
+// with the job secret (0 when there is no secret). Not a MAC of cryptographic
+// strength: it keeps a stray process of another job (or a typo in the job
+// address) out, and never sends the secret itself.
+uint64_t secret_proof(const std::string& secret, uint64_t nonce);
+
+}  // namespace psld::protocol

@@ -1,0 +1,50 @@
+#include "lib/runtime_options.h"
+
+namespace psld {
+
+RuntimeOptions runtime_options_from_config(const Config& c) {
+  RuntimeOptions o;
+  o.endpoint.transport = c.job.transport;
+  o.endpoint.options.common.listen_address = c.job.listen;
+  if (c.data.request_timeout_ms > 0) {
+    o.endpoint.options.common.op_timeout = std::chrono::milliseconds(c.data.request_timeout_ms);
+  }
+  o.endpoint.options.ucx.tls = c.ucx.tls;
+  o.endpoint.options.ucx.write_path = c.ucx.write_path;
+  o.endpoint.options.verbs.device = c.verbs.device;
+  o.endpoint.options.verbs.port = static_cast<uint8_t>(c.verbs.port);
+  o.endpoint.options.verbs.gid_index = c.verbs.gid_index;
+  if (c.link.egress_bytes_per_second || c.link.ingress_bytes_per_second || c.link.latency_us) {
+    o.endpoint.emulate_link = true;
+    o.endpoint.link.egress_bytes_per_second = static_cast<double>(c.link.egress_bytes_per_second);
+    o.endpoint.link.ingress_bytes_per_second = static_cast<double>(c.link.ingress_bytes_per_second);
+    o.endpoint.link.latency = std::chrono::microseconds(c.link.latency_us);
+  }
+  o.coordinator_address = c.job.coordinator;
+  o.secret = c.job.secret;
+  o.num_workers = static_cast<uint32_t>(c.job.num_workers);
+  o.num_servers = static_cast<uint32_t>(c.job.num_servers);
+  o.num_standby = static_cast<uint32_t>(c.job.num_standby);
+  o.rank = c.job.rank;
+  o.chunk_bytes = c.data.chunk_bytes;
+  o.slots_per_worker = c.data.slots_per_worker;
+  o.sync = c.data.sync;
+  o.staleness = c.data.staleness_rounds;
+  o.mode = c.server.mode;
+  o.optimizer.kind = c.optimizer.kind;
+  o.optimizer.lr = static_cast<float>(c.optimizer.lr);
+  o.optimizer.momentum = static_cast<float>(c.optimizer.momentum);
+  o.optimizer.dampening = static_cast<float>(c.optimizer.dampening);
+  o.optimizer.nesterov = c.optimizer.nesterov;
+  o.optimizer.beta1 = static_cast<float>(c.optimizer.beta1);
+  o.optimizer.beta2 = static_cast<float>(c.optimizer.beta2);
+  o.optimizer.eps = static_cast<float>(c.optimizer.eps);
+  o.optimizer.weight_decay = static_cast<float>(c.optimizer.weight_decay);
+  o.server_threads = static_cast<uint32_t>(c.server.threads);
+  o.heartbeat_interval = std::chrono::milliseconds(c.liveness.heartbeat_interval_ms);
+  o.heartbeat_timeout = std::chrono::milliseconds(c.liveness.heartbeat_timeout_ms);
+  o.connect_timeout = std::chrono::milliseconds(c.liveness.connect_timeout_ms);
+  return o;
+}
+
+}  // namespace psld

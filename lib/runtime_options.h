@@ -1,0 +1,52 @@
+// RuntimeOptions: what the coordinator, servers and workers need, resolved
+// from a psld::Config (see runtime_options_from_config) or built directly by
+// tests, which also put several roles on one in-process loopback fabric.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#include "kernels/cpu/cpu_kernels.h"
+#include "lib/endpoint.h"
+#include "psld/config.h"
+#include "psld/keys.h"
+
+namespace psld {
+
+struct OptimizerOptions {
+  OptimizerKind kind = OptimizerKind::kSgd;
+  float lr = 0.01f;
+  float momentum = 0.0f;
+  float dampening = 0.0f;
+  bool nesterov = false;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;
+};
+
+struct RuntimeOptions {
+  EndpointOptions endpoint;          // transport name and options (listen address, ...)
+  std::string coordinator_address;   // text form of the coordinator's transport address
+  std::string secret;
+  uint32_t num_workers = 1;
+  uint32_t num_servers = 1;
+  uint32_t num_standby = 0;
+  int32_t rank = -1;                 // -1: assigned by the coordinator
+  uint64_t chunk_bytes = kDefaultChunkBytes;
+  uint32_t slots_per_worker = 16;
+  SyncMode sync = SyncMode::kBsp;
+  uint32_t staleness = 0;
+  ServerMode mode = ServerMode::kSum;
+  OptimizerOptions optimizer;
+  uint32_t server_threads = 1;
+  std::chrono::milliseconds heartbeat_interval{500};
+  std::chrono::milliseconds heartbeat_timeout{5000};
+  std::chrono::milliseconds connect_timeout{10000};
+};
+
+// Resolves a validated Config into the runtime's options.
+RuntimeOptions runtime_options_from_config(const Config& config);
+
+}  // namespace psld

@@ -1,0 +1,103 @@
+// The parameter server (DESIGN.md §4): grants each worker connection a ring
+// of landing slots, reduces pushed chunks into per-key accumulators with the
+// CPU kernels, applies the round (sum or optimizer) and writes results
+// straight into the workers' registered tensors.
+//
+// Threads: the transport's progress thread only pairs notifications with
+// their metadata and queues work; `server_threads` shard threads own the keys
+// (key -> shard by hash), so a key's state is touched by one thread and needs
+// no lock.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "lib/member.h"
+
+namespace psld {
+
+struct ServerStats {
+  uint64_t pushes = 0;
+  uint64_t pulls = 0;
+  uint64_t bytes_in = 0;
+  uint64_t bytes_out = 0;
+  uint64_t rounds_applied = 0;
+  uint64_t rejected = 0;  // malformed or not-owned requests answered with an error or Moved
+};
+
+class ServerService final : public Endpoint {
+ public:
+  // Starts listening, joins the job and waits for its start (connect_timeout).
+  static Result<std::unique_ptr<ServerService>> start(const RuntimeOptions& options);
+  ~ServerService() override;
+
+  uint32_t rank() const { return session_.welcome().rank; }
+  // Blocks until the coordinator ends the job (Ok) or it fails.
+  Status wait(std::chrono::milliseconds timeout) { return session_.wait_for_shutdown(timeout); }
+  void shutdown();
+  ServerStats stats() const;
+
+ private:
+  explicit ServerService(const RuntimeOptions& options);
+
+  struct PushWork {
+    uint64_t conn = 0;
+    protocol::PushMeta meta;
+    const uint8_t* data = nullptr;  // the landing slot
+    uint32_t worker = 0;
+  };
+  struct PullWork {
+    uint64_t conn = 0;
+    protocol::PullRequest req;
+  };
+  struct PullDone {
+    Key key = 0;
+  };
+  using Work = std::variant<PushWork, PullWork, PullDone>;
+
+  struct KeyState;
+  struct Shard;
+  struct WorkerConn;
+
+  void on_accept(const transport::ConnectionPtr& conn) override;
+  void on_write(const transport::ConnectionPtr& conn, uint32_t notify, uint64_t length) override;
+  void on_disconnect(const transport::ConnectionPtr& conn, const Status& why) override;
+  void on_control(const transport::ConnectionPtr& conn, protocol::Message&& message) override;
+
+  void handle_worker_message(const transport::ConnectionPtr& conn, protocol::Message& message);
+  void dispatch(Key key, Work work);
+  void shard_loop(Shard& shard);
+  void process(Shard& shard, Work& work);
+  void process_push(Shard& shard, PushWork& w);
+  void process_pull(Shard& shard, PullWork& w);
+  KeyState& key_state(Shard& shard, Key key, protocol::DType dtype, uint64_t bytes);
+  void reduce_push(KeyState& k, const PushWork& w);
+  void try_apply(Shard& shard, KeyState& k);
+  void apply_round(Shard& shard, KeyState& k);
+  bool pull_ready(const KeyState& k, const protocol::PullRequest& req) const;
+  void serve_pull(Shard& shard, KeyState& k, const PullWork& w);
+  void free_slot(Shard& shard, uint64_t conn, uint32_t slot);
+  void send_error(uint64_t conn, uint32_t tag, const Status& status);
+  void flush_credits(Shard& shard);
+
+  const RuntimeOptions options_;
+  MemberSession session_;
+  std::shared_ptr<const Placement> placement_;
+
+  mutable std::mutex conns_mu_;
+  std::map<uint64_t, std::shared_ptr<WorkerConn>> conns_;
+
+  std::vector<std::unique_ptr<Shard>> shards_;
+  std::atomic<bool> stopping_{false};
+
+  mutable std::mutex stats_mu_;
+  ServerStats stats_;
+};
+
+}  // namespace psld

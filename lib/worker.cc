@@ -1,0 +1,400 @@
+#include "lib/worker.h"
+
+#include <fmt/format.h>
+
+#include <cstring>
+
+#include "transports/log.h"
+
+namespace psld {
+
+using protocol::DType;
+using transport::Clock;
+using transport::ConnectionPtr;
+
+// ---- RequestState
+
+void RequestState::complete_part(const Status& status) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (done_) return;
+    if (!status.ok() && status_.ok()) status_ = status;
+    if (--remaining_ == 0 || !status.ok()) done_ = true;
+  }
+  cv_.notify_all();
+}
+
+Status RequestState::wait(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!cv_.wait_for(lock, timeout, [&] { return done_; })) {
+    return Timeout(fmt::format("request not complete after {} ms ({} chunk operations pending)",
+                               timeout.count(), remaining_));
+  }
+  return status_;
+}
+
+bool RequestState::test() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return done_;
+}
+
+Status RequestState::status() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return status_;
+}
+
+// ---- WorkerService
+
+Result<std::unique_ptr<WorkerService>> WorkerService::start(const RuntimeOptions& options) {
+  std::unique_ptr<WorkerService> w(new WorkerService(options));
+  RuntimeOptions o = options;
+  EndpointOptions ep = options.endpoint;
+  ep.options.common.listen_address.clear();  // workers only dial
+  PSLD_RETURN_IF_ERROR(w->Endpoint::start(ep));
+  PSLD_RETURN_IF_ERROR(w->session_.join({}));
+  w->placement_ = w->session_.placement();
+  PSLD_RETURN_IF_ERROR(w->connect_servers());
+  PSLD_LOG_INFO("worker {} of {} joined; {} servers", w->rank(), w->num_workers(),
+                w->servers_.size());
+  return w;
+}
+
+WorkerService::WorkerService(const RuntimeOptions& options)
+    : options_(options), session_(*this, protocol::Role::kWorker, options) {}
+
+WorkerService::~WorkerService() { (void)shutdown(); }
+
+Status WorkerService::connect_servers() {
+  const uint32_t rank = session_.welcome().rank;
+  for (const auto& entry : session_.servers()) {
+    std::string address(entry.address.begin(), entry.address.end());
+    auto conn = connect_text(transport(), address);
+    if (!conn.ok()) {
+      return conn.status().with_context(fmt::format("connecting to server {} at {}", entry.rank, address));
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ServerConn& s = servers_[entry.rank];
+      s.rank = entry.rank;
+      s.conn = *conn;
+    }
+    PSLD_RETURN_IF_ERROR(
+        send(*conn, protocol::WorkerHello{rank, protocol::secret_proof(options_.secret, rank)}));
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  const bool ok = cv_.wait_for(lock, options_.connect_timeout, [&] {
+    if (!session_.health().ok()) return true;
+    for (const auto& [r, s] : servers_) {
+      if (!s.granted) return false;
+    }
+    return true;
+  });
+  PSLD_RETURN_IF_ERROR(session_.health());
+  if (!ok) return Timeout("not every server granted landing slots in time");
+  return Status::Ok();
+}
+
+WorkerService::ServerConn* WorkerService::server_of(const ConnectionPtr& conn) {
+  for (auto& [rank, s] : servers_) {
+    if (s.conn && s.conn->id() == conn->id()) return &s;
+  }
+  return nullptr;
+}
+
+void WorkerService::on_control(const ConnectionPtr& conn, protocol::Message&& message) {
+  if (session_.handle(conn, message)) {
+    // A failed job fails every outstanding request at once.
+    Status h = session_.health();
+    if (!h.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      fail_everything(h);
+      cv_.notify_all();
+    }
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ServerConn* s = server_of(conn);
+    if (s == nullptr) return;
+    if (auto* g = std::get_if<protocol::Grant>(&message)) {
+      auto slots = conn->import_region(g->slots_key);
+      if (!slots.ok()) {
+        PSLD_LOG_ERROR("server {} sent a grant that does not import: {}", s->rank,
+                       slots.status().to_string());
+        return;
+      }
+      s->slots = *slots;
+      s->slot_bytes = g->slot_bytes;
+      for (uint32_t i = 0; i < g->num_slots; ++i) s->free_slots.push_back(i);
+      s->granted = true;
+      cv_.notify_all();
+    } else if (auto* c = std::get_if<protocol::Credit>(&message)) {
+      for (uint32_t slot : c->slots) s->free_slots.push_back(slot);
+      pump(*s);
+    } else if (auto* a = std::get_if<protocol::Ack>(&message)) {
+      auto it = acks_wanted_.find(a->request);
+      if (it != acks_wanted_.end() && it->second > 0) --it->second;
+      cv_.notify_all();
+    } else if (auto* e = std::get_if<protocol::Error>(&message)) {
+      Status st(static_cast<StatusCode>(e->code),
+                fmt::format("server {}: {}", s->rank, e->message));
+      if (e->tag != 0 && pending_.count(e->tag)) {
+        finish_tag(e->tag, st);
+      } else {
+        PSLD_LOG_ERROR("{}", st.to_string());
+      }
+    } else if (auto* m = std::get_if<protocol::Moved>(&message)) {
+      finish_tag(m->tag, Moved(fmt::format("key {:#x} is not on server {} in epoch {}", m->key,
+                                           s->rank, m->epoch)));
+    } else {
+      PSLD_LOG_WARN("worker: unexpected {} from server {}", protocol::message_name(message),
+                    s->rank);
+    }
+  }
+  flush();
+}
+
+void WorkerService::on_write(const ConnectionPtr& conn, uint32_t tag, uint64_t length) {
+  (void)conn;
+  (void)length;
+  std::lock_guard<std::mutex> lock(mu_);
+  finish_tag(tag, Status::Ok());
+}
+
+void WorkerService::on_disconnect(const ConnectionPtr& conn, const Status& why) {
+  if (session_.on_disconnect(conn, why)) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!stopped_) fail_everything(session_.health());
+    cv_.notify_all();
+    return;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  ServerConn* s = server_of(conn);
+  if (s == nullptr || stopped_) return;
+  fail_everything(Unavailable(fmt::format("lost server {}: {}", s->rank, why.message())));
+  cv_.notify_all();
+}
+
+void WorkerService::fail_everything(const Status& why) {
+  Status st = why.ok() ? Aborted("the worker stopped") : why;
+  auto pending = std::move(pending_);
+  pending_.clear();
+  for (auto& [tag, p] : pending) p.request->complete_part(st);
+  for (auto& [rank, s] : servers_) {
+    for (auto& op : s.backlog) op.request->complete_part(st);
+    s.backlog.clear();
+  }
+}
+
+void WorkerService::finish_tag(uint32_t tag, const Status& status) {
+  auto it = pending_.find(tag);
+  if (it == pending_.end()) return;
+  Pending p = std::move(it->second);
+  pending_.erase(it);
+  if (p.other_tag != 0) pending_.erase(p.other_tag);
+  p.request->complete_part(status);
+}
+
+void WorkerService::flush() {
+  std::vector<std::function<void()>> out;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    out.swap(outbox_);
+  }
+  for (auto& fn : out) fn();
+}
+
+Result<uint32_t> WorkerService::register_tensor(const std::string& name, DType dtype,
+                                                uint64_t bytes, void* data, const void* init) {
+  PSLD_RETURN_IF_ERROR(session_.health());
+  if (name.empty() || name.size() > protocol::kMaxNameBytes) {
+    return InvalidArgument("a tensor name must have 1 to 256 bytes");
+  }
+  if (bytes > 0 && data == nullptr) {
+    return InvalidArgument(fmt::format("tensor '{}': data is null", name));
+  }
+  if (bytes % protocol::dtype_bytes(dtype) != 0) {
+    return InvalidArgument(fmt::format("tensor '{}': {} bytes is not a whole number of {} elements",
+                                       name, bytes, protocol::dtype_name(dtype)));
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = tensor_by_name_.find(name);
+    if (it != tensor_by_name_.end()) {
+      const Tensor& t = tensors_[it->second];
+      if (t.bytes == bytes && t.dtype == dtype && t.data == data) return it->second;
+      return AlreadyExists(fmt::format(
+          "tensor '{}' is already registered here as {} bytes of {}; registering it again as {} "
+          "bytes of {} is not allowed",
+          name, t.bytes, protocol::dtype_name(t.dtype), bytes, protocol::dtype_name(dtype)));
+    }
+  }
+  protocol::RegisterTensor reg;
+  reg.name = name;
+  reg.dtype = dtype;
+  reg.bytes = bytes;
+  reg.has_init = init != nullptr;
+  PSLD_ASSIGN_OR_RETURN(protocol::TensorInfo info,
+                        session_.register_tensor(reg, options_.connect_timeout));
+  PSLD_ASSIGN_OR_RETURN(ChunkLayout layout, ChunkLayout::make(info.id, bytes, info.chunk_bytes,
+                                                              protocol::dtype_bytes(dtype)));
+  Tensor t;
+  t.id = info.id;
+  t.name = name;
+  t.dtype = dtype;
+  t.bytes = bytes;
+  t.data = static_cast<uint8_t*>(data);
+  t.layout = layout;
+  if (bytes > 0) {
+    PSLD_ASSIGN_OR_RETURN(t.region,
+                          transport().register_memory(data, bytes, transport::MemoryKind::kHost));
+    // Every server learns where this tensor's pulls land, and confirms.
+    std::vector<ConnectionPtr> conns;
+    uint64_t request = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      request = next_request_++;
+      acks_wanted_[request] = static_cast<uint32_t>(servers_.size());
+      for (auto& [r, s] : servers_) conns.push_back(s.conn);
+    }
+    protocol::TensorKey key{request, t.id,
+                            std::vector<uint8_t>(t.region->remote_key().begin(),
+                                                 t.region->remote_key().end())};
+    for (auto& c : conns) PSLD_RETURN_IF_ERROR(send(c, key));
+    std::unique_lock<std::mutex> lock(mu_);
+    const bool acked = cv_.wait_for(lock, options_.connect_timeout, [&] {
+      return acks_wanted_[request] == 0 || !session_.health().ok();
+    });
+    acks_wanted_.erase(request);
+    PSLD_RETURN_IF_ERROR(session_.health());
+    if (!acked) return Timeout(fmt::format("tensor '{}': not every server confirmed it", name));
+  }
+  uint32_t handle = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    handle = static_cast<uint32_t>(tensors_.size());
+    tensors_.push_back(std::move(t));
+    tensor_by_name_[name] = handle;
+  }
+  // Worker 0 sets the initial value; the others get it with their first pull.
+  if (init != nullptr && rank() == 0 && bytes > 0) {
+    if (init != data) std::memmove(data, init, bytes);
+    PSLD_ASSIGN_OR_RETURN(auto req, submit(handle, RequestKind::kInit));
+    PSLD_RETURN_IF_ERROR(req->wait(options_.connect_timeout).with_context("initial value of '" + name + "'"));
+  }
+  return handle;
+}
+
+Result<std::shared_ptr<RequestState>> WorkerService::submit(uint32_t handle, RequestKind kind) {
+  PSLD_RETURN_IF_ERROR(session_.health());
+  std::shared_ptr<RequestState> req;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_) return FailedPrecondition("the worker was shut down");
+    if (handle >= tensors_.size()) return InvalidArgument("unknown tensor handle");
+    Tensor& t = tensors_[handle];
+    const uint64_t chunks = t.layout->num_chunks();
+    req = std::make_shared<RequestState>(chunks);
+    uint64_t round = t.push_round;
+    if (kind == RequestKind::kPush || kind == RequestKind::kPushPull) round = ++t.push_round;
+    for (uint64_t c = 0; c < chunks; ++c) {
+      const Key key = make_key(t.id, static_cast<uint32_t>(c));
+      const ServerId owner = placement_->owner_of_key(key);
+      auto it = servers_.find(owner);
+      if (it == servers_.end()) {
+        req->complete_part(Unavailable(fmt::format("no connection to server {}", owner)));
+        continue;
+      }
+      it->second.backlog.push_back({kind, handle, static_cast<uint32_t>(c), round, req});
+    }
+    for (auto& [r, s] : servers_) pump(s);
+  }
+  flush();
+  return req;
+}
+
+void WorkerService::pump(ServerConn& s) {
+  while (!s.backlog.empty()) {
+    ChunkOp& op = s.backlog.front();
+    const bool needs_slot = op.kind != RequestKind::kPull;
+    if (needs_slot && s.free_slots.empty()) return;  // waits for Credit
+    uint32_t slot = 0;
+    if (needs_slot) {
+      slot = s.free_slots.front();
+      s.free_slots.pop_front();
+    }
+    ChunkOp next = std::move(op);
+    s.backlog.pop_front();
+    issue(s, std::move(next), slot);
+  }
+}
+
+void WorkerService::issue(ServerConn& s, ChunkOp op, uint32_t slot) {
+  Tensor& t = tensors_[op.tensor];
+  const ChunkSpan span = t.layout->chunk(op.chunk);
+  auto tag = [&] {
+    uint32_t v = next_tag_++;
+    if (v == 0) v = next_tag_++;
+    return v;
+  };
+  ConnectionPtr conn = s.conn;
+  if (op.kind == RequestKind::kPull) {
+    const uint32_t pull_tag = tag();
+    pending_[pull_tag] = Pending{op.request, 0};
+    protocol::PullRequest pr{pull_tag, t.dtype, span.bytes, span.key, op.round, placement_->epoch()};
+    outbox_.push_back([this, conn, pr] {
+      Status st = send(conn, pr);
+      if (!st.ok()) {
+        std::lock_guard<std::mutex> lock(mu_);
+        finish_tag(pr.tag, st);
+      }
+    });
+    return;
+  }
+  const uint32_t push_tag = tag();
+  uint32_t pull_tag = 0;
+  uint8_t flags = 0;
+  if (op.kind == RequestKind::kPushPull || op.kind == RequestKind::kInit) {
+    pull_tag = tag();
+    flags |= protocol::kPushThenPull;
+    if (op.kind == RequestKind::kInit) flags |= protocol::kPushInit;
+    pending_[pull_tag] = Pending{op.request, push_tag};
+    pending_[push_tag] = Pending{op.request, pull_tag};
+  }
+  protocol::PushMeta meta{push_tag, slot,      t.dtype, span.key, op.round, span.bytes,
+                          placement_->epoch(), flags,   pull_tag};
+  transport::WriteRequest wr{t.region.get(), span.offset, s.slots.get(), slot * s.slot_bytes,
+                             span.bytes, push_tag};
+  auto region = t.region;  // kept alive by the lambda
+  auto slots = s.slots;
+  auto request = op.request;
+  const bool notify_completes = pull_tag != 0;
+  outbox_.push_back([this, conn, meta, wr, region, slots, request, notify_completes] {
+    Status st = send(conn, meta);
+    auto done = [this, request, notify_completes, tag = meta.tag](Status ws) {
+      if (!notify_completes) {
+        request->complete_part(ws);
+      } else if (!ws.ok()) {
+        std::lock_guard<std::mutex> lock(mu_);
+        finish_tag(tag, ws);
+      }
+    };
+    if (st.ok()) st = conn->write(wr, done);
+    if (!st.ok()) done(st);
+  });
+}
+
+Status WorkerService::shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_) return Status::Ok();
+    stopped_ = true;
+  }
+  session_.goodbye();
+  stop();  // closing flushes: the goodbye reaches the coordinator first
+  std::lock_guard<std::mutex> lock(mu_);
+  fail_everything(Aborted("the worker was shut down"));
+  return Status::Ok();
+}
+
+}  // namespace psld

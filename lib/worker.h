@@ -1,0 +1,129 @@
+// The worker side of the data path: tensors registered once (zero-copy: the
+// library reads pushes from and writes pulls into the caller's memory), cut
+// into chunks, each chunk routed by the placement to its server, pushed with
+// one write into a landing slot the server granted (credits bound the
+// server's memory), pulled by the server writing straight into the tensor.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "lib/member.h"
+
+namespace psld {
+
+// Completion state shared by a request handle and the worker: the request is
+// done when all its chunk operations are, and fails with the first error.
+class RequestState {
+ public:
+  explicit RequestState(uint64_t parts) : remaining_(parts), done_(parts == 0) {}
+  void complete_part(const Status& status);
+  Status wait(std::chrono::milliseconds timeout);
+  bool test() const;
+  // The request's result once done.
+  Status status() const;
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  uint64_t remaining_;
+  bool done_;
+  Status status_;
+};
+
+enum class RequestKind : uint8_t { kPush, kPull, kPushPull, kInit };
+
+class WorkerService final : public Endpoint {
+ public:
+  // Joins the job (connect_timeout), connects to every server and gets its grant.
+  static Result<std::unique_ptr<WorkerService>> start(const RuntimeOptions& options);
+  ~WorkerService() override;
+
+  uint32_t rank() const { return session_.welcome().rank; }
+  uint32_t num_workers() const { return session_.welcome().num_workers; }
+
+  // Returns a handle (an index) for the tensor. See psld/worker.h.
+  Result<uint32_t> register_tensor(const std::string& name, protocol::DType dtype, uint64_t bytes,
+                                   void* data, const void* init);
+  Result<std::shared_ptr<RequestState>> submit(uint32_t tensor, RequestKind kind);
+  Status barrier(std::chrono::milliseconds timeout) { return session_.barrier(timeout); }
+  Status health() const { return session_.health(); }
+  // Says goodbye to the coordinator and stops; idempotent.
+  Status shutdown();
+
+ private:
+  explicit WorkerService(const RuntimeOptions& options);
+
+  struct Tensor {
+    TensorId id = 0;
+    std::string name;
+    protocol::DType dtype = protocol::DType::kF32;
+    uint64_t bytes = 0;
+    uint8_t* data = nullptr;
+    std::optional<ChunkLayout> layout;
+    std::shared_ptr<transport::MemoryRegion> region;
+    uint64_t push_round = 0;
+  };
+  struct ChunkOp {
+    RequestKind kind = RequestKind::kPush;
+    uint32_t tensor = 0;
+    uint32_t chunk = 0;
+    uint64_t round = 0;
+    std::shared_ptr<RequestState> request;
+  };
+  struct ServerConn {
+    uint32_t rank = 0;
+    transport::ConnectionPtr conn;
+    bool granted = false;
+    std::shared_ptr<transport::RemoteRegion> slots;
+    uint64_t slot_bytes = 0;
+    std::deque<uint32_t> free_slots;
+    std::deque<ChunkOp> backlog;  // waiting for credit
+  };
+  // An operation waiting for its notification or error, by tag.
+  struct Pending {
+    std::shared_ptr<RequestState> request;
+    uint32_t other_tag = 0;  // push_pull: the push's tag for the pull's and vice versa
+  };
+
+  void on_write(const transport::ConnectionPtr& conn, uint32_t tag, uint64_t length) override;
+  void on_disconnect(const transport::ConnectionPtr& conn, const Status& why) override;
+  void on_control(const transport::ConnectionPtr& conn, protocol::Message&& message) override;
+
+  Status connect_servers();
+  ServerConn* server_of(const transport::ConnectionPtr& conn);  // mu_ held
+  // Issues as much of the server's backlog as its credits allow. mu_ held;
+  // sends happen after it is released (see issue_later_).
+  void pump(ServerConn& s);
+  void issue(ServerConn& s, ChunkOp op, uint32_t slot);  // mu_ held
+  void finish_tag(uint32_t tag, const Status& status);     // mu_ held
+  void flush();
+  void fail_everything(const Status& why);  // mu_ held
+
+  const RuntimeOptions options_;
+  MemberSession session_;
+  std::shared_ptr<const Placement> placement_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<uint32_t, ServerConn> servers_;  // by server rank
+  std::vector<Tensor> tensors_;
+  std::map<std::string, uint32_t> tensor_by_name_;
+  std::map<uint32_t, Pending> pending_;
+  std::map<uint64_t, uint32_t> acks_wanted_;  // TensorKey request -> servers still to ack
+  uint64_t next_request_ = 1;
+  uint32_t next_tag_ = 1;
+  // Control messages and writes are issued outside mu_: the transport may be
+  // calling one of our handlers, which takes mu_, on its progress thread.
+  std::vector<std::function<void()>> outbox_;
+  bool stopped_ = false;
+};
+
+}  // namespace psld
