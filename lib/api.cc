@@ -69,6 +69,19 @@ Result<Request> Worker::push_pull(TensorHandle t) {
 
 Status Worker::barrier(std::chrono::milliseconds timeout) { return impl_->barrier(timeout); }
 Status Worker::health() const { return impl_->health(); }
+
+std::vector<ServerLoad> Worker::server_loads() const {
+  std::vector<ServerLoad> out;
+  for (const auto& l : impl_->server_loads()) {
+    ServerLoad s;
+    s.server = l.server;
+    s.bytes_pushed = l.bytes_pushed;
+    s.answers = l.answers;
+    s.mean_answer_us = l.answers ? static_cast<double>(l.answer_latency_ns) / l.answers / 1e3 : 0;
+    out.push_back(s);
+  }
+  return out;
+}
 Status Worker::shutdown() { return impl_ ? impl_->shutdown() : Status::Ok(); }
 
 // ---- Server

@@ -152,6 +152,9 @@ void CoordinatorService::handle_control(const ConnectionPtr& conn, protocol::Mes
     post(conn, protocol::Heartbeat{hb->sequence});  // members watch us too
   } else if (std::holds_alternative<protocol::Shutdown>(message)) {
     m.said_goodbye = true;
+    // The acknowledgement lets the member close knowing its goodbye arrived:
+    // a close that overtakes it would read as a death.
+    post(conn, protocol::Shutdown{});
     if (m.role == MemberRole::kWorker) {
       finished_workers_.insert(m.rank);
       if (finished_workers_.size() == options_.num_workers) finish_job();

@@ -260,7 +260,13 @@ void MemberSession::goodbye() {
   }
   cv_.notify_all();
   if (heartbeat_.joinable()) heartbeat_.join();
-  if (conn && conn->is_open()) (void)endpoint_.send(conn, protocol::Shutdown{});
+  if (conn && conn->is_open() && endpoint_.send(conn, protocol::Shutdown{}).ok()) {
+    // Wait for the coordinator's acknowledgement before the caller closes the
+    // transport: a close that overtook the goodbye would look like a crash.
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, options_.heartbeat_timeout,
+                 [&] { return shutdown_ || !health_.ok() || !conn->is_open(); });
+  }
 }
 
 void MemberSession::report_failure(const std::string& reason) {

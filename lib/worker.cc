@@ -192,7 +192,24 @@ void WorkerService::finish_tag(uint32_t tag, const Status& status) {
   Pending p = std::move(it->second);
   pending_.erase(it);
   if (p.other_tag != 0) pending_.erase(p.other_tag);
+  if (status.ok()) {
+    ServerLoadStats& load = loads_[p.server];
+    ++load.answers;
+    load.answer_latency_ns += static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - p.issued).count());
+  }
   p.request->complete_part(status);
+}
+
+std::vector<ServerLoadStats> WorkerService::server_loads() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<ServerLoadStats> out;
+  for (const auto& [rank, s] : servers_) {
+    ServerLoadStats l = loads_[rank];
+    l.server = rank;
+    out.push_back(l);
+  }
+  return out;
 }
 
 void WorkerService::flush() {
@@ -340,7 +357,7 @@ void WorkerService::issue(ServerConn& s, ChunkOp op, uint32_t slot) {
   ConnectionPtr conn = s.conn;
   if (op.kind == RequestKind::kPull) {
     const uint32_t pull_tag = tag();
-    pending_[pull_tag] = Pending{op.request, 0};
+    pending_[pull_tag] = Pending{op.request, 0, s.rank, Clock::now()};
     protocol::PullRequest pr{pull_tag, t.dtype, span.bytes, span.key, op.round, placement_->epoch()};
     outbox_.push_back([this, conn, pr] {
       Status st = send(conn, pr);
@@ -358,9 +375,10 @@ void WorkerService::issue(ServerConn& s, ChunkOp op, uint32_t slot) {
     pull_tag = tag();
     flags |= protocol::kPushThenPull;
     if (op.kind == RequestKind::kInit) flags |= protocol::kPushInit;
-    pending_[pull_tag] = Pending{op.request, push_tag};
-    pending_[push_tag] = Pending{op.request, pull_tag};
+    pending_[pull_tag] = Pending{op.request, push_tag, s.rank, Clock::now()};
+    pending_[push_tag] = Pending{op.request, pull_tag, s.rank, Clock::now()};
   }
+  loads_[s.rank].bytes_pushed += span.bytes;
   protocol::PushMeta meta{push_tag, slot,      t.dtype, span.key, op.round, span.bytes,
                           placement_->epoch(), flags,   pull_tag};
   transport::WriteRequest wr{t.region.get(), span.offset, s.slots.get(), slot * s.slot_bytes,

@@ -40,6 +40,14 @@ class RequestState {
 
 enum class RequestKind : uint8_t { kPush, kPull, kPushPull, kInit };
 
+// What this worker sent to one server and how long the server took to answer.
+struct ServerLoadStats {
+  uint32_t server = 0;
+  uint64_t bytes_pushed = 0;
+  uint64_t answers = 0;               // pulls and push_pulls answered
+  uint64_t answer_latency_ns = 0;     // summed over those answers
+};
+
 class WorkerService final : public Endpoint {
  public:
   // Joins the job (connect_timeout), connects to every server and gets its grant.
@@ -55,6 +63,8 @@ class WorkerService final : public Endpoint {
   Result<std::shared_ptr<RequestState>> submit(uint32_t tensor, RequestKind kind);
   Status barrier(std::chrono::milliseconds timeout) { return session_.barrier(timeout); }
   Status health() const { return session_.health(); }
+  // Cumulative, one entry per server.
+  std::vector<ServerLoadStats> server_loads();
   // Says goodbye to the coordinator and stops; idempotent.
   Status shutdown();
 
@@ -91,6 +101,8 @@ class WorkerService final : public Endpoint {
   struct Pending {
     std::shared_ptr<RequestState> request;
     uint32_t other_tag = 0;  // push_pull: the push's tag for the pull's and vice versa
+    uint32_t server = 0;
+    transport::Clock::time_point issued;
   };
 
   void on_write(const transport::ConnectionPtr& conn, uint32_t tag, uint64_t length) override;
@@ -114,6 +126,7 @@ class WorkerService final : public Endpoint {
   std::mutex mu_;
   std::condition_variable cv_;
   std::map<uint32_t, ServerConn> servers_;  // by server rank
+  std::map<uint32_t, ServerLoadStats> loads_;  // by server rank
   std::vector<Tensor> tensors_;
   std::map<std::string, uint32_t> tensor_by_name_;
   std::map<uint32_t, Pending> pending_;

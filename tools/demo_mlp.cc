@@ -247,8 +247,13 @@ int main(int argc, char** argv) {
   auto last = t0;
   double loss_sum = 0;
   int loss_n = 0;
+  // Per-server load as this worker sees it: bytes sent to each server and
+  // how long each took to answer, per print interval.
+  std::vector<psld::ServerLoad> last_loads = worker.server_loads();
   if (rank == 0) {
-    std::printf("%6s %9s %12s %10s\n", "round", "loss", "images/s", "round ms");
+    std::printf("%6s %9s %10s %9s", "round", "loss", "images/s", "round ms");
+    for (const auto& l : last_loads) std::printf("   server %u: MB/s  answer ms", l.server);
+    std::printf("\n");
     std::fflush(stdout);
   }
   for (int r = 1; r <= rounds; ++r) {
@@ -285,9 +290,19 @@ int main(int argc, char** argv) {
     if (rank == 0 && (r % 25 == 0 || r == rounds)) {
       const auto now = std::chrono::steady_clock::now();
       const double secs = std::chrono::duration<double>(now - last).count();
-      std::printf("%6d %9.4f %12.0f %10.1f\n", r, loss_sum / loss_n,
-                  25.0 * batch * workers / secs, 1000.0 * secs / 25.0);
+      std::printf("%6d %9.4f %10.0f %9.1f", r, loss_sum / loss_n, 25.0 * batch * workers / secs,
+                  1000.0 * secs / 25.0);
+      const std::vector<psld::ServerLoad> loads = worker.server_loads();
+      for (size_t i = 0; i < loads.size() && i < last_loads.size(); ++i) {
+        const double mb = static_cast<double>(loads[i].bytes_pushed - last_loads[i].bytes_pushed) / 1e6;
+        const double answers = static_cast<double>(loads[i].answers - last_loads[i].answers);
+        const double latency_us = loads[i].mean_answer_us * static_cast<double>(loads[i].answers) -
+                                  last_loads[i].mean_answer_us * static_cast<double>(last_loads[i].answers);
+        std::printf("   %22.1f %10.2f", mb / secs, answers > 0 ? latency_us / answers / 1e3 : 0.0);
+      }
+      std::printf("\n");
       std::fflush(stdout);
+      last_loads = loads;
       last = now;
       loss_sum = 0;
       loss_n = 0;

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <memory>
 #include <string_view>
+#include <vector>
 
 #include "psld/config.h"
 #include "psld/status.h"
@@ -34,6 +35,15 @@ enum class DType : uint8_t {
   kFloat32 = 1,
   kFloat16 = 2,   // IEEE binary16; servers accumulate in fp32
   kBFloat16 = 3,  // bfloat16; servers accumulate in fp32
+};
+
+// What this worker sent to one server and how fast that server answered:
+// the per-server load as a worker sees it (cumulative since join).
+struct ServerLoad {
+  uint32_t server = 0;
+  uint64_t bytes_pushed = 0;
+  uint64_t answers = 0;            // pull and push_pull chunks answered
+  double mean_answer_us = 0;       // mean time from sending a chunk to its answer
 };
 
 // A registered tensor.
@@ -92,6 +102,9 @@ class Worker {
 
   // Ok while the job runs; the reason (naming the failed process) otherwise.
   Status health() const;
+
+  // One entry per server.
+  std::vector<ServerLoad> server_loads() const;
 
   // Tells the coordinator this worker is done and disconnects. Requests still
   // in flight fail with Aborted. Idempotent; the destructor calls it.
