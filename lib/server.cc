@@ -129,14 +129,25 @@ void ServerService::on_control(const ConnectionPtr& conn, protocol::Message&& me
   handle_worker_message(conn, message);
 }
 
-void ServerService::send_error(uint64_t conn_id, uint32_t tag, const Status& status) {
-  ConnectionPtr conn;
+ConnectionPtr ServerService::worker_connection(uint64_t conn_id) const {
+  std::lock_guard<std::mutex> lock(conns_mu_);
+  auto it = conns_.find(conn_id);
+  return it == conns_.end() ? nullptr : it->second->conn;
+}
+
+void ServerService::send_moved(uint64_t conn_id, uint32_t tag, Key key) {
   {
-    std::lock_guard<std::mutex> lock(conns_mu_);
-    auto it = conns_.find(conn_id);
-    if (it == conns_.end()) return;
-    conn = it->second->conn;
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    ++stats_.rejected;
   }
+  if (ConnectionPtr conn = worker_connection(conn_id)) {
+    (void)send(conn, protocol::Moved{tag, key, placement_->epoch()});
+  }
+}
+
+void ServerService::send_error(uint64_t conn_id, uint32_t tag, const Status& status) {
+  ConnectionPtr conn = worker_connection(conn_id);
+  if (!conn) return;
   {
     std::lock_guard<std::mutex> lock(stats_mu_);
     ++stats_.rejected;
@@ -358,13 +369,9 @@ void ServerService::free_slot(Shard& shard, uint64_t conn, uint32_t slot) {
 void ServerService::flush_credits(Shard& shard) {
   for (auto& [conn_id, slots] : shard.credits) {
     if (slots.empty()) continue;
-    ConnectionPtr conn;
-    {
-      std::lock_guard<std::mutex> lock(conns_mu_);
-      auto it = conns_.find(conn_id);
-      if (it != conns_.end()) conn = it->second->conn;
+    if (ConnectionPtr conn = worker_connection(conn_id)) {
+      (void)send(conn, protocol::Credit{std::move(slots)});
     }
-    if (conn) (void)send(conn, protocol::Credit{std::move(slots)});
   }
   shard.credits.clear();
 }
@@ -402,17 +409,7 @@ void ServerService::process_push(Shard& shard, PushWork& w) {
   const protocol::PushMeta& meta = w.meta;
   if (placement_->owner_of_key(meta.key) != rank()) {
     free_slot(shard, w.conn, meta.slot);
-    {
-      std::lock_guard<std::mutex> lock(stats_mu_);
-      ++stats_.rejected;
-    }
-    ConnectionPtr conn;
-    {
-      std::lock_guard<std::mutex> lock(conns_mu_);
-      auto it = conns_.find(w.conn);
-      if (it != conns_.end()) conn = it->second->conn;
-    }
-    if (conn) (void)send(conn, protocol::Moved{meta.tag, meta.key, placement_->epoch()});
+    send_moved(w.conn, meta.tag, meta.key);
     return;
   }
   KeyState& k = key_state(shard, meta.key, meta.dtype, meta.bytes);
@@ -580,17 +577,7 @@ bool ServerService::pull_ready(const KeyState& k, const protocol::PullRequest& r
 
 void ServerService::process_pull(Shard& shard, PullWork& w) {
   if (placement_->owner_of_key(w.req.key) != rank()) {
-    {
-      std::lock_guard<std::mutex> lock(stats_mu_);
-      ++stats_.rejected;
-    }
-    ConnectionPtr conn;
-    {
-      std::lock_guard<std::mutex> lock(conns_mu_);
-      auto it = conns_.find(w.conn);
-      if (it != conns_.end()) conn = it->second->conn;
-    }
-    if (conn) (void)send(conn, protocol::Moved{w.req.tag, w.req.key, placement_->epoch()});
+    send_moved(w.conn, w.req.tag, w.req.key);
     return;
   }
   KeyState& k = key_state(shard, w.req.key, w.req.dtype, w.req.bytes);

@@ -83,7 +83,10 @@ class ServerService final : public Endpoint {
   bool pull_ready(const KeyState& k, const protocol::PullRequest& req) const;
   void serve_pull(Shard& shard, KeyState& k, const PullWork& w);
   void free_slot(Shard& shard, uint64_t conn, uint32_t slot);
+  transport::ConnectionPtr worker_connection(uint64_t conn) const;
   void send_error(uint64_t conn, uint32_t tag, const Status& status);
+  // Answers a request for a key this server does not own in its epoch.
+  void send_moved(uint64_t conn, uint32_t tag, Key key);
   void flush_credits(Shard& shard);
 
   const RuntimeOptions options_;
