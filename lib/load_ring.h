@@ -86,16 +86,24 @@ class LoadRing {
     return true;
   }
 
+  // How drain() treats a sequence number whose sample is not published yet.
+  enum class DrainMode {
+    // Stop there: its producer may still be writing it (the sample arrives
+    // next time), so samples are never reordered or lost by a slow producer.
+    // A sample dropped by a lapped producer holds later ones back until the
+    // ring wraps past it (at most `capacity` more pushes), which happens
+    // soon, since drops only occur when producers lap the ring.
+    kLive,
+    // Count it as lost and go on. Only correct once no producer is pushing
+    // (shutdown, or after joining the producers): then nothing unpublished
+    // will ever be published.
+    kFinal,
+  };
+
   // One consumer at a time. Calls fn(const T&) for each published sample in
   // push order, at most `max` of them, and returns how many it delivered.
-  //
-  // A slot whose producer has claimed a sequence number but not yet published
-  // stops the drain (the sample arrives next time), so samples are never
-  // reordered. A slot that stays unpublished for two drains in a row without
-  // its producer writing it is counted as lost and skipped, so a dropped push
-  // cannot stall the ring.
   template <typename Fn>
-  size_t drain(Fn&& fn, size_t max = SIZE_MAX) {
+  size_t drain(Fn&& fn, size_t max = SIZE_MAX, DrainMode mode = DrainMode::kLive) {
     const uint64_t head = head_.load(std::memory_order_acquire);
     if (head - tail_ > capacity()) {
       const uint64_t gone = head - capacity() - tail_;
@@ -128,16 +136,11 @@ class LoadRing {
         ++tail_;
         continue;
       }
-      // Not yet published. Wait while its own producer is writing it; skip it
-      // once it has stayed unpublished, with nobody writing, across two drains.
-      if (s1 != published - 1 && stuck_seq_ == tail_ && ++stuck_drains_ >= 1) {
+      // Not yet published.
+      if (mode == DrainMode::kFinal) {
         lost_.fetch_add(1, std::memory_order_relaxed);
         ++tail_;
         continue;
-      }
-      if (stuck_seq_ != tail_) {
-        stuck_seq_ = tail_;
-        stuck_drains_ = 0;
       }
       break;
     }
@@ -170,8 +173,6 @@ class LoadRing {
   alignas(64) std::atomic<uint64_t> dropped_{0};
   // Consumer side.
   alignas(64) uint64_t tail_ = 0;
-  uint64_t stuck_seq_ = UINT64_MAX;
-  uint32_t stuck_drains_ = 0;
   std::atomic<uint64_t> consumed_{0};
   std::atomic<uint64_t> lost_{0};
 };
