@@ -25,7 +25,9 @@ Status Request::wait(std::chrono::milliseconds timeout) const {
   return state_ ? state_->wait(timeout) : Status::Ok();
 }
 
-bool Request::test() const { return state_ ? state_->test() : true; }
+bool Request::test() const {
+  return state_ ? state_->test() : true;
+}
 
 // ---- Worker
 
@@ -36,19 +38,25 @@ Result<std::unique_ptr<Worker>> Worker::join(const Config& config) {
 }
 
 Worker::Worker(std::unique_ptr<WorkerService> impl) : impl_(std::move(impl)) {}
-Worker::~Worker() { (void)shutdown(); }
+Worker::~Worker() {
+  (void)shutdown();
+}
 
-uint32_t Worker::rank() const { return impl_->rank(); }
-uint32_t Worker::num_workers() const { return impl_->num_workers(); }
+uint32_t Worker::rank() const {
+  return impl_->rank();
+}
+uint32_t Worker::num_workers() const {
+  return impl_->num_workers();
+}
 
 Result<TensorHandle> Worker::register_tensor(std::string_view name, DType dtype, size_t bytes,
                                              void* data, const void* init) {
   if (dtype != DType::kFloat32 && dtype != DType::kFloat16 && dtype != DType::kBFloat16) {
     return InvalidArgument("dtype must be kFloat32, kFloat16 or kBFloat16");
   }
-  PSLD_ASSIGN_OR_RETURN(uint32_t index,
-                        impl_->register_tensor(std::string(name), static_cast<protocol::DType>(dtype),
-                                               bytes, data, init));
+  PSLD_ASSIGN_OR_RETURN(
+      uint32_t index, impl_->register_tensor(std::string(name), static_cast<protocol::DType>(dtype),
+                                             bytes, data, init));
   return TensorHandle{index};
 }
 
@@ -67,8 +75,12 @@ Result<Request> Worker::push_pull(TensorHandle t) {
   return Request(std::move(state));
 }
 
-Status Worker::barrier(std::chrono::milliseconds timeout) { return impl_->barrier(timeout); }
-Status Worker::health() const { return impl_->health(); }
+Status Worker::barrier(std::chrono::milliseconds timeout) {
+  return impl_->barrier(timeout);
+}
+Status Worker::health() const {
+  return impl_->health();
+}
 
 std::vector<ServerLoad> Worker::server_loads() const {
   std::vector<ServerLoad> out;
@@ -82,7 +94,9 @@ std::vector<ServerLoad> Worker::server_loads() const {
   }
   return out;
 }
-Status Worker::shutdown() { return impl_ ? impl_->shutdown() : Status::Ok(); }
+Status Worker::shutdown() {
+  return impl_ ? impl_->shutdown() : Status::Ok();
+}
 
 // ---- Server
 
@@ -93,10 +107,18 @@ Result<std::unique_ptr<Server>> Server::start(const Config& config) {
 }
 
 Server::Server(std::unique_ptr<ServerService> impl) : impl_(std::move(impl)) {}
-Server::~Server() { shutdown(); }
-uint32_t Server::rank() const { return impl_->rank(); }
-std::string Server::address() const { return impl_->address(); }
-Status Server::wait(std::chrono::milliseconds timeout) { return impl_->wait(timeout); }
+Server::~Server() {
+  shutdown();
+}
+uint32_t Server::rank() const {
+  return impl_->rank();
+}
+std::string Server::address() const {
+  return impl_->address();
+}
+Status Server::wait(std::chrono::milliseconds timeout) {
+  return impl_->wait(timeout);
+}
 void Server::shutdown() {
   if (impl_) impl_->shutdown();
 }
@@ -112,9 +134,15 @@ Result<std::unique_ptr<Coordinator>> Coordinator::start(const Config& config) {
 }
 
 Coordinator::Coordinator(std::unique_ptr<CoordinatorService> impl) : impl_(std::move(impl)) {}
-Coordinator::~Coordinator() { shutdown(); }
-std::string Coordinator::address() const { return impl_->address(); }
-Status Coordinator::wait(std::chrono::milliseconds timeout) { return impl_->wait(timeout); }
+Coordinator::~Coordinator() {
+  shutdown();
+}
+std::string Coordinator::address() const {
+  return impl_->address();
+}
+Status Coordinator::wait(std::chrono::milliseconds timeout) {
+  return impl_->wait(timeout);
+}
 void Coordinator::shutdown() {
   if (impl_) impl_->shutdown();
 }

@@ -41,12 +41,15 @@ int submit(psld_worker* w, uint32_t tensor, psld_request** out, Fn fn) {
 
 extern "C" {
 
-const char* psld_last_error(void) { return g_last_error.c_str(); }
+const char* psld_last_error(void) {
+  return g_last_error.c_str();
+}
 
 int psld_worker_join(int argc, const char* const* argv, psld_worker** out) {
   if (out == nullptr) return fail_args("out");
   psld::ConfigSources sources;
-  for (int i = 0; i < argc && argv != nullptr; ++i) sources.args.emplace_back(argv[i]);
+  for (int i = 0; i < argc && argv != nullptr; ++i)
+    sources.args.emplace_back(argv[i]);
   auto config = psld::load_config(sources);
   if (!config.ok()) return fail(config.status());
   auto w = psld::Worker::join(*config);
@@ -64,7 +67,8 @@ int psld_worker_rank(const psld_worker* w, uint32_t* rank, uint32_t* num_workers
 
 int psld_register_tensor(psld_worker* w, const char* name, int dtype, size_t bytes, void* data,
                          const void* init, uint32_t* tensor) {
-  if (w == nullptr || name == nullptr || tensor == nullptr) return fail_args("worker, name and tensor");
+  if (w == nullptr || name == nullptr || tensor == nullptr)
+    return fail_args("worker, name and tensor");
   auto h = w->w->register_tensor(name, static_cast<psld::DType>(dtype), bytes, data, init);
   if (!h.ok()) return fail(h.status());
   *tensor = h->index;
@@ -88,9 +92,13 @@ int psld_request_wait(psld_request* r, int64_t timeout_ms) {
   return s.ok() ? 0 : fail(s);
 }
 
-int psld_request_test(const psld_request* r) { return r == nullptr || r->r.test() ? 1 : 0; }
+int psld_request_test(const psld_request* r) {
+  return r == nullptr || r->r.test() ? 1 : 0;
+}
 
-void psld_request_free(psld_request* r) { delete r; }
+void psld_request_free(psld_request* r) {
+  delete r;
+}
 
 int psld_barrier(psld_worker* w, int64_t timeout_ms) {
   if (w == nullptr) return fail_args("worker");

@@ -27,14 +27,16 @@ std::vector<protocol::PlacementChunk> placement_chunks(const Placement& p) {
   std::vector<protocol::PlacementChunk> out;
   for (uint32_t i = 0; i < count; ++i) {
     const size_t lo = i * kPiece, hi = std::min(bytes.size(), lo + kPiece);
-    out.push_back({p.epoch(), i, count, std::vector<uint8_t>(bytes.begin() + lo, bytes.begin() + hi)});
+    out.push_back(
+        {p.epoch(), i, count, std::vector<uint8_t>(bytes.begin() + lo, bytes.begin() + hi)});
   }
   return out;
 }
 
 }  // namespace
 
-Result<std::unique_ptr<CoordinatorService>> CoordinatorService::start(const RuntimeOptions& options) {
+Result<std::unique_ptr<CoordinatorService>> CoordinatorService::start(
+    const RuntimeOptions& options) {
   if (options.num_workers == 0 || options.num_servers == 0) {
     return InvalidArgument("a job needs at least one worker and one server");
   }
@@ -44,8 +46,8 @@ Result<std::unique_ptr<CoordinatorService>> CoordinatorService::start(const Runt
   std::unique_ptr<CoordinatorService> c(new CoordinatorService(options));
   PSLD_RETURN_IF_ERROR(c->Endpoint::start(options.endpoint));
   c->monitor_ = std::thread([raw = c.get()] { raw->monitor(); });
-  PSLD_LOG_INFO("coordinator listening at {} for {} workers, {} servers (+{} standby)", c->address(),
-                options.num_workers, options.num_servers, options.num_standby);
+  PSLD_LOG_INFO("coordinator listening at {} for {} workers, {} servers (+{} standby)",
+                c->address(), options.num_workers, options.num_servers, options.num_standby);
   return c;
 }
 
@@ -64,7 +66,8 @@ CoordinatorService::~CoordinatorService() {
 size_t CoordinatorService::num_members() const {
   std::lock_guard<std::mutex> lock(mu_);
   size_t n = 0;
-  for (const auto& [id, m] : members_) n += m.welcomed;
+  for (const auto& [id, m] : members_)
+    n += m.welcomed;
   return n;
 }
 
@@ -97,7 +100,8 @@ void CoordinatorService::flush() {
     std::lock_guard<std::mutex> lock(mu_);
     out.swap(outbox_);
   }
-  for (auto& [conn, message] : out) (void)send(conn, message);
+  for (auto& [conn, message] : out)
+    (void)send(conn, message);
 }
 
 void CoordinatorService::on_disconnect(const ConnectionPtr& conn, const Status& why) {
@@ -198,10 +202,12 @@ void CoordinatorService::handle_hello(Member& m, const protocol::Hello& hello) {
                                 protocol::role_name(hello.role)));
     }
     if (ranks->count(rank)) {
-      return reject(fmt::format("{} rank {} is already taken", protocol::role_name(hello.role), rank));
+      return reject(
+          fmt::format("{} rank {} is already taken", protocol::role_name(hello.role), rank));
     }
   } else {
-    while (rank < capacity && ranks->count(rank)) ++rank;
+    while (rank < capacity && ranks->count(rank))
+      ++rank;
     if (rank == capacity) {
       return reject(fmt::format("the job already has all its {} {}s", capacity,
                                 protocol::role_name(hello.role)));
@@ -218,7 +224,7 @@ void CoordinatorService::handle_hello(Member& m, const protocol::Hello& hello) {
   m.address = hello.address;
   (*ranks)[rank] = m.conn->id();
   post(m.conn, protocol::Welcome{m.role, rank, options_.num_workers, options_.num_servers,
-                                       options_.num_standby, options_.chunk_bytes});
+                                 options_.num_standby, options_.chunk_bytes});
   PSLD_LOG_INFO("coordinator admitted {}", describe(m));
   if (job_started_) {
     send_job_state(m);  // a late standby server, or a worker rejoining
@@ -233,7 +239,8 @@ void CoordinatorService::maybe_start_job() {
     if (!servers_.count(r)) return;
   }
   std::vector<ServerSpec> specs;
-  for (uint32_t r = 0; r < options_.num_servers; ++r) specs.push_back({r, 1.0});
+  for (uint32_t r = 0; r < options_.num_servers; ++r)
+    specs.push_back({r, 1.0});
   auto p = Placement::initial(std::move(specs));
   if (!p.ok()) return fail_job("cannot build the initial placement: " + p.status().to_string());
   placement_ = std::move(p).value();
@@ -247,9 +254,11 @@ void CoordinatorService::maybe_start_job() {
 
 void CoordinatorService::send_job_state(const Member& m) {
   protocol::ServerList list;
-  for (const auto& [rank, id] : servers_) list.servers.push_back({rank, members_.at(id).address});
+  for (const auto& [rank, id] : servers_)
+    list.servers.push_back({rank, members_.at(id).address});
   post(m.conn, list);
-  for (const auto& piece : placement_chunks(*placement_)) post(m.conn, piece);
+  for (const auto& piece : placement_chunks(*placement_))
+    post(m.conn, piece);
 }
 
 void CoordinatorService::handle_register(Member& m, const protocol::RegisterTensor& reg) {
@@ -257,26 +266,27 @@ void CoordinatorService::handle_register(Member& m, const protocol::RegisterTens
   auto it = tensors_.find(reg.name);
   if (it == tensors_.end()) {
     if (reg.bytes % protocol::dtype_bytes(reg.dtype) != 0) {
-      post(m.conn, protocol::Error{0, reg.request,
-                                         static_cast<uint8_t>(StatusCode::kInvalidArgument),
-                                         fmt::format("tensor '{}': {} bytes is not a whole number "
-                                                     "of {} elements",
-                                                     reg.name, reg.bytes, dtype_name(reg.dtype))});
+      post(m.conn,
+           protocol::Error{0, reg.request, static_cast<uint8_t>(StatusCode::kInvalidArgument),
+                           fmt::format("tensor '{}': {} bytes is not a whole number "
+                                       "of {} elements",
+                                       reg.name, reg.bytes, dtype_name(reg.dtype))});
       return;
     }
-    it = tensors_.emplace(reg.name, TensorRecord{next_tensor_++, reg.dtype, reg.bytes, m.rank}).first;
+    it = tensors_.emplace(reg.name, TensorRecord{next_tensor_++, reg.dtype, reg.bytes, m.rank})
+             .first;
   } else if (it->second.dtype != reg.dtype || it->second.bytes != reg.bytes) {
     post(m.conn,
-               protocol::Error{0, reg.request, static_cast<uint8_t>(StatusCode::kAlreadyExists),
-                               fmt::format("tensor '{}' was registered by worker {} as {} bytes of "
-                                           "{}, but worker {} registers it as {} bytes of {}",
-                                           reg.name, it->second.first_worker, it->second.bytes,
-                                           dtype_name(it->second.dtype), m.rank, reg.bytes,
-                                           dtype_name(reg.dtype))});
+         protocol::Error{
+             0, reg.request, static_cast<uint8_t>(StatusCode::kAlreadyExists),
+             fmt::format("tensor '{}' was registered by worker {} as {} bytes of "
+                         "{}, but worker {} registers it as {} bytes of {}",
+                         reg.name, it->second.first_worker, it->second.bytes,
+                         dtype_name(it->second.dtype), m.rank, reg.bytes, dtype_name(reg.dtype))});
     return;
   }
-  post(m.conn, protocol::TensorInfo{reg.request, reg.name, it->second.id, reg.dtype,
-                                          reg.bytes, options_.chunk_bytes});
+  post(m.conn, protocol::TensorInfo{reg.request, reg.name, it->second.id, reg.dtype, reg.bytes,
+                                    options_.chunk_bytes});
 }
 
 void CoordinatorService::fail_job(const std::string& reason) {

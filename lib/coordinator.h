@@ -85,9 +85,9 @@ class CoordinatorService final : public Endpoint {
   const RuntimeOptions options_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::map<uint64_t, Member> members_;  // by connection id
+  std::map<uint64_t, Member> members_;              // by connection id
   std::map<uint32_t, uint64_t> workers_, servers_;  // rank -> connection id
-  std::set<uint32_t> finished_workers_;  // said goodbye, possibly gone already
+  std::set<uint32_t> finished_workers_;             // said goodbye, possibly gone already
   std::map<std::string, TensorRecord> tensors_;
   TensorId next_tensor_ = 1;
   std::map<uint64_t, std::set<uint32_t>> barriers_;

@@ -4,7 +4,9 @@
 
 namespace psld {
 
-Endpoint::~Endpoint() { stop(); }
+Endpoint::~Endpoint() {
+  stop();
+}
 
 Status Endpoint::start(const EndpointOptions& options) {
   Result<std::unique_ptr<transport::Transport>> t =

@@ -53,14 +53,15 @@ Status MemberSession::join(std::vector<uint8_t> listen_address) {
         coordinator_ = *conn;
         early.swap(early_);
       }
-      for (auto& m : early) handle(*conn, m);
+      for (auto& m : early)
+        handle(*conn, m);
       break;
     }
     last = conn.status();
     if (Clock::now() + std::chrono::milliseconds(100) > deadline) {
       return Unavailable(fmt::format("cannot reach the coordinator at {} within {} ms: {}",
-                                     options_.coordinator_address,
-                                     options_.connect_timeout.count(), last.message()));
+                                     options_.coordinator_address, options_.connect_timeout.count(),
+                                     last.message()));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
@@ -128,7 +129,8 @@ bool MemberSession::handle(const ConnectionPtr& conn, protocol::Message& message
     placement_pieces_[p->index] = std::move(p->bytes);
     if (placement_pieces_.size() == placement_count_) {
       std::vector<uint8_t> all;
-      for (auto& [i, piece] : placement_pieces_) all.insert(all.end(), piece.begin(), piece.end());
+      for (auto& [i, piece] : placement_pieces_)
+        all.insert(all.end(), piece.begin(), piece.end());
       placement_pieces_.clear();
       auto placement = Placement::deserialize(all);
       if (placement.ok()) {
@@ -242,8 +244,8 @@ Status MemberSession::barrier(std::chrono::milliseconds timeout) {
   PSLD_RETURN_IF_ERROR(endpoint_.send(conn, protocol::BarrierEnter{id}));
   std::unique_lock<std::mutex> lock(mu_);
   if (!cv_.wait_for(lock, timeout, [&] { return released_barriers_.count(id) || !health_.ok(); })) {
-    return Timeout(fmt::format("barrier {}: not every worker arrived within {} ms", id,
-                               timeout.count()));
+    return Timeout(
+        fmt::format("barrier {}: not every worker arrived within {} ms", id, timeout.count()));
   }
   PSLD_RETURN_IF_ERROR(health_);
   released_barriers_.erase(id);
@@ -285,8 +287,8 @@ void MemberSession::heartbeat_loop() {
     cv_.wait_for(lock, options_.heartbeat_interval);
     if (goodbye_) break;
     if (health_.ok() && !shutdown_ && Clock::now() - last_heard_ > options_.heartbeat_timeout) {
-      fail(fmt::format("the coordinator at {} sent nothing for {} ms",
-                       options_.coordinator_address, options_.heartbeat_timeout.count()));
+      fail(fmt::format("the coordinator at {} sent nothing for {} ms", options_.coordinator_address,
+                       options_.heartbeat_timeout.count()));
     }
     ConnectionPtr conn = coordinator_;
     lock.unlock();

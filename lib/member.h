@@ -67,7 +67,7 @@ class MemberSession {
   const protocol::Role role_;
   const RuntimeOptions options_;
   transport::ConnectionPtr coordinator_;
-  bool joining_ = false;                 // guarded by mu_
+  bool joining_ = false;                  // guarded by mu_
   std::vector<protocol::Message> early_;  // guarded by mu_
 
   mutable std::mutex mu_;

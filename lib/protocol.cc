@@ -50,8 +50,12 @@ bool read_i32(WireReader& r, int32_t* v) {
 
 // ---- One encode/decode pair per message.
 
-void put(WireWriter& w, const Challenge& m) { w.u64(m.nonce); }
-bool get(WireReader& r, Challenge* m) { return r.u64(&m->nonce); }
+void put(WireWriter& w, const Challenge& m) {
+  w.u64(m.nonce);
+}
+bool get(WireReader& r, Challenge* m) {
+  return r.u64(&m->nonce);
+}
 
 void put(WireWriter& w, const Hello& m) {
   w.u8(static_cast<uint8_t>(m.role));
@@ -81,8 +85,12 @@ bool get(WireReader& r, Welcome* m) {
          m->chunk_bytes > 0;
 }
 
-void put(WireWriter& w, const Reject& m) { w.str(m.reason); }
-bool get(WireReader& r, Reject* m) { return r.str(&m->reason, kMaxReasonBytes); }
+void put(WireWriter& w, const Reject& m) {
+  w.str(m.reason);
+}
+bool get(WireReader& r, Reject* m) {
+  return r.str(&m->reason, kMaxReasonBytes);
+}
 
 void put(WireWriter& w, const ServerList& m) {
   w.u32(static_cast<uint32_t>(m.servers.size()));
@@ -138,22 +146,42 @@ bool get(WireReader& r, TensorInfo* m) {
          m->chunk_bytes > 0;
 }
 
-void put(WireWriter& w, const BarrierEnter& m) { w.u64(m.barrier); }
-bool get(WireReader& r, BarrierEnter* m) { return r.u64(&m->barrier); }
-void put(WireWriter& w, const BarrierRelease& m) { w.u64(m.barrier); }
-bool get(WireReader& r, BarrierRelease* m) { return r.u64(&m->barrier); }
-void put(WireWriter& w, const Heartbeat& m) { w.u64(m.sequence); }
-bool get(WireReader& r, Heartbeat* m) { return r.u64(&m->sequence); }
-void put(WireWriter& w, const JobFailed& m) { w.str(m.reason); }
-bool get(WireReader& r, JobFailed* m) { return r.str(&m->reason, kMaxReasonBytes); }
+void put(WireWriter& w, const BarrierEnter& m) {
+  w.u64(m.barrier);
+}
+bool get(WireReader& r, BarrierEnter* m) {
+  return r.u64(&m->barrier);
+}
+void put(WireWriter& w, const BarrierRelease& m) {
+  w.u64(m.barrier);
+}
+bool get(WireReader& r, BarrierRelease* m) {
+  return r.u64(&m->barrier);
+}
+void put(WireWriter& w, const Heartbeat& m) {
+  w.u64(m.sequence);
+}
+bool get(WireReader& r, Heartbeat* m) {
+  return r.u64(&m->sequence);
+}
+void put(WireWriter& w, const JobFailed& m) {
+  w.str(m.reason);
+}
+bool get(WireReader& r, JobFailed* m) {
+  return r.str(&m->reason, kMaxReasonBytes);
+}
 void put(WireWriter&, const Shutdown&) {}
-bool get(WireReader&, Shutdown*) { return true; }
+bool get(WireReader&, Shutdown*) {
+  return true;
+}
 
 void put(WireWriter& w, const WorkerHello& m) {
   w.u32(m.worker_rank);
   w.u64(m.proof);
 }
-bool get(WireReader& r, WorkerHello* m) { return r.u32(&m->worker_rank) && r.u64(&m->proof); }
+bool get(WireReader& r, WorkerHello* m) {
+  return r.u32(&m->worker_rank) && r.u64(&m->proof);
+}
 
 void put(WireWriter& w, const Grant& m) {
   w.u32(m.num_slots);
@@ -174,8 +202,12 @@ bool get(WireReader& r, TensorKey* m) {
   return r.u64(&m->request) && r.u32(&m->tensor) && read_bytes(r, &m->key, kMaxBlobBytes);
 }
 
-void put(WireWriter& w, const Ack& m) { w.u64(m.request); }
-bool get(WireReader& r, Ack* m) { return r.u64(&m->request); }
+void put(WireWriter& w, const Ack& m) {
+  w.u64(m.request);
+}
+bool get(WireReader& r, Ack* m) {
+  return r.u64(&m->request);
+}
 
 void put(WireWriter& w, const PushMeta& m) {
   w.u32(m.tag);
@@ -190,8 +222,7 @@ void put(WireWriter& w, const PushMeta& m) {
 }
 bool get(WireReader& r, PushMeta* m) {
   return r.u32(&m->tag) && r.u32(&m->slot) && read_dtype(r, &m->dtype) && r.u64(&m->key) &&
-         r.u64(&m->round) &&
-         r.u64(&m->bytes) && r.u64(&m->epoch) && r.u8(&m->flags) &&
+         r.u64(&m->round) && r.u64(&m->bytes) && r.u64(&m->epoch) && r.u8(&m->flags) &&
          (m->flags & ~(kPushInit | kPushThenPull)) == 0 && r.u32(&m->pull_tag);
 }
 
@@ -210,7 +241,8 @@ bool get(WireReader& r, PullRequest* m) {
 
 void put(WireWriter& w, const Credit& m) {
   w.u32(static_cast<uint32_t>(m.slots.size()));
-  for (uint32_t s : m.slots) w.u32(s);
+  for (uint32_t s : m.slots)
+    w.u32(s);
 }
 bool get(WireReader& r, Credit* m) {
   uint32_t n = 0;
@@ -227,7 +259,9 @@ void put(WireWriter& w, const Moved& m) {
   w.u64(m.key);
   w.u64(m.epoch);
 }
-bool get(WireReader& r, Moved* m) { return r.u32(&m->tag) && r.u64(&m->key) && r.u64(&m->epoch); }
+bool get(WireReader& r, Moved* m) {
+  return r.u32(&m->tag) && r.u64(&m->key) && r.u64(&m->epoch);
+}
 
 void put(WireWriter& w, const Error& m) {
   w.u32(m.tag);
@@ -243,21 +277,32 @@ bool get(WireReader& r, Error* m) {
 
 // The wire type of each alternative of Message, in variant order.
 constexpr Type kTypes[] = {
-    Type::kChallenge,     Type::kHello,        Type::kWelcome,        Type::kReject,
-    Type::kServerList,    Type::kPlacementChunk, Type::kRegisterTensor, Type::kTensorInfo,
-    Type::kBarrierEnter,  Type::kBarrierRelease, Type::kHeartbeat,    Type::kJobFailed,
-    Type::kShutdown,      Type::kWorkerHello,  Type::kGrant,          Type::kTensorKey,
-    Type::kPushMeta,      Type::kPullRequest,  Type::kCredit,         Type::kMoved,
-    Type::kError,         Type::kAck,
+    Type::kChallenge,      Type::kHello,
+    Type::kWelcome,        Type::kReject,
+    Type::kServerList,     Type::kPlacementChunk,
+    Type::kRegisterTensor, Type::kTensorInfo,
+    Type::kBarrierEnter,   Type::kBarrierRelease,
+    Type::kHeartbeat,      Type::kJobFailed,
+    Type::kShutdown,       Type::kWorkerHello,
+    Type::kGrant,          Type::kTensorKey,
+    Type::kPushMeta,       Type::kPullRequest,
+    Type::kCredit,         Type::kMoved,
+    Type::kError,          Type::kAck,
 };
 static_assert(std::size(kTypes) == std::variant_size_v<Message>);
 
 constexpr const char* kNames[] = {
-    "Challenge",    "Hello",          "Welcome",      "Reject",        "ServerList",
-    "Placement",    "RegisterTensor", "TensorInfo",   "BarrierEnter",  "BarrierRelease",
-    "Heartbeat",    "JobFailed",      "Shutdown",     "WorkerHello",   "Grant",
-    "TensorKey",    "PushMeta",       "PullRequest",  "Credit",        "Moved",
-    "Error",        "Ack",
+    "Challenge",      "Hello",
+    "Welcome",        "Reject",
+    "ServerList",     "Placement",
+    "RegisterTensor", "TensorInfo",
+    "BarrierEnter",   "BarrierRelease",
+    "Heartbeat",      "JobFailed",
+    "Shutdown",       "WorkerHello",
+    "Grant",          "TensorKey",
+    "PushMeta",       "PullRequest",
+    "Credit",         "Moved",
+    "Error",          "Ack",
 };
 static_assert(std::size(kNames) == std::variant_size_v<Message>);
 
@@ -276,7 +321,9 @@ Result<Message> decode_as(uint16_t type, WireReader& r) {
   }
 }
 
-uint64_t rotl(uint64_t x, int b) { return (x << b) | (x >> (64 - b)); }
+uint64_t rotl(uint64_t x, int b) {
+  return (x << b) | (x >> (64 - b));
+}
 
 // SipHash-2-4 of one 64-bit word.
 uint64_t siphash_u64(uint64_t k0, uint64_t k1, uint64_t m) {
@@ -319,23 +366,31 @@ uint64_t siphash_u64(uint64_t k0, uint64_t k1, uint64_t m) {
 
 std::string_view role_name(Role role) {
   switch (role) {
-    case Role::kWorker: return "worker";
-    case Role::kServer: return "server";
-    case Role::kCoordinator: return "coordinator";
+    case Role::kWorker:
+      return "worker";
+    case Role::kServer:
+      return "server";
+    case Role::kCoordinator:
+      return "coordinator";
   }
   return "unknown";
 }
 
 std::string_view dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return "fp32";
-    case DType::kF16: return "fp16";
-    case DType::kBF16: return "bf16";
+    case DType::kF32:
+      return "fp32";
+    case DType::kF16:
+      return "fp16";
+    case DType::kBF16:
+      return "bf16";
   }
   return "unknown";
 }
 
-uint32_t dtype_bytes(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
+uint32_t dtype_bytes(DType dtype) {
+  return dtype == DType::kF32 ? 4 : 2;
+}
 
 std::vector<uint8_t> encode(const Message& message) {
   WireWriter w;
@@ -360,12 +415,13 @@ Result<Message> decode(std::span<const uint8_t> bytes) {
   return decode_as(type, r);
 }
 
-std::string_view message_name(const Message& message) { return kNames[message.index()]; }
+std::string_view message_name(const Message& message) {
+  return kNames[message.index()];
+}
 
 uint64_t secret_proof(const std::string& secret, uint64_t nonce) {
   if (secret.empty()) return 0;
-  const uint64_t k0 =
-      fnv1a64({reinterpret_cast<const uint8_t*>(secret.data()), secret.size()});
+  const uint64_t k0 = fnv1a64({reinterpret_cast<const uint8_t*>(secret.data()), secret.size()});
   const uint64_t k1 = mix64(k0 ^ secret.size());
   return siphash_u64(k0, k1, nonce);
 }

@@ -77,9 +77,9 @@ struct Challenge {
 
 struct Hello {
   Role role = Role::kWorker;
-  int32_t rank_hint = -1;            // -1: the coordinator assigns
-  uint64_t proof = 0;                // keyed hash of the challenge nonce with the job secret
-  std::vector<uint8_t> address;      // where this member listens (servers), else empty
+  int32_t rank_hint = -1;        // -1: the coordinator assigns
+  uint64_t proof = 0;            // keyed hash of the challenge nonce with the job secret
+  std::vector<uint8_t> address;  // where this member listens (servers), else empty
   uint32_t pid = 0;
   std::string host;
 };
@@ -212,10 +212,10 @@ struct Ack {
   uint64_t request = 0;
 };
 
-using Message = std::variant<Challenge, Hello, Welcome, Reject, ServerList, PlacementChunk,
-                             RegisterTensor, TensorInfo, BarrierEnter, BarrierRelease, Heartbeat,
-                             JobFailed, Shutdown, WorkerHello, Grant, TensorKey, PushMeta,
-                             PullRequest, Credit, Moved, Error, Ack>;
+using Message =
+    std::variant<Challenge, Hello, Welcome, Reject, ServerList, PlacementChunk, RegisterTensor,
+                 TensorInfo, BarrierEnter, BarrierRelease, Heartbeat, JobFailed, Shutdown,
+                 WorkerHello, Grant, TensorKey, PushMeta, PullRequest, Credit, Moved, Error, Ack>;
 
 std::vector<uint8_t> encode(const Message& message);
 // DataLoss with what was wrong for anything malformed.

@@ -27,13 +27,13 @@ struct OptimizerOptions {
 };
 
 struct RuntimeOptions {
-  EndpointOptions endpoint;          // transport name and options (listen address, ...)
-  std::string coordinator_address;   // text form of the coordinator's transport address
+  EndpointOptions endpoint;         // transport name and options (listen address, ...)
+  std::string coordinator_address;  // text form of the coordinator's transport address
   std::string secret;
   uint32_t num_workers = 1;
   uint32_t num_servers = 1;
   uint32_t num_standby = 0;
-  int32_t rank = -1;                 // -1: assigned by the coordinator
+  int32_t rank = -1;  // -1: assigned by the coordinator
   uint64_t chunk_bytes = kDefaultChunkBytes;
   uint32_t slots_per_worker = 16;
   SyncMode sync = SyncMode::kBsp;

@@ -30,7 +30,7 @@ struct ServerService::KeyState {
   uint32_t pushes = 0;   // BSP: pushes reduced into acc for round version + 1
   std::vector<bool> pushed;
   std::map<uint64_t, std::vector<PushWork>> parked;  // BSP: pushes for later rounds
-  std::deque<PushWork> deferred;                      // async: waiting for pull writes
+  std::deque<PushWork> deferred;                     // async: waiting for pull writes
   std::vector<PullWork> waiting;
   uint32_t inflight = 0;  // pull writes reading param right now
   bool apply_pending = false;
@@ -56,7 +56,7 @@ struct ServerService::WorkerConn {
   uint64_t slot_bytes = 0;
   std::vector<uint8_t> slot_busy;
   std::map<uint32_t, protocol::PushMeta> metas;  // tag -> metadata waiting for its write
-  std::map<uint32_t, uint64_t> early;            // tag -> length of a write waiting for its metadata
+  std::map<uint32_t, uint64_t> early;  // tag -> length of a write waiting for its metadata
   std::map<TensorId, std::shared_ptr<transport::RemoteRegion>> tensors;
 };
 
@@ -85,7 +85,9 @@ Result<std::unique_ptr<ServerService>> ServerService::start(const RuntimeOptions
 ServerService::ServerService(const RuntimeOptions& options)
     : options_(options), session_(*this, protocol::Role::kServer, options) {}
 
-ServerService::~ServerService() { shutdown(); }
+ServerService::~ServerService() {
+  shutdown();
+}
 
 void ServerService::shutdown() {
   if (stopping_.exchange(true)) return;
@@ -185,9 +187,9 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
     w->num_slots = options_.slots_per_worker;
     w->slot_bytes = slot_bytes;
     w->slot_busy.assign(w->num_slots, 0);
-    protocol::Grant grant{w->num_slots, slot_bytes,
-                          std::vector<uint8_t>(w->slots->remote_key().begin(),
-                                               w->slots->remote_key().end())};
+    protocol::Grant grant{
+        w->num_slots, slot_bytes,
+        std::vector<uint8_t>(w->slots->remote_key().begin(), w->slots->remote_key().end())};
     (void)send(conn, grant);
     return;
   }
@@ -212,10 +214,11 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
     if (meta->slot >= w->num_slots || meta->bytes == 0 || meta->bytes > w->slot_bytes ||
         meta->bytes % db != 0 || w->slot_busy[meta->slot]) {
       lock.unlock();
-      send_error(conn->id(), meta->tag,
-                 InvalidArgument(fmt::format("push of {} bytes into slot {} is not valid (slots: "
-                                             "{} of {} bytes)",
-                                             meta->bytes, meta->slot, w->num_slots, w->slot_bytes)));
+      send_error(
+          conn->id(), meta->tag,
+          InvalidArgument(fmt::format("push of {} bytes into slot {} is not valid (slots: "
+                                      "{} of {} bytes)",
+                                      meta->bytes, meta->slot, w->num_slots, w->slot_bytes)));
       return;
     }
     w->slot_busy[meta->slot] = 1;
@@ -243,7 +246,8 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
     dispatch(pull->key, PullWork{conn->id(), *pull});
   } else {
     lock.unlock();
-    PSLD_LOG_WARN("server {}: unexpected {} from a worker", rank(), protocol::message_name(message));
+    PSLD_LOG_WARN("server {}: unexpected {} from a worker", rank(),
+                  protocol::message_name(message));
   }
 }
 
@@ -300,7 +304,8 @@ void ServerService::shard_loop(Shard& shard) {
       if (shard.stop) return;
       batch.swap(shard.queue);
     }
-    for (auto& work : batch) process(shard, work);
+    for (auto& work : batch)
+      process(shard, work);
     batch.clear();
     flush_credits(shard);
   }
@@ -345,8 +350,8 @@ ServerService::KeyState& ServerService::key_state(Shard& shard, Key key, DType d
   k.pushed.assign(session_.welcome().num_workers, false);
   k.last_round.assign(session_.welcome().num_workers, 0);
   if (dtype != DType::kF32) k.out16 = std::make_unique<uint16_t[]>(k.n);
-  void* out = dtype == DType::kF32 ? static_cast<void*>(k.param.get())
-                                   : static_cast<void*>(k.out16.get());
+  void* out =
+      dtype == DType::kF32 ? static_cast<void*>(k.param.get()) : static_cast<void*>(k.out16.get());
   auto region = transport().register_memory(out, bytes, transport::MemoryKind::kHost);
   if (region.ok()) {
     k.out_region = *region;
@@ -516,8 +521,8 @@ void ServerService::apply_round(Shard& shard, KeyState& k) {
         break;
       case OptimizerKind::kMomentum: {
         if (!k.m) k.m = std::make_unique<float[]>(k.n);
-        kn::MomentumParams p{o.lr, o.momentum, o.dampening, o.weight_decay, o.nesterov,
-                             k.version == 0};
+        kn::MomentumParams p{o.lr,           o.momentum, o.dampening,
+                             o.weight_decay, o.nesterov, k.version == 0};
         kn::momentum_f32(k.param.get(), k.m.get(), k.acc.get(), k.n, p);
         break;
       }
@@ -525,8 +530,9 @@ void ServerService::apply_round(Shard& shard, KeyState& k) {
       case OptimizerKind::kAdamW: {
         if (!k.m) k.m = std::make_unique<float[]>(k.n);
         if (!k.v) k.v = std::make_unique<float[]>(k.n);
-        kn::AdamParams p{o.lr,           o.beta1, o.beta2, o.eps, o.weight_decay,
-                         o.kind == OptimizerKind::kAdamW, k.version + 1};
+        kn::AdamParams p{o.lr,         o.beta1,        o.beta2,
+                         o.eps,        o.weight_decay, o.kind == OptimizerKind::kAdamW,
+                         k.version + 1};
         kn::adam_f32(k.param.get(), k.m.get(), k.v.get(), k.acc.get(), k.n, p);
         break;
       }
@@ -557,15 +563,18 @@ void ServerService::apply_round(Shard& shard, KeyState& k) {
     if (next != k.parked.end()) {
       std::vector<PushWork> ready = std::move(next->second);
       k.parked.erase(next);
-      for (auto& p : ready) process_push(shard, p);
+      for (auto& p : ready)
+        process_push(shard, p);
     }
   }
 }
 
 bool ServerService::pull_ready(const KeyState& k, const protocol::PullRequest& req) const {
   switch (options_.sync) {
-    case SyncMode::kBsp: return k.version >= req.round;
-    case SyncMode::kAsync: return true;
+    case SyncMode::kBsp:
+      return k.version >= req.round;
+    case SyncMode::kAsync:
+      return true;
     case SyncMode::kStaleness: {
       // Every worker's pushes up to round - staleness must be in.
       const uint64_t slowest = *std::min_element(k.last_round.begin(), k.last_round.end());
@@ -617,7 +626,8 @@ void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
     send_error(w.conn, w.req.tag, Internal("the key's memory could not be registered"));
     return;
   }
-  const uint64_t offset = static_cast<uint64_t>(key_chunk(w.req.key)) * session_.welcome().chunk_bytes;
+  const uint64_t offset =
+      static_cast<uint64_t>(key_chunk(w.req.key)) * session_.welcome().chunk_bytes;
   ++k.inflight;
   const Key key = w.req.key;
   Status s = conn->write({k.out_region.get(), 0, remote.get(), offset, k.bytes, w.req.tag},

@@ -62,7 +62,9 @@ Result<std::unique_ptr<WorkerService>> WorkerService::start(const RuntimeOptions
 WorkerService::WorkerService(const RuntimeOptions& options)
     : options_(options), session_(*this, protocol::Role::kWorker, options) {}
 
-WorkerService::~WorkerService() { (void)shutdown(); }
+WorkerService::~WorkerService() {
+  (void)shutdown();
+}
 
 Status WorkerService::connect_servers() {
   const uint32_t rank = session_.welcome().rank;
@@ -70,7 +72,8 @@ Status WorkerService::connect_servers() {
     std::string address(entry.address.begin(), entry.address.end());
     auto conn = connect_text(transport(), address);
     if (!conn.ok()) {
-      return conn.status().with_context(fmt::format("connecting to server {} at {}", entry.rank, address));
+      return conn.status().with_context(
+          fmt::format("connecting to server {} at {}", entry.rank, address));
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -125,11 +128,13 @@ void WorkerService::on_control(const ConnectionPtr& conn, protocol::Message&& me
       }
       s->slots = *slots;
       s->slot_bytes = g->slot_bytes;
-      for (uint32_t i = 0; i < g->num_slots; ++i) s->free_slots.push_back(i);
+      for (uint32_t i = 0; i < g->num_slots; ++i)
+        s->free_slots.push_back(i);
       s->granted = true;
       cv_.notify_all();
     } else if (auto* c = std::get_if<protocol::Credit>(&message)) {
-      for (uint32_t slot : c->slots) s->free_slots.push_back(slot);
+      for (uint32_t slot : c->slots)
+        s->free_slots.push_back(slot);
       pump(*s);
     } else if (auto* a = std::get_if<protocol::Ack>(&message)) {
       auto it = acks_wanted_.find(a->request);
@@ -179,9 +184,11 @@ void WorkerService::fail_everything(const Status& why) {
   Status st = why.ok() ? Aborted("the worker stopped") : why;
   auto pending = std::move(pending_);
   pending_.clear();
-  for (auto& [tag, p] : pending) p.request->complete_part(st);
+  for (auto& [tag, p] : pending)
+    p.request->complete_part(st);
   for (auto& [rank, s] : servers_) {
-    for (auto& op : s.backlog) op.request->complete_part(st);
+    for (auto& op : s.backlog)
+      op.request->complete_part(st);
     s.backlog.clear();
   }
 }
@@ -218,7 +225,8 @@ void WorkerService::flush() {
     std::lock_guard<std::mutex> lock(mu_);
     out.swap(outbox_);
   }
-  for (auto& fn : out) fn();
+  for (auto& fn : out)
+    fn();
 }
 
 Result<uint32_t> WorkerService::register_tensor(const std::string& name, DType dtype,
@@ -272,12 +280,14 @@ Result<uint32_t> WorkerService::register_tensor(const std::string& name, DType d
       std::lock_guard<std::mutex> lock(mu_);
       request = next_request_++;
       acks_wanted_[request] = static_cast<uint32_t>(servers_.size());
-      for (auto& [r, s] : servers_) conns.push_back(s.conn);
+      for (auto& [r, s] : servers_)
+        conns.push_back(s.conn);
     }
-    protocol::TensorKey key{request, t.id,
-                            std::vector<uint8_t>(t.region->remote_key().begin(),
-                                                 t.region->remote_key().end())};
-    for (auto& c : conns) PSLD_RETURN_IF_ERROR(send(c, key));
+    protocol::TensorKey key{
+        request, t.id,
+        std::vector<uint8_t>(t.region->remote_key().begin(), t.region->remote_key().end())};
+    for (auto& c : conns)
+      PSLD_RETURN_IF_ERROR(send(c, key));
     std::unique_lock<std::mutex> lock(mu_);
     const bool acked = cv_.wait_for(lock, options_.connect_timeout, [&] {
       return acks_wanted_[request] == 0 || !session_.health().ok();
@@ -297,7 +307,8 @@ Result<uint32_t> WorkerService::register_tensor(const std::string& name, DType d
   if (init != nullptr && rank() == 0 && bytes > 0) {
     if (init != data) std::memmove(data, init, bytes);
     PSLD_ASSIGN_OR_RETURN(auto req, submit(handle, RequestKind::kInit));
-    PSLD_RETURN_IF_ERROR(req->wait(options_.connect_timeout).with_context("initial value of '" + name + "'"));
+    PSLD_RETURN_IF_ERROR(
+        req->wait(options_.connect_timeout).with_context("initial value of '" + name + "'"));
   }
   return handle;
 }
@@ -324,7 +335,8 @@ Result<std::shared_ptr<RequestState>> WorkerService::submit(uint32_t handle, Req
       }
       it->second.backlog.push_back({kind, handle, static_cast<uint32_t>(c), round, req});
     }
-    for (auto& [r, s] : servers_) pump(s);
+    for (auto& [r, s] : servers_)
+      pump(s);
   }
   flush();
   return req;
@@ -358,7 +370,8 @@ void WorkerService::issue(ServerConn& s, ChunkOp op, uint32_t slot) {
   if (op.kind == RequestKind::kPull) {
     const uint32_t pull_tag = tag();
     pending_[pull_tag] = Pending{op.request, 0, s.rank, Clock::now()};
-    protocol::PullRequest pr{pull_tag, t.dtype, span.bytes, span.key, op.round, placement_->epoch()};
+    protocol::PullRequest pr{pull_tag, t.dtype,  span.bytes,
+                             span.key, op.round, placement_->epoch()};
     outbox_.push_back([this, conn, pr] {
       Status st = send(conn, pr);
       if (!st.ok()) {
@@ -379,10 +392,11 @@ void WorkerService::issue(ServerConn& s, ChunkOp op, uint32_t slot) {
     pending_[push_tag] = Pending{op.request, pull_tag, s.rank, Clock::now()};
   }
   loads_[s.rank].bytes_pushed += span.bytes;
-  protocol::PushMeta meta{push_tag, slot,      t.dtype, span.key, op.round, span.bytes,
-                          placement_->epoch(), flags,   pull_tag};
-  transport::WriteRequest wr{t.region.get(), span.offset, s.slots.get(), slot * s.slot_bytes,
-                             span.bytes, push_tag};
+  protocol::PushMeta meta{
+      push_tag, slot,    t.dtype, span.key, op.round, span.bytes, placement_->epoch(),
+      flags,    pull_tag};
+  transport::WriteRequest wr{t.region.get(),      span.offset, s.slots.get(),
+                             slot * s.slot_bytes, span.bytes,  push_tag};
   auto region = t.region;  // kept alive by the lambda
   auto slots = s.slots;
   auto request = op.request;

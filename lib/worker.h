@@ -44,8 +44,8 @@ enum class RequestKind : uint8_t { kPush, kPull, kPushPull, kInit };
 struct ServerLoadStats {
   uint32_t server = 0;
   uint64_t bytes_pushed = 0;
-  uint64_t answers = 0;               // pulls and push_pulls answered
-  uint64_t answer_latency_ns = 0;     // summed over those answers
+  uint64_t answers = 0;            // pulls and push_pulls answered
+  uint64_t answer_latency_ns = 0;  // summed over those answers
 };
 
 class WorkerService final : public Endpoint {
@@ -115,7 +115,7 @@ class WorkerService final : public Endpoint {
   // sends happen after it is released (see issue_later_).
   void pump(ServerConn& s);
   void issue(ServerConn& s, ChunkOp op, uint32_t slot);  // mu_ held
-  void finish_tag(uint32_t tag, const Status& status);     // mu_ held
+  void finish_tag(uint32_t tag, const Status& status);   // mu_ held
   void flush();
   void fail_everything(const Status& why);  // mu_ held
 
@@ -125,7 +125,7 @@ class WorkerService final : public Endpoint {
 
   std::mutex mu_;
   std::condition_variable cv_;
-  std::map<uint32_t, ServerConn> servers_;  // by server rank
+  std::map<uint32_t, ServerConn> servers_;     // by server rank
   std::map<uint32_t, ServerLoadStats> loads_;  // by server rank
   std::vector<Tensor> tensors_;
   std::map<std::string, uint32_t> tensor_by_name_;

@@ -50,12 +50,12 @@ struct Pair {
     const uint64_t n = total / kChunk;
     const auto t0 = Clock::now();
     for (uint64_t i = 0; i < n; ++i) {
-      EXPECT_TRUE(conn->write({src.get(), 0, remote.get(), 0, kChunk, static_cast<uint32_t>(i)},
-                              nullptr)
-                      .ok());
+      EXPECT_TRUE(
+          conn->write({src.get(), 0, remote.get(), 0, kChunk, static_cast<uint32_t>(i)}, nullptr)
+              .ok());
     }
-    EXPECT_TRUE(pump({client.get(), server.get()},
-                     [&] { return server_rec.num_writes() == before + n; }, 60s));
+    EXPECT_TRUE(pump(
+        {client.get(), server.get()}, [&] { return server_rec.num_writes() == before + n; }, 60s));
     return Clock::now() - t0;
   }
 };
@@ -77,7 +77,9 @@ TEST_P(LinkRate, MeasuredThroughputIsWithinTenPercentOfTheSetting) {
 }
 
 INSTANTIATE_TEST_SUITE_P(MBps, LinkRate, ::testing::Values(50.0, 200.0, 1000.0),
-                         [](const auto& info) { return std::to_string(static_cast<int>(info.param)); });
+                         [](const auto& info) {
+                           return std::to_string(static_cast<int>(info.param));
+                         });
 
 TEST(EmulatedLink, IngressShapingPacesNotifications) {
   LinkOptions unlimited;
@@ -95,7 +97,8 @@ TEST(EmulatedLink, LatencyIsAddedToEveryOperation) {
   Pair p(link);
   const auto t0 = Clock::now();
   ASSERT_TRUE(p.conn->write({p.src.get(), 0, p.remote.get(), 0, 64, 1}, nullptr).ok());
-  ASSERT_TRUE(pump({p.client.get(), p.server.get()}, [&] { return p.server_rec.num_writes() == 1; }));
+  ASSERT_TRUE(
+      pump({p.client.get(), p.server.get()}, [&] { return p.server_rec.num_writes() == 1; }));
   EXPECT_GE(Clock::now() - t0, 20ms);
 }
 
@@ -145,11 +148,12 @@ TEST(EmulatedLink, ShutdownFailsHeldOperationsOnce) {
   std::vector<int> calls(8, 0);
   std::vector<Status> results(8);
   for (int i = 0; i < 8; ++i) {
-    ASSERT_TRUE(p.conn->write({p.src.get(), 0, p.remote.get(), 0, kChunk, static_cast<uint32_t>(i)},
-                              [&, i](Status s) {
-                                ++calls[i];
-                                results[i] = s;
-                              })
+    ASSERT_TRUE(p.conn
+                    ->write({p.src.get(), 0, p.remote.get(), 0, kChunk, static_cast<uint32_t>(i)},
+                            [&, i](Status s) {
+                              ++calls[i];
+                              results[i] = s;
+                            })
                     .ok());
   }
   p.client->shutdown();

@@ -27,7 +27,7 @@ struct RunResult {
 // Runs argv with extra environment, stdout+stderr to a file, killing the
 // whole process group if it outlives `timeout`.
 RunResult run(const std::vector<std::string>& argv, const std::vector<std::string>& env,
-        std::chrono::seconds timeout) {
+              std::chrono::seconds timeout) {
   char path[] = "/tmp/psld_launch_test_XXXXXX";
   int fd = mkstemp(path);
   RunResult r;
@@ -41,12 +41,16 @@ RunResult run(const std::vector<std::string>& argv, const std::vector<std::strin
   posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
   posix_spawnattr_setpgroup(&attr, 0);
   std::vector<std::string> envs;
-  for (char** e = environ; *e; ++e) envs.emplace_back(*e);
-  for (const auto& e : env) envs.push_back(e);
+  for (char** e = environ; *e; ++e)
+    envs.emplace_back(*e);
+  for (const auto& e : env)
+    envs.push_back(e);
   std::vector<char*> cargv, cenv;
-  for (const auto& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
+  for (const auto& a : argv)
+    cargv.push_back(const_cast<char*>(a.c_str()));
   cargv.push_back(nullptr);
-  for (const auto& e : envs) cenv.push_back(const_cast<char*>(e.c_str()));
+  for (const auto& e : envs)
+    cenv.push_back(const_cast<char*>(e.c_str()));
   cenv.push_back(nullptr);
   pid_t pid = -1;
   if (posix_spawn(&pid, cargv[0], &fa, &attr, cargv.data(), cenv.data()) != 0) {
@@ -75,16 +79,20 @@ RunResult run(const std::vector<std::string>& argv, const std::vector<std::strin
   return r;
 }
 
-std::string psld() { return std::getenv("TEST_PSLD_BINARY"); }
-std::string trainer() { return std::getenv("TEST_LAUNCH_WORKER"); }
+std::string psld() {
+  return std::getenv("TEST_PSLD_BINARY");
+}
+std::string trainer() {
+  return std::getenv("TEST_LAUNCH_WORKER");
+}
 
 const std::vector<std::string> kEnv = {"PSLD_SERVER_MODE=sum", "PSLD_UCX_TLS=tcp",
                                        "PSLD_LIVENESS_HEARTBEAT_TIMEOUT_MS=3000",
                                        "UCX_WARN_UNUSED_ENV_VARS=n"};
 
 TEST(Launch, WorkersAndServersTrainAndExitCleanly) {
-  RunResult r = run({psld(), "launch", "-w", "3", "-s", "2", "--", trainer(), "--rounds", "15"}, kEnv,
-              std::chrono::seconds(120));
+  RunResult r = run({psld(), "launch", "-w", "3", "-s", "2", "--", trainer(), "--rounds", "15"},
+                    kEnv, std::chrono::seconds(120));
   ASSERT_FALSE(r.timed_out) << r.output;
   EXPECT_EQ(r.exit_code, 0) << r.output;
   for (int w = 0; w < 3; ++w) {
@@ -97,8 +105,8 @@ TEST(Launch, WorkersAndServersTrainAndExitCleanly) {
 
 TEST(Launch, AFailingWorkerStopsTheJobAndIsNamed) {
   RunResult r = run({psld(), "launch", "-w", "3", "-s", "1", "--", trainer(), "--fail-rank", "1",
-               "--fail-code", "7"},
-              kEnv, std::chrono::seconds(120));
+                     "--fail-code", "7"},
+                    kEnv, std::chrono::seconds(120));
   ASSERT_FALSE(r.timed_out) << r.output;
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("worker 1"), std::string::npos) << r.output;
@@ -107,8 +115,8 @@ TEST(Launch, AFailingWorkerStopsTheJobAndIsNamed) {
 
 TEST(Launch, AWorkerKilledMidJobFailsTheOthersWithAClearError) {
   RunResult r = run({psld(), "launch", "-w", "3", "-s", "1", "--", trainer(), "--rounds", "40",
-               "--die-rank", "2"},
-              kEnv, std::chrono::seconds(120));
+                     "--die-rank", "2"},
+                    kEnv, std::chrono::seconds(120));
   ASSERT_FALSE(r.timed_out) << r.output;
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("worker 2"), std::string::npos) << r.output;

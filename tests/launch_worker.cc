@@ -58,7 +58,8 @@ int main(int argc, char** argv) {
     }
     std::vector<psld::Request> reqs;
     for (size_t t = 0; t < sizes.size(); ++t) {
-      for (size_t i = 0; i < sizes[t]; ++i) data[t][i] = static_cast<float>(rank + r + i % 5);
+      for (size_t i = 0; i < sizes[t]; ++i)
+        data[t][i] = static_cast<float>(rank + r + i % 5);
       auto req = w.push_pull(handles[t]);
       if (!req.ok()) {
         std::fprintf(stderr, "push_pull: %s\n", req.status().to_string().c_str());

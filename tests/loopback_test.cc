@@ -28,7 +28,8 @@ class LoopbackFaults : public ::testing::Test {
     conn_ = *client_->connect(server_->address());
     ASSERT_TRUE(pump(both(), [&] { return server_rec_.num_accepted() == 1; }));
     src_buf_.assign(4096, 0);
-    for (size_t i = 0; i < src_buf_.size(); ++i) src_buf_[i] = static_cast<uint8_t>(i * 7 + 1);
+    for (size_t i = 0; i < src_buf_.size(); ++i)
+      src_buf_[i] = static_cast<uint8_t>(i * 7 + 1);
     src_ = *client_->register_memory(src_buf_.data(), src_buf_.size(), MemoryKind::kHost);
     dst_ = *server_->allocate_memory(4096, MemoryKind::kHost);
     remote_ = *conn_->import_region(dst_->remote_key());
@@ -70,12 +71,15 @@ TEST_F(LoopbackFaults, DroppedOperationTimesOutAndNeverArrives) {
   start(plan, 200ms);
   Status result;
   bool done = false;
-  ASSERT_TRUE(conn_->write({src_.get(), 0, remote_.get(), 0, 64, 5}, [&](Status s) {
-                     result = s;
-                     done = true;
-                   })
+  ASSERT_TRUE(conn_
+                  ->write({src_.get(), 0, remote_.get(), 0, 64, 5},
+                          [&](Status s) {
+                            result = s;
+                            done = true;
+                          })
                   .ok());
-  ASSERT_TRUE(pump(both(), [&] { return done; }, 5s));
+  ASSERT_TRUE(pump(
+      both(), [&] { return done; }, 5s));
   EXPECT_EQ(result.code(), StatusCode::kTimeout) << result.to_string();
   EXPECT_EQ(server_rec_.num_writes(), 0u);
   EXPECT_TRUE(conn_->is_open()) << "a timed-out operation leaves the connection usable";
@@ -102,7 +106,8 @@ TEST_F(LoopbackFaults, ReorderDeliversEverythingOutOfOrder) {
   plan.seed = 42;
   start(plan);
   constexpr uint32_t kN = 200;
-  for (uint32_t i = 0; i < kN; ++i) ASSERT_TRUE(send_u32(i).ok());
+  for (uint32_t i = 0; i < kN; ++i)
+    ASSERT_TRUE(send_u32(i).ok());
   ASSERT_TRUE(pump(both(), [&] { return server_rec_.num_messages() == kN; }));
   std::vector<uint32_t> got;
   for (auto& [conn, bytes] : server_rec_.messages) {
@@ -111,10 +116,12 @@ TEST_F(LoopbackFaults, ReorderDeliversEverythingOutOfOrder) {
     got.push_back(v);
   }
   int inversions = 0;
-  for (size_t i = 1; i < got.size(); ++i) inversions += got[i] < got[i - 1];
+  for (size_t i = 1; i < got.size(); ++i)
+    inversions += got[i] < got[i - 1];
   EXPECT_GT(inversions, 0);
   std::sort(got.begin(), got.end());
-  for (uint32_t i = 0; i < kN; ++i) EXPECT_EQ(got[i], i);
+  for (uint32_t i = 0; i < kN; ++i)
+    EXPECT_EQ(got[i], i);
   EXPECT_GT(fabric_->counters().reordered, 0u);
 }
 
@@ -125,7 +132,8 @@ TEST_F(LoopbackFaults, CorruptFlipsExactlyOneByte) {
   ASSERT_TRUE(conn_->write({src_.get(), 0, remote_.get(), 0, 4096, 1}, nullptr).ok());
   ASSERT_TRUE(pump(both(), [&] { return server_rec_.num_writes() == 1; }));
   int differing = 0;
-  for (size_t i = 0; i < 4096; ++i) differing += dst_->data()[i] != src_buf_[i];
+  for (size_t i = 0; i < 4096; ++i)
+    differing += dst_->data()[i] != src_buf_[i];
   EXPECT_EQ(differing, 1);
 }
 
@@ -133,7 +141,8 @@ TEST_F(LoopbackFaults, DisconnectAfterNOperationsBreaksBothEnds) {
   FaultPlan plan;
   plan.disconnect_after = 5;
   start(plan);
-  for (uint32_t i = 0; i < 5; ++i) ASSERT_TRUE(send_u32(i).ok());
+  for (uint32_t i = 0; i < 5; ++i)
+    ASSERT_TRUE(send_u32(i).ok());
   Status sixth = send_u32(5);
   EXPECT_EQ(sixth.code(), StatusCode::kUnavailable) << sixth.to_string();
   ASSERT_TRUE(pump(both(), [&] {
@@ -172,8 +181,7 @@ TEST(LoopbackTransport, NeedsAFabricAndAHandler) {
   Recorder rec;
   EXPECT_EQ(create_transport("loopback", o, &rec).status().code(), StatusCode::kInvalidArgument);
   o.loopback.fabric = std::make_shared<LoopbackFabric>();
-  EXPECT_EQ(create_transport("loopback", o, nullptr).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(create_transport("loopback", o, nullptr).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(create_transport("no-such-fabric", o, &rec).status().code(), StatusCode::kNotFound);
 }
 
@@ -238,7 +246,8 @@ TEST(ProgressThread, DeliversEventsAndSleepsWhenIdle) {
   auto dst = *server->allocate_memory(64, MemoryKind::kHost);
   auto remote = *conn->import_region(dst->remote_key());
   std::atomic<bool> done{false};
-  ASSERT_TRUE(conn->write({src.get(), 0, remote.get(), 0, 64, 1}, [&](Status) { done = true; }).ok());
+  ASSERT_TRUE(
+      conn->write({src.get(), 0, remote.get(), 0, 64, 1}, [&](Status) { done = true; }).ok());
   const auto deadline = Clock::now() + 5s;
   while ((!done || srec.num_writes() == 0) && Clock::now() < deadline) {
     std::this_thread::sleep_for(1ms);

@@ -35,7 +35,9 @@ std::vector<Message> examples() {
   };
 }
 
-bool same(const Message& a, const Message& b) { return encode(a) == encode(b); }
+bool same(const Message& a, const Message& b) {
+  return encode(a) == encode(b);
+}
 
 TEST(Protocol, EveryMessageRoundTrips) {
   auto all = examples();
@@ -129,7 +131,8 @@ TEST(Protocol, RandomBytesNeverCrash) {
   int accepted = 0;
   for (int i = 0; i < 20000; ++i) {
     std::vector<uint8_t> b(rng() % 64);
-    for (auto& x : b) x = static_cast<uint8_t>(rng());
+    for (auto& x : b)
+      x = static_cast<uint8_t>(rng());
     if (b.size() >= 4 && (i & 1)) {  // often a valid header, so bodies get fuzzed too
       b[0] = static_cast<uint8_t>(1 + rng() % 28);
       b[1] = 0;

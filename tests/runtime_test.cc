@@ -58,21 +58,27 @@ struct Cluster {
     Status first;
     for (auto& f : sf) {
       auto s = f.get();
-      if (s.ok()) servers.push_back(std::move(s).value());
-      else if (first.ok()) first = s.status();
+      if (s.ok())
+        servers.push_back(std::move(s).value());
+      else if (first.ok())
+        first = s.status();
     }
     for (auto& f : wf) {
       auto w = f.get();
-      if (w.ok()) workers.push_back(std::move(w).value());
-      else if (first.ok()) first = w.status();
+      if (w.ok())
+        workers.push_back(std::move(w).value());
+      else if (first.ok())
+        first = w.status();
     }
     return first;
   }
 
   ~Cluster() {
-    for (auto& w : workers) (void)w->shutdown();
+    for (auto& w : workers)
+      (void)w->shutdown();
     if (coordinator) (void)coordinator->wait(2s);
-    for (auto& s : servers) s->shutdown();
+    for (auto& s : servers)
+      s->shutdown();
     if (coordinator) coordinator->shutdown();
   }
 };
@@ -97,7 +103,8 @@ TEST_P(Runtime, ClusterStartsAndAllWorkersGetRanks) {
   Cluster c(3, 2, nullptr, GetParam());
   ASSERT_TRUE(c.start().ok());
   std::set<uint32_t> ranks;
-  for (auto& w : c.workers) ranks.insert(w->rank());
+  for (auto& w : c.workers)
+    ranks.insert(w->rank());
   EXPECT_EQ(ranks, (std::set<uint32_t>{0, 1, 2}));
   EXPECT_EQ(c.coordinator->num_members(), 5u);
   ASSERT_TRUE(on_all(c, [&](size_t i) { return c.workers[i]->barrier(5s); }).ok());
@@ -129,7 +136,8 @@ TEST_P(Runtime, BspSumModeGivesExactSumsEveryRound) {
         PSLD_ASSIGN_OR_RETURN(auto req, w.submit(handles[t], RequestKind::kPushPull));
         reqs.push_back(req);
       }
-      for (auto& req : reqs) PSLD_RETURN_IF_ERROR(req->wait(10s));
+      for (auto& req : reqs)
+        PSLD_RETURN_IF_ERROR(req->wait(10s));
       // The sum over 4 workers of rank*1000 + r + i%13.
       for (size_t t = 0; t < elems.size(); ++t) {
         for (size_t i = 0; i < elems[t]; ++i) {
@@ -146,24 +154,29 @@ TEST_P(Runtime, BspSumModeGivesExactSumsEveryRound) {
   });
   EXPECT_TRUE(s.ok()) << s.to_string();
   uint64_t rounds = 0;
-  for (auto& srv : c.servers) rounds += srv->stats().rounds_applied;
+  for (auto& srv : c.servers)
+    rounds += srv->stats().rounds_applied;
   EXPECT_GT(rounds, 0u);
 }
 
 TEST_P(Runtime, OptimizerModeAppliesSgdFromTheInitialValue) {
-  Cluster c(2, 2, [](RuntimeOptions& o) {
-    o.mode = ServerMode::kOptimizer;
-    o.optimizer.kind = OptimizerKind::kSgd;
-    o.optimizer.lr = 0.5f;  // a power of two: exact on integer-valued data
-  }, GetParam());
+  Cluster c(
+      2, 2,
+      [](RuntimeOptions& o) {
+        o.mode = ServerMode::kOptimizer;
+        o.optimizer.kind = OptimizerKind::kSgd;
+        o.optimizer.lr = 0.5f;  // a power of two: exact on integer-valued data
+      },
+      GetParam());
   ASSERT_TRUE(c.start().ok());
   constexpr size_t kN = 20000;
   Status s = on_all(c, [&](size_t wi) -> Status {
     WorkerService& w = *c.workers[wi];
     std::vector<float> x(kN, 0.0f), init(kN);
-    for (size_t i = 0; i < kN; ++i) init[i] = static_cast<float>(i);
-    PSLD_ASSIGN_OR_RETURN(uint32_t h, w.register_tensor("w", DType::kF32, kN * 4, x.data(),
-                                                        init.data()));
+    for (size_t i = 0; i < kN; ++i)
+      init[i] = static_cast<float>(i);
+    PSLD_ASSIGN_OR_RETURN(uint32_t h,
+                          w.register_tensor("w", DType::kF32, kN * 4, x.data(), init.data()));
     PSLD_RETURN_IF_ERROR(w.barrier(5s));
     PSLD_ASSIGN_OR_RETURN(auto pull, w.submit(h, RequestKind::kPull));
     PSLD_RETURN_IF_ERROR(pull->wait(5s));
@@ -192,7 +205,8 @@ TEST_P(Runtime, Fp16TensorsAreReducedInFp32) {
     WorkerService& w = *c.workers[wi];
     std::vector<uint16_t> x(300);
     PSLD_ASSIGN_OR_RETURN(uint32_t h, w.register_tensor("h", DType::kF16, 600, x.data(), nullptr));
-    for (auto& v : x) v = kernels::f32_to_f16_scalar(1.5f + static_cast<float>(w.rank()));
+    for (auto& v : x)
+      v = kernels::f32_to_f16_scalar(1.5f + static_cast<float>(w.rank()));
     PSLD_ASSIGN_OR_RETURN(auto req, w.submit(h, RequestKind::kPushPull));
     PSLD_RETURN_IF_ERROR(req->wait(5s));
     for (auto v : x) {
@@ -217,14 +231,16 @@ TEST_P(Runtime, SameNameWithDifferentSizesIsAClearError) {
 }
 
 TEST_P(Runtime, AsyncModeConservesTheTotalOfAllPushes) {
-  Cluster c(3, 2, [](RuntimeOptions& o) { o.sync = SyncMode::kAsync; }, GetParam());
+  Cluster c(
+      3, 2, [](RuntimeOptions& o) { o.sync = SyncMode::kAsync; }, GetParam());
   ASSERT_TRUE(c.start().ok());
   constexpr size_t kN = 5000;
   constexpr int kPushes = 20;
   Status s = on_all(c, [&](size_t wi) -> Status {
     WorkerService& w = *c.workers[wi];
     std::vector<float> x(kN);
-    PSLD_ASSIGN_OR_RETURN(uint32_t h, w.register_tensor("acc", DType::kF32, kN * 4, x.data(), nullptr));
+    PSLD_ASSIGN_OR_RETURN(uint32_t h,
+                          w.register_tensor("acc", DType::kF32, kN * 4, x.data(), nullptr));
     for (int r = 0; r < kPushes; ++r) {
       std::fill(x.begin(), x.end(), 1.0f);
       PSLD_ASSIGN_OR_RETURN(auto req, w.submit(h, RequestKind::kPush));
@@ -253,7 +269,8 @@ TEST_P(Runtime, AWorkerThatDiesFailsTheJobForEveryone) {
   // Tensor memory must outlive the workers that registered it (the contract
   // of register_tensor): declared before the cluster, destroyed after it.
   std::vector<float> x(100, 1.0f);
-  Cluster c(3, 1, [](RuntimeOptions& o) { o.heartbeat_timeout = 1s; }, GetParam());
+  Cluster c(
+      3, 1, [](RuntimeOptions& o) { o.heartbeat_timeout = 1s; }, GetParam());
   ASSERT_TRUE(c.start().ok());
   auto h = c.workers[1]->register_tensor("x", DType::kF32, 400, x.data(), nullptr);
   ASSERT_TRUE(h.ok());
@@ -280,7 +297,8 @@ TEST(RuntimeLoopback, UnreachableCoordinatorIsAClearErrorAtStart) {
 }
 
 TEST_P(Runtime, WrongSecretIsRefused) {
-  Cluster c(1, 1, [](RuntimeOptions& o) { o.secret = "right"; }, GetParam());
+  Cluster c(
+      1, 1, [](RuntimeOptions& o) { o.secret = "right"; }, GetParam());
   auto coord = CoordinatorService::start(c.base);
   ASSERT_TRUE(coord.ok());
   RuntimeOptions o = c.base;

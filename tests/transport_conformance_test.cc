@@ -66,7 +66,8 @@ void fill(uint8_t* p, size_t n, uint32_t seed) {
 
 uint64_t checksum(const uint8_t* p, size_t n) {
   uint64_t h = 1469598103934665603ull;
-  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  for (size_t i = 0; i < n; ++i)
+    h = (h ^ p[i]) * 1099511628211ull;
   return h;
 }
 
@@ -129,8 +130,9 @@ TEST_P(Conformance, MessagesTravelBothWays) {
                          })
                   .ok());
   ASSERT_TRUE(pump(both(), [&] { return server_rec_.num_messages() == 1 && sent; }));
-  EXPECT_EQ(std::string(server_rec_.messages[0].second.begin(), server_rec_.messages[0].second.end()),
-            hello);
+  EXPECT_EQ(
+      std::string(server_rec_.messages[0].second.begin(), server_rec_.messages[0].second.end()),
+      hello);
 
   // The reply goes back on the accepted connection.
   ConnectionPtr back = server_rec_.last_message_conn;
@@ -197,9 +199,14 @@ TEST_P(Conformance, WritesOfEverySizeArriveIntactAtOddOffsets) {
   struct Case {
     size_t length, src_off, dst_off;
   };
-  const std::vector<Case> cases = {{1, 1, 3},          {7, 13, 5},           {4095, 3, 33},
-                                   {4097, 17, 1},      {65537, 9, 7},        {(1 << 20) + 3, 5, 11},
-                                   {(16 << 20) + 5, 1, 63}, {kMax, 63, 1}};
+  const std::vector<Case> cases = {{1, 1, 3},
+                                   {7, 13, 5},
+                                   {4095, 3, 33},
+                                   {4097, 17, 1},
+                                   {65537, 9, 7},
+                                   {(1 << 20) + 3, 5, 11},
+                                   {(16 << 20) + 5, 1, 63},
+                                   {kMax, 63, 1}};
   // At notification time the receiver checks the landed bytes: the write's
   // data must be complete before on_write runs.
   std::map<uint32_t, uint64_t> expected;
@@ -239,7 +246,8 @@ TEST_P(Conformance, TenThousandWritesAcrossEightConnectionsEachNotifiedOnce) {
     ASSERT_NE(conns.back(), nullptr);
   }
   std::vector<uint8_t> src_buf(kWrites * kSlot);
-  for (uint32_t i = 0; i < kWrites; ++i) std::memset(&src_buf[i * kSlot], static_cast<int>(i % 251), kSlot);
+  for (uint32_t i = 0; i < kWrites; ++i)
+    std::memset(&src_buf[i * kSlot], static_cast<int>(i % 251), kSlot);
   auto src = client_->register_memory(src_buf.data(), src_buf.size(), MemoryKind::kHost);
   ASSERT_TRUE(src.ok());
   auto dst = server_->allocate_memory(kWrites * kSlot, MemoryKind::kHost);
@@ -256,7 +264,8 @@ TEST_P(Conformance, TenThousandWritesAcrossEightConnectionsEachNotifiedOnce) {
     ASSERT_LT(notify, kWrites);
     ++notified[notify];
     const uint8_t* p = (*dst)->data() + notify * kSlot;
-    for (size_t k = 0; k < kSlot; ++k) bad_bytes += p[k] != notify % 251;
+    for (size_t k = 0; k < kSlot; ++k)
+      bad_bytes += p[k] != notify % 251;
   };
   uint32_t completed = 0, failed = 0;
   // Every write is issued before any progress: all 10,000 are in flight.
@@ -269,14 +278,15 @@ TEST_P(Conformance, TenThousandWritesAcrossEightConnectionsEachNotifiedOnce) {
                                });
     ASSERT_TRUE(s.ok()) << s.to_string();
   }
-  ASSERT_TRUE(pump(both(), [&] { return completed == kWrites && server_rec_.num_writes() == kWrites; },
-                   60s))
+  ASSERT_TRUE(pump(
+      both(), [&] { return completed == kWrites && server_rec_.num_writes() == kWrites; }, 60s))
       << "completed " << completed << ", notified " << server_rec_.num_writes();
   pump_for(both(), 50ms);  // a duplicate notification would show up now
   EXPECT_EQ(failed, 0u);
   EXPECT_EQ(bad_bytes, 0);
   EXPECT_EQ(server_rec_.num_writes(), kWrites);
-  for (uint32_t i = 0; i < kWrites; ++i) ASSERT_EQ(notified[i], 1) << "notify " << i;
+  for (uint32_t i = 0; i < kWrites; ++i)
+    ASSERT_EQ(notified[i], 1) << "notify " << i;
 }
 
 TEST_P(Conformance, BadWritesFailLocallyAndNeverReachThePeer) {
@@ -309,7 +319,8 @@ TEST_P(Conformance, BadWritesFailLocallyAndNeverReachThePeer) {
             StatusCode::kInvalidArgument);
   // A local region that belongs to another transport.
   std::vector<uint8_t> foreign_buf(64);
-  auto foreign = server_->register_memory(foreign_buf.data(), foreign_buf.size(), MemoryKind::kHost);
+  auto foreign =
+      server_->register_memory(foreign_buf.data(), foreign_buf.size(), MemoryKind::kHost);
   ASSERT_TRUE(foreign.ok());
   EXPECT_EQ(conn->write({foreign->get(), 0, remote->get(), 0, 8, 1}, count).code(),
             StatusCode::kInvalidArgument);
@@ -327,7 +338,8 @@ TEST_P(Conformance, BadWritesFailLocallyAndNeverReachThePeer) {
 
   // The connection still works.
   bool ok = false;
-  ASSERT_TRUE(conn->write({src->get(), 0, remote->get(), 0, 1024, 9}, [&](Status s) { ok = s.ok(); }).ok());
+  ASSERT_TRUE(
+      conn->write({src->get(), 0, remote->get(), 0, 1024, 9}, [&](Status s) { ok = s.ok(); }).ok());
   ASSERT_TRUE(pump(both(), [&] { return ok && server_rec_.num_writes() == 1; }));
 }
 
@@ -360,7 +372,8 @@ TEST_P(Conformance, ShutdownCompletesEveryPendingOperationOnce) {
   }
   client_->shutdown();
   pump_for({server_.get()}, 50ms);
-  for (int c : calls) EXPECT_EQ(c, 1);
+  for (int c : calls)
+    EXPECT_EQ(c, 1);
   client_->shutdown();  // idempotent
 }
 
@@ -369,8 +382,8 @@ TEST_P(Conformance, PeerShutdownFailsPendingOperationsWithinTheTimeout) {
   ASSERT_NE(conn, nullptr);
   server_->shutdown();
   std::vector<uint8_t> buf(64, 1);
-  ASSERT_TRUE(pump({client_.get()}, [&] { return client_rec_.num_disconnects() == 1; },
-                   op_timeout_ + 5s))
+  ASSERT_TRUE(pump(
+      {client_.get()}, [&] { return client_rec_.num_disconnects() == 1; }, op_timeout_ + 5s))
       << "the client was never told its peer went away";
   const uint8_t byte = 1;
   Status s = conn->send({&byte, 1}, nullptr);

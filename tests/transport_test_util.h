@@ -81,7 +81,8 @@ inline bool pump(const std::vector<Transport*>& transports, const std::function<
   while (!done()) {
     if (Clock::now() > deadline) return false;
     size_t n = 0;
-    for (Transport* t : transports) n += t->progress();
+    for (Transport* t : transports)
+      n += t->progress();
     if (n == 0) transports.front()->wait(std::chrono::milliseconds(1));
   }
   return true;
@@ -90,7 +91,8 @@ inline bool pump(const std::vector<Transport*>& transports, const std::function<
 // Runs progress for a while regardless (to let anything that should not
 // arrive have its chance).
 inline void pump_for(const std::vector<Transport*>& transports, std::chrono::milliseconds d) {
-  pump(transports, [] { return false; }, d);
+  pump(
+      transports, [] { return false; }, d);
 }
 
 // One backend configuration of the conformance suite.
@@ -98,10 +100,12 @@ struct Backend {
   std::string label;      // test-name suffix: loopback, ucx_tcp, ucx_shm, verbs
   std::string transport;  // create_transport() name
   std::string ucx_tls;
-  bool link = false;      // wrap in an emulated link (unlimited) to test the wrapper too
+  bool link = false;  // wrap in an emulated link (unlimited) to test the wrapper too
 };
 
-inline void PrintTo(const Backend& b, std::ostream* os) { *os << b.label; }
+inline void PrintTo(const Backend& b, std::ostream* os) {
+  *os << b.label;
+}
 
 inline std::string backend_label(const ::testing::TestParamInfo<Backend>& info) {
   return info.param.label;

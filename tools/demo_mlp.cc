@@ -43,7 +43,8 @@ bool read_gz(const std::string& path, std::vector<unsigned char>* out) {
   if (f == nullptr) return false;
   unsigned char buf[1 << 16];
   int n;
-  while ((n = gzread(f, buf, sizeof(buf))) > 0) out->insert(out->end(), buf, buf + n);
+  while ((n = gzread(f, buf, sizeof(buf))) > 0)
+    out->insert(out->end(), buf, buf + n);
   gzclose(f);
   return n == 0;
 }
@@ -61,7 +62,8 @@ bool load(const std::string& dir, const std::string& prefix, Dataset* d, std::st
     *error = "not IDX files: " + ip + ", " + lp;
     return false;
   }
-  const uint32_t n = be32(img.data() + 4), rows = be32(img.data() + 8), cols = be32(img.data() + 12);
+  const uint32_t n = be32(img.data() + 4), rows = be32(img.data() + 8),
+                 cols = be32(img.data() + 12);
   if (rows * cols != 784 || be32(lab.data() + 4) != n || img.size() != 16 + size_t{n} * 784 ||
       lab.size() != 8 + size_t{n}) {
     *error = "unexpected IDX shapes in " + ip;
@@ -70,8 +72,10 @@ bool load(const std::string& dir, const std::string& prefix, Dataset* d, std::st
   d->n = static_cast<int>(n);
   d->images.resize(size_t{n} * 784);
   d->labels.resize(n);
-  for (size_t i = 0; i < d->images.size(); ++i) d->images[i] = img[16 + i] / 255.0f;
-  for (uint32_t i = 0; i < n; ++i) d->labels[i] = lab[8 + i];
+  for (size_t i = 0; i < d->images.size(); ++i)
+    d->images[i] = img[16 + i] / 255.0f;
+  for (uint32_t i = 0; i < n; ++i)
+    d->labels[i] = lab[8 + i];
   return true;
 }
 
@@ -103,7 +107,8 @@ struct Mlp {
       layer.grad.resize(layer.params.size());
       // He initialisation for ReLU layers.
       std::normal_distribution<float> nd(0.0f, std::sqrt(2.0f / static_cast<float>(layer.in)));
-      for (size_t i = 0; i < static_cast<size_t>(layer.in) * layer.out; ++i) layer.params[i] = nd(rng);
+      for (size_t i = 0; i < static_cast<size_t>(layer.in) * layer.out; ++i)
+        layer.params[i] = nd(rng);
       layers.push_back(std::move(layer));
     }
   }
@@ -117,11 +122,13 @@ struct Mlp {
       Layer& L = layers[l];
       std::vector<float>& out = acts[l + 1];
       out.resize(static_cast<size_t>(batch) * L.out);
-      for (int r = 0; r < batch; ++r) std::memcpy(&out[static_cast<size_t>(r) * L.out], L.b(), L.out * 4);
+      for (int r = 0; r < batch; ++r)
+        std::memcpy(&out[static_cast<size_t>(r) * L.out], L.b(), L.out * 4);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, batch, L.out, L.in, 1.0f,
                   acts[l].data(), L.in, L.w(), L.out, 1.0f, out.data(), L.out);
       if (l + 1 < layers.size()) {
-        for (float& v : out) v = std::max(v, 0.0f);
+        for (float& v : out)
+          v = std::max(v, 0.0f);
       }
     }
     // Softmax cross-entropy on the logits.
@@ -133,7 +140,8 @@ struct Mlp {
       float* z = &logits[static_cast<size_t>(r) * classes];
       const float m = *std::max_element(z, z + classes);
       double sum = 0;
-      for (int c = 0; c < classes; ++c) sum += std::exp(static_cast<double>(z[c] - m));
+      for (int c = 0; c < classes; ++c)
+        sum += std::exp(static_cast<double>(z[c] - m));
       const double logsum = std::log(sum) + m;
       loss += logsum - z[y[r]];
       if (correct && std::max_element(z, z + classes) - z == y[r]) ++*correct;
@@ -153,7 +161,8 @@ struct Mlp {
                   L.in, delta.data(), L.out, 0.0f, L.gw(), L.out);
       std::fill(L.gb(), L.gb() + L.out, 0.0f);
       for (int r = 0; r < batch; ++r) {
-        for (int c = 0; c < L.out; ++c) L.gb()[c] += delta[static_cast<size_t>(r) * L.out + c];
+        for (int c = 0; c < L.out; ++c)
+          L.gb()[c] += delta[static_cast<size_t>(r) * L.out + c];
       }
       if (li == 0) break;
       std::vector<float> prev(static_cast<size_t>(batch) * L.in);
@@ -238,7 +247,8 @@ int main(int argc, char** argv) {
 
   // This worker's shard: every workers-th image starting at rank.
   std::vector<int> shard;
-  for (int i = rank; i < train.n; i += workers) shard.push_back(i);
+  for (int i = rank; i < train.n; i += workers)
+    shard.push_back(i);
   std::mt19937_64 rng(1000 + rank);
   std::vector<float> xb(static_cast<size_t>(batch) * 784);
   std::vector<int> yb(batch);
@@ -252,7 +262,8 @@ int main(int argc, char** argv) {
   std::vector<psld::ServerLoad> last_loads = worker.server_loads();
   if (rank == 0) {
     std::printf("%6s %9s %10s %9s", "round", "loss", "images/s", "round ms");
-    for (const auto& l : last_loads) std::printf("   server %u: MB/s  answer ms", l.server);
+    for (const auto& l : last_loads)
+      std::printf("   server %u: MB/s  answer ms", l.server);
     std::printf("\n");
     std::fflush(stdout);
   }
@@ -294,10 +305,12 @@ int main(int argc, char** argv) {
                   1000.0 * secs / 25.0);
       const std::vector<psld::ServerLoad> loads = worker.server_loads();
       for (size_t i = 0; i < loads.size() && i < last_loads.size(); ++i) {
-        const double mb = static_cast<double>(loads[i].bytes_pushed - last_loads[i].bytes_pushed) / 1e6;
+        const double mb =
+            static_cast<double>(loads[i].bytes_pushed - last_loads[i].bytes_pushed) / 1e6;
         const double answers = static_cast<double>(loads[i].answers - last_loads[i].answers);
-        const double latency_us = loads[i].mean_answer_us * static_cast<double>(loads[i].answers) -
-                                  last_loads[i].mean_answer_us * static_cast<double>(last_loads[i].answers);
+        const double latency_us =
+            loads[i].mean_answer_us * static_cast<double>(loads[i].answers) -
+            last_loads[i].mean_answer_us * static_cast<double>(last_loads[i].answers);
         std::printf("   %22.1f %10.2f", mb / secs, answers > 0 ? latency_us / answers / 1e3 : 0.0);
       }
       std::printf("\n");
@@ -316,7 +329,8 @@ int main(int argc, char** argv) {
     for (int i = 0; i < test.n; i += chunk) {
       const int b = std::min(chunk, test.n - i);
       loss += model.step(&test.images[static_cast<size_t>(i) * 784], &test.labels[i], b, false,
-                         &correct) * b;
+                         &correct) *
+              b;
     }
     std::printf("trained %d rounds x %d workers x %d images in %.1f s (%.0f images/s)\n", rounds,
                 workers, batch, total, rounds * double(batch) * workers / total);

@@ -9,8 +9,8 @@
 // does (PSLD_CONFIG file, launcher environment, PSLD_* variables, flags).
 #include <arpa/inet.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <fmt/format.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -58,7 +58,8 @@ psld::Result<psld::Config> config_from(int argc, char** argv, int first,
                                        std::vector<std::string> prefix = {}) {
   psld::ConfigSources sources;
   sources.args = std::move(prefix);
-  for (int i = first; i < argc; ++i) sources.args.emplace_back(argv[i]);
+  for (int i = first; i < argc; ++i)
+    sources.args.emplace_back(argv[i]);
   return psld::load_config(sources);
 }
 
@@ -104,7 +105,9 @@ struct Child {
 };
 
 std::atomic<int> g_signal{0};
-void on_signal(int sig) { g_signal = sig; }
+void on_signal(int sig) {
+  g_signal = sig;
+}
 
 pid_t spawn(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env,
             int* out_fd) {
@@ -119,9 +122,11 @@ pid_t spawn(const std::vector<std::string>& argv, const std::map<std::string, st
     if (getppid() != parent) _exit(127);
     dup2(fds[1], STDOUT_FILENO);
     dup2(fds[1], STDERR_FILENO);
-    for (const auto& [k, v] : env) setenv(k.c_str(), v.c_str(), 1);
+    for (const auto& [k, v] : env)
+      setenv(k.c_str(), v.c_str(), 1);
     std::vector<char*> args;
-    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    for (const auto& a : argv)
+      args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);
     execvp(args[0], args.data());
     std::fprintf(stderr, "cannot run %s: %s\n", args[0], std::strerror(errno));
@@ -209,7 +214,8 @@ int cmd_launch(int argc, char** argv) {
   if (workers < 1 || servers < 1 || standby < 0) {
     return fail(std::string("launch needs -w N (>= 1) and -s M (>= 1)\n") + kUsage);
   }
-  if (i >= argc) return fail(std::string("launch needs a PROGRAM to run as the workers\n") + kUsage);
+  if (i >= argc)
+    return fail(std::string("launch needs a PROGRAM to run as the workers\n") + kUsage);
   std::vector<std::string> program(argv + i, argv + argc);
 
   // The coordinator runs in this process; its real port goes to the children.
@@ -303,7 +309,8 @@ int cmd_launch(int argc, char** argv) {
           c.exited = true;
           c.status = status;
           const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-          if (!ok && failure.empty() && stop_deadline == std::chrono::steady_clock::time_point::max()) {
+          if (!ok && failure.empty() &&
+              stop_deadline == std::chrono::steady_clock::time_point::max()) {
             failure = fmt::format("{} (pid {}) {}", c.name, c.pid, describe_exit(status));
             std::fprintf(stderr, "psld launch: %s; stopping the job\n", failure.c_str());
             stop_all(SIGTERM);

@@ -60,7 +60,8 @@ struct HeldCompletion {
 
 class LinkConnection final : public Connection {
  public:
-  LinkConnection(LinkTransport* owner, ConnectionPtr inner) : owner_(owner), inner_(std::move(inner)) {}
+  LinkConnection(LinkTransport* owner, ConnectionPtr inner)
+      : owner_(owner), inner_(std::move(inner)) {}
 
   uint64_t id() const override { return inner_->id(); }
   std::string peer() const override { return inner_->peer(); }
@@ -131,7 +132,8 @@ class LinkTransport final : public Transport, public Handler {
         queue_.erase(queue_.begin());
       }
     }
-    for (auto& fn : due) fn();
+    for (auto& fn : due)
+      fn();
     return n + due.size();
   }
 
@@ -195,11 +197,11 @@ class LinkTransport final : public Transport, public Handler {
     std::lock_guard<std::mutex> lock(mu_);
     const auto at = ingress_.release(0, Clock::now());
     queue_.emplace(std::make_pair(at, seq_++), Action{[this, wrapper, why, conn] {
-                                                       user_->on_disconnect(wrapper, why);
-                                                       std::lock_guard<std::mutex> l(mu_);
-                                                       conns_.erase(conn->id());
-                                                     },
-                                                     nullptr});
+                                                        user_->on_disconnect(wrapper, why);
+                                                        std::lock_guard<std::mutex> l(mu_);
+                                                        conns_.erase(conn->id());
+                                                      },
+                                                      nullptr});
   }
 
  private:
@@ -280,7 +282,8 @@ Status LinkConnection::send(std::span<const uint8_t> message, Completion done) {
 
 Status validate_link_options(const LinkOptions& link) {
   if (!(link.egress_bytes_per_second >= 0) || !std::isfinite(link.egress_bytes_per_second)) {
-    return InvalidArgument("link.egress_bytes_per_second must be a finite value >= 0 (0: unlimited)");
+    return InvalidArgument(
+        "link.egress_bytes_per_second must be a finite value >= 0 (0: unlimited)");
   }
   if (!(link.ingress_bytes_per_second >= 0) || !std::isfinite(link.ingress_bytes_per_second)) {
     return InvalidArgument(
@@ -293,8 +296,7 @@ Status validate_link_options(const LinkOptions& link) {
 
 Result<std::unique_ptr<Transport>> create_emulated_link(std::string_view inner,
                                                         const TransportOptions& options,
-                                                        const LinkOptions& link,
-                                                        Handler* handler) {
+                                                        const LinkOptions& link, Handler* handler) {
   if (handler == nullptr) return InvalidArgument("create_emulated_link needs a Handler");
   PSLD_RETURN_IF_ERROR(validate_link_options(link));
   auto t = std::make_unique<LinkTransport>(link, handler);

@@ -20,8 +20,8 @@
 namespace psld::transport {
 
 struct LinkOptions {
-  double egress_bytes_per_second = 0;   // 0: unlimited
-  double ingress_bytes_per_second = 0;  // 0: unlimited
+  double egress_bytes_per_second = 0;    // 0: unlimited
+  double ingress_bytes_per_second = 0;   // 0: unlimited
   std::chrono::microseconds latency{0};  // one way, added to everything sent
   // Bytes that may pass at full speed after an idle period. 64 KiB is a few
   // socket buffers' worth; a larger burst hides the limit on short runs.
@@ -37,8 +37,7 @@ Status validate_link_options(const LinkOptions& link);
 // name() is "<inner>+link".
 Result<std::unique_ptr<Transport>> create_emulated_link(std::string_view inner,
                                                         const TransportOptions& options,
-                                                        const LinkOptions& link,
-                                                        Handler* handler);
+                                                        const LinkOptions& link, Handler* handler);
 
 // Changes the link of a transport made by create_emulated_link while it runs
 // (a straggler that appears at round 200). InvalidArgument for any other

@@ -21,17 +21,26 @@ std::atomic<int>& level_slot() {
 }  // namespace
 
 bool parse_log_level(std::string_view name, LogLevel* level) {
-  if (name == "error") *level = LogLevel::kError;
-  else if (name == "warn") *level = LogLevel::kWarn;
-  else if (name == "info") *level = LogLevel::kInfo;
-  else if (name == "debug") *level = LogLevel::kDebug;
-  else return false;
+  if (name == "error")
+    *level = LogLevel::kError;
+  else if (name == "warn")
+    *level = LogLevel::kWarn;
+  else if (name == "info")
+    *level = LogLevel::kInfo;
+  else if (name == "debug")
+    *level = LogLevel::kDebug;
+  else
+    return false;
   return true;
 }
 
-LogLevel log_level() { return static_cast<LogLevel>(level_slot().load(std::memory_order_relaxed)); }
+LogLevel log_level() {
+  return static_cast<LogLevel>(level_slot().load(std::memory_order_relaxed));
+}
 
-void set_log_level(LogLevel level) { level_slot().store(static_cast<int>(level)); }
+void set_log_level(LogLevel level) {
+  level_slot().store(static_cast<int>(level));
+}
 
 void log_line(LogLevel level, std::string_view message) {
   static constexpr const char* kNames[] = {"error", "warn", "info", "debug"};

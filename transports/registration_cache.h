@@ -47,8 +47,9 @@ class RegistrationCache {
           Key{reinterpret_cast<uintptr_t>(data), length, static_cast<MemoryKind>(k)});
     }
     if (erased == 0) {
-      return NotFound("no registration for this exact range (address and length must match "
-                      "the register_memory call)");
+      return NotFound(
+          "no registration for this exact range (address and length must match "
+          "the register_memory call)");
     }
     return Status::Ok();
   }

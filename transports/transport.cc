@@ -17,8 +17,10 @@ namespace psld::transport {
 
 std::string_view memory_kind_name(MemoryKind kind) {
   switch (kind) {
-    case MemoryKind::kHost: return "host";
-    case MemoryKind::kCuda: return "cuda";
+    case MemoryKind::kHost:
+      return "host";
+    case MemoryKind::kCuda:
+      return "cuda";
   }
   return "unknown";
 }

@@ -190,8 +190,7 @@ class Transport {
   // Allocates and registers `length` bytes the transport chooses where to put
   // (e.g. shared memory a local peer can map), zero-filled; freed when the
   // last reference goes. Landing slots use this.
-  virtual Result<std::shared_ptr<MemoryRegion>> allocate_memory(size_t length,
-                                                                MemoryKind kind) = 0;
+  virtual Result<std::shared_ptr<MemoryRegion>> allocate_memory(size_t length, MemoryKind kind) = 0;
   // Drops the cached registrations of exactly this range; the region stays
   // valid for holders of its shared_ptr until they let go. Returns NotFound if
   // nothing was registered for it.

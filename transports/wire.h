@@ -32,7 +32,8 @@ class WireWriter {
 
  private:
   void le(uint64_t v, int n) {
-    for (int i = 0; i < n; ++i) out_.push_back(static_cast<uint8_t>(v >> (8 * i)));
+    for (int i = 0; i < n; ++i)
+      out_.push_back(static_cast<uint8_t>(v >> (8 * i)));
   }
   std::vector<uint8_t> out_;
 };
@@ -66,7 +67,8 @@ class WireReader {
   bool le(T* v, size_t n) {
     if (remaining() < n) return false;
     uint64_t x = 0;
-    for (size_t i = 0; i < n; ++i) x |= static_cast<uint64_t>(in_[pos_ + i]) << (8 * i);
+    for (size_t i = 0; i < n; ++i)
+      x |= static_cast<uint64_t>(in_[pos_ + i]) << (8 * i);
     pos_ += n;
     *v = static_cast<T>(x);
     return true;

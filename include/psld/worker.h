@@ -6,8 +6,8 @@
 //                                    bytes, grad_and_param, initial_value);
 //   for (...) {
 //     compute gradients into grad_and_param;
-//     auto req = worker->push_pull(*w);                   // zero-copy: reads and writes your memory
-//     req->wait();                                        // now it holds the new parameters
+//     auto req = worker->push_pull(*w);                   // zero-copy: reads and writes your
+//     memory req->wait();                                        // now it holds the new parameters
 //   }
 //   worker->shutdown();
 //
@@ -42,8 +42,8 @@ enum class DType : uint8_t {
 struct ServerLoad {
   uint32_t server = 0;
   uint64_t bytes_pushed = 0;
-  uint64_t answers = 0;            // pull and push_pull chunks answered
-  double mean_answer_us = 0;       // mean time from sending a chunk to its answer
+  uint64_t answers = 0;       // pull and push_pull chunks answered
+  double mean_answer_us = 0;  // mean time from sending a chunk to its answer
 };
 
 // A registered tensor.
@@ -86,8 +86,8 @@ class Worker {
   // registers the same names with the same dtype and size (else an error
   // naming the tensor). With `init`, worker 0 sets the initial value (copied
   // into `data` first); call barrier() before other workers pull it.
-  Result<TensorHandle> register_tensor(std::string_view name, DType dtype, size_t bytes,
-                                       void* data, const void* init = nullptr);
+  Result<TensorHandle> register_tensor(std::string_view name, DType dtype, size_t bytes, void* data,
+                                       const void* init = nullptr);
 
   // Sends the tensor's contents (a gradient) for the next round.
   Result<Request> push(TensorHandle tensor);

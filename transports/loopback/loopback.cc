@@ -178,8 +178,8 @@ class LbConnection final : public Connection, public std::enable_shared_from_thi
     }
     if (node != peer_node_id_) {
       return InvalidArgument(
-          fmt::format("remote key belongs to transport {}, not to this connection's peer {}",
-                      node, peer_node_id_));
+          fmt::format("remote key belongs to transport {}, not to this connection's peer {}", node,
+                      peer_node_id_));
     }
     auto peer = peer_node_.lock();
     auto target = peer ? peer->exported_region(region) : nullptr;
@@ -280,9 +280,8 @@ Status LbConnection::deliver(const Plan& plan, std::function<void(LbConnection&)
       if (!last) return;
       // The bytes landed: the sender's operation is complete.
       if (auto sender = self_weak.lock()) {
-        sender->post(Clock::now(), [sender, op_id] {
-          sender->pending.take(op_id, Status::Ok()).run();
-        });
+        sender->post(Clock::now(),
+                     [sender, op_id] { sender->pending.take(op_id, Status::Ok()).run(); });
       }
     };
     if (!peer_node->post(due, std::move(fn))) return Unavailable("peer transport shut down");
@@ -303,12 +302,14 @@ Status LbConnection::check_write(const WriteRequest& req) const {
     return InvalidArgument("write target was not imported on this connection");
   }
   if (req.local_offset > local->length() || req.length > local->length() - req.local_offset) {
-    return OutOfRange(fmt::format("write of {} bytes at offset {} exceeds the {}-byte source region",
-                                  req.length, req.local_offset, local->length()));
+    return OutOfRange(
+        fmt::format("write of {} bytes at offset {} exceeds the {}-byte source region", req.length,
+                    req.local_offset, local->length()));
   }
   if (req.remote_offset > remote->length() || req.length > remote->length() - req.remote_offset) {
-    return OutOfRange(fmt::format("write of {} bytes at offset {} exceeds the {}-byte remote region",
-                                  req.length, req.remote_offset, remote->length()));
+    return OutOfRange(
+        fmt::format("write of {} bytes at offset {} exceeds the {}-byte remote region", req.length,
+                    req.remote_offset, remote->length()));
   }
   auto peer_node = peer_node_.lock();
   if (!peer_node || !peer_node->exported_region(remote->peer_region_id())) {
@@ -324,7 +325,8 @@ Status LbConnection::write(const WriteRequest& req, Completion done) {
   auto dst = peer_node ? peer_node->exported_region(req.remote->peer_region_id()) : nullptr;
   if (!self || !dst) return Unavailable("peer transport is gone");
   // Keeps the source alive until the delivery ran, even if the caller drops it.
-  auto src = const_cast<LbRegion*>(static_cast<const LbRegion*>(req.local))->weak_from_this().lock();
+  auto src =
+      const_cast<LbRegion*>(static_cast<const LbRegion*>(req.local))->weak_from_this().lock();
   if (!src) return InvalidArgument("write source region is being destroyed");
 
   PSLD_ASSIGN_OR_RETURN(Plan plan, draw());
@@ -378,17 +380,19 @@ void LbConnection::break_connection(const Status& why, bool local) {
       auto failed = self->pending.fail_connection(id_, why);
       auto shared_failed = std::make_shared<std::vector<PendingOps::Ready>>(std::move(failed));
       const bool posted = self->post(Clock::now(), [self, me, shared_failed, why] {
-        for (auto& r : *shared_failed) r.run();
+        for (auto& r : *shared_failed)
+          r.run();
         self->handler->on_disconnect(me, why);
       });
       // After shutdown nothing runs in progress() any more: complete here.
       if (!posted) {
-        for (auto& r : *shared_failed) r.run();
+        for (auto& r : *shared_failed)
+          r.run();
       }
     }
     if (auto peer = peer_.lock()) {
-      peer->break_connection(
-          local ? Unavailable("peer closed the connection") : why, /*local=*/false);
+      peer->break_connection(local ? Unavailable("peer closed the connection") : why,
+                             /*local=*/false);
     }
   }
 }
@@ -462,7 +466,8 @@ class LoopbackTransport final : public Transport {
         node_->inbox.erase(node_->inbox.begin());
       }
     }
-    for (auto& fn : due) fn();
+    for (auto& fn : due)
+      fn();
     return n + due.size();
   }
 
@@ -505,9 +510,11 @@ class LoopbackTransport final : public Transport {
       node_->connections.clear();
       node_->exported.clear();
     }
-    for (auto& c : conns) c->break_connection(Aborted("transport shut down"), true);
+    for (auto& c : conns)
+      c->break_connection(Aborted("transport shut down"), true);
     // Completions still owed are delivered here, exactly once.
-    for (auto& r : node_->pending.fail_all(Aborted("transport shut down"))) r.run();
+    for (auto& r : node_->pending.fail_all(Aborted("transport shut down")))
+      r.run();
     node_->cache.clear();
     node_->cv.notify_all();
   }
@@ -520,8 +527,8 @@ class LoopbackTransport final : public Transport {
     const uint64_t id = node_->next_region.fetch_add(1);
     // The deleter unexports the region, so a peer's later write fails cleanly.
     std::weak_ptr<Node> weak = node_;
-    auto* raw = new LbRegion(data, length, kind, id, node_->id, node_->fabric->token,
-                             std::move(owned));
+    auto* raw =
+        new LbRegion(data, length, kind, id, node_->id, node_->fabric->token, std::move(owned));
     std::shared_ptr<LbRegion> region(raw, [weak, id](LbRegion* r) {
       if (auto n = weak.lock()) {
         std::lock_guard<std::mutex> lock(n->mu);
@@ -545,7 +552,8 @@ Result<ConnectionPtr> connect_nodes(const std::shared_ptr<Node>& self, const std
   {
     std::lock_guard<std::mutex> lock(self->fabric->mu);
     auto it = self->fabric->listeners.find(address);
-    if (it != self->fabric->listeners.end()) target = std::static_pointer_cast<Node>(it->second.lock());
+    if (it != self->fabric->listeners.end())
+      target = std::static_pointer_cast<Node>(it->second.lock());
     plan = self->fabric->plan_for(self->address);
     seq = self->fabric->next_connection_seq++;
   }

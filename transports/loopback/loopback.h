@@ -25,11 +25,11 @@ namespace psld::transport {
 // are in [0, 1]; draws come from a generator seeded by `seed` and the
 // connection's creation order, so a test sees the same faults every run.
 struct FaultPlan {
-  std::chrono::microseconds delay{0};   // added to every delivery
-  double drop = 0;                      // vanishes: the sender's op times out
-  double duplicate = 0;                 // delivered twice
-  double reorder = 0;                   // delivered after the next operation
-  double corrupt = 0;                   // one byte of the payload flipped
+  std::chrono::microseconds delay{0};  // added to every delivery
+  double drop = 0;                     // vanishes: the sender's op times out
+  double duplicate = 0;                // delivered twice
+  double reorder = 0;                  // delivered after the next operation
+  double corrupt = 0;                  // one byte of the payload flipped
   // After this many operations on the connection it breaks: both ends see
   // on_disconnect and every pending operation fails with Unavailable.
   uint64_t disconnect_after = UINT64_MAX;

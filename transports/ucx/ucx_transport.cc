@@ -1107,7 +1107,8 @@ void UcxCore::handle_hello_ack(const ConnPtr& conn, std::span<const uint8_t> pay
   // can overtake its deferred answer; it was held until now.
   std::vector<std::pair<unsigned, std::vector<uint8_t>>> early;
   early.swap(conn->early_);
-  for (auto& [early_id, bytes] : early) handle_control(conn, early_id, bytes);
+  for (auto& [early_id, bytes] : early)
+    handle_control(conn, early_id, bytes);
 }
 
 bool UcxCore::hold_early(UcxConnection& conn, unsigned id, std::span<const uint8_t> payload) {
