@@ -1,0 +1,97 @@
+// The C API end to end: a coordinator and a server in this process (C++ API,
+// UCX over TCP on loopback), one worker through psld/c_api.h.
+#include "psld/c_api.h"
+
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <future>
+#include <string>
+#include <vector>
+
+#include "psld/coordinator.h"
+#include "psld/server.h"
+
+namespace {
+
+int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  int port = -1;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+    port = ntohs(a.sin_port);
+  }
+  close(fd);
+  return port;
+}
+
+TEST(CApi, AWorkerPushPullsThroughTheCApi) {
+  const std::string coordinator = "127.0.0.1:" + std::to_string(free_port());
+  psld::Config cfg;
+  cfg.job.coordinator = coordinator;
+  cfg.job.transport = "ucx";
+  cfg.ucx.tls = "tcp";
+  cfg.server.mode = psld::ServerMode::kSum;
+  auto coord = psld::Coordinator::start(cfg);
+  ASSERT_TRUE(coord.ok()) << coord.status().to_string();
+  auto server = std::async(std::launch::async, [&] { return psld::Server::start(cfg); });
+
+  const std::vector<std::string> flags = {"--job.coordinator=" + coordinator, "--job.transport=ucx",
+                                          "--ucx.tls=tcp"};
+  std::vector<const char*> argv;
+  for (const auto& f : flags)
+    argv.push_back(f.c_str());
+  psld_worker* w = nullptr;
+  ASSERT_EQ(psld_worker_join(static_cast<int>(argv.size()), argv.data(), &w), PSLD_OK)
+      << psld_last_error();
+  auto srv = server.get();
+  ASSERT_TRUE(srv.ok()) << srv.status().to_string();
+
+  uint32_t rank = 99, workers = 0;
+  ASSERT_EQ(psld_worker_rank(w, &rank, &workers), PSLD_OK);
+  EXPECT_EQ(rank, 0u);
+  EXPECT_EQ(workers, 1u);
+
+  std::vector<float> x(1000, 3.0f);
+  uint32_t t = 0;
+  ASSERT_EQ(psld_register_tensor(w, "x", PSLD_FLOAT32, x.size() * 4, x.data(), nullptr, &t),
+            PSLD_OK)
+      << psld_last_error();
+  for (int round = 1; round <= 3; ++round) {
+    for (auto& v : x)
+      v = static_cast<float>(round);
+    psld_request* r = nullptr;
+    ASSERT_EQ(psld_push_pull(w, t, &r), PSLD_OK) << psld_last_error();
+    ASSERT_EQ(psld_request_wait(r, 10000), PSLD_OK) << psld_last_error();
+    EXPECT_EQ(psld_request_test(r), 1);
+    psld_request_free(r);
+    for (float v : x)
+      ASSERT_EQ(v, static_cast<float>(round));  // one worker: the sum is its push
+  }
+
+  // Errors are codes plus a message, never a crash.
+  uint32_t bad = 0;
+  EXPECT_EQ(psld_register_tensor(w, nullptr, PSLD_FLOAT32, 4, x.data(), nullptr, &bad),
+            PSLD_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(psld_last_error()), "");
+  EXPECT_EQ(psld_register_tensor(w, "x", PSLD_FLOAT32, 8, x.data(), nullptr, &bad),
+            PSLD_ALREADY_EXISTS)
+      << psld_last_error();
+  psld_request* none = nullptr;
+  EXPECT_EQ(psld_pull(w, 12345, &none), PSLD_INVALID_ARGUMENT);
+
+  EXPECT_EQ(psld_barrier(w, 5000), PSLD_OK) << psld_last_error();
+  EXPECT_EQ(psld_worker_shutdown(w), PSLD_OK) << psld_last_error();
+  EXPECT_TRUE((*coord)->wait(std::chrono::seconds(5)).ok());
+  (*srv)->shutdown();
+  (*coord)->shutdown();
+}
+
+}  // namespace
