@@ -18,10 +18,10 @@
 //   "am":  an active message whose header names the target (region id,
 //          secret, offset) and whose payload UCX moves eagerly or by
 //          rendezvous straight into the target region. Used where UCX only
-//          emulates put (tcp in UCX 1.13: ucp_put_bw ran at 0.16-0.37 GiB/s at
-//          1 MiB on our test machine against 8.7 GiB/s for active messages,
-//          and stalled at 16 MiB), and for heap regions of a shared-memory
-//          peer, which UCX cannot map.
+//          emulates put (tcp in UCX 1.13: ucp_put_bw ran at 0.16-1.4 GiB/s at
+//          1 MiB on our test machine against 8.7-9.0 GiB/s for active
+//          messages, and stalled at 16 MiB), and for heap regions of a
+//          shared-memory peer, which UCX cannot map.
 //
 // UcxOptions.write_path forces one ("put" or "am"); Connection::write_path()
 // says which the connection uses. docs/transport-results.md has the figures.
