@@ -1,4 +1,6 @@
 // The public classes of include/psld/ over the services in lib/.
+#include <future>
+
 #include "lib/coordinator.h"
 #include "lib/runtime_options.h"
 #include "lib/server.h"
@@ -33,13 +35,55 @@ bool Request::test() const {
 
 Result<std::unique_ptr<Worker>> Worker::join(const Config& config) {
   PSLD_RETURN_IF_ERROR(check_config(config));
-  PSLD_ASSIGN_OR_RETURN(auto impl, WorkerService::start(runtime_options_from_config(config)));
-  return std::unique_ptr<Worker>(new Worker(std::move(impl)));
+  const RuntimeOptions options = runtime_options_from_config(config);
+  std::unique_ptr<Worker> w(new Worker());
+  if (!config.job.colocate_servers) {
+    PSLD_ASSIGN_OR_RETURN(w->impl_, WorkerService::start(options));
+    return w;
+  }
+  if (options.rank < 0) {
+    return InvalidArgument(
+        "job.colocate_servers needs this worker's rank at start: run it under a launcher "
+        "(mpirun, srun, torchrun) or set job.rank");
+  }
+  if (options.rank == 0) {
+    RuntimeOptions c = options;
+    c.endpoint.options.common.listen_address = config.job.coordinator;
+    auto coordinator = CoordinatorService::start(c);
+    if (!coordinator.ok()) {
+      return coordinator.status().with_context("worker 0 runs the coordinator of a colocated job");
+    }
+    w->coordinator_ = std::move(coordinator).value();
+  }
+  // Both block until the whole job joined, so they start side by side.
+  auto server =
+      std::async(std::launch::async, [&options] { return ServerService::start(options); });
+  auto worker = WorkerService::start(options);
+  auto started = server.get();
+  if (!started.ok()) {
+    return started.status().with_context("the server colocated with worker " +
+                                         std::to_string(options.rank));
+  }
+  w->server_ = std::move(started).value();
+  if (!worker.ok()) return worker.status();
+  w->impl_ = std::move(worker).value();
+  PSLD_LOG_INFO("worker {} runs server {}{}", w->impl_->rank(), w->server_->rank(),
+                w->coordinator_ ? " and the coordinator" : "");
+  return w;
 }
 
-Worker::Worker(std::unique_ptr<WorkerService> impl) : impl_(std::move(impl)) {}
 Worker::~Worker() {
-  (void)shutdown();
+  if (!server_ && !coordinator_) {
+    (void)shutdown();
+    return;
+  }
+  // A colocated worker destroyed without shutdown() is leaving abnormally (an
+  // error return, an exception): waiting for the job to end would hold this
+  // process while the others wait for it. It leaves as a crash would, without
+  // a goodbye, so the job fails at once naming this worker.
+  if (impl_) impl_->stop();
+  if (server_) server_->shutdown();
+  if (coordinator_) coordinator_->shutdown();
 }
 
 uint32_t Worker::rank() const {
@@ -95,7 +139,25 @@ std::vector<ServerLoad> Worker::server_loads() const {
   return out;
 }
 Status Worker::shutdown() {
-  return impl_ ? impl_->shutdown() : Status::Ok();
+  Status status = impl_ ? impl_->shutdown() : Status::Ok();
+  // The coordinator ends the job once every worker finished and then tells
+  // the servers to stop; until then this process's server still serves the
+  // other workers. A failed job ends both waits too.
+  if (coordinator_) {
+    Status job = coordinator_->wait(std::chrono::hours(24 * 365));
+    if (status.ok()) status = job;
+  }
+  if (server_) {
+    Status served = server_->wait(std::chrono::hours(24 * 365));
+    if (status.ok()) status = served;
+    server_->shutdown();
+    server_.reset();
+  }
+  if (coordinator_) {
+    coordinator_->shutdown();
+    coordinator_.reset();
+  }
+  return status;
 }
 
 // ---- Server

@@ -42,7 +42,10 @@ Status MemberSession::join(std::vector<uint8_t> listen_address) {
     joining_ = true;
   }
   const auto deadline = Clock::now() + options_.connect_timeout;
-  // The coordinator may still be starting: retry until the deadline.
+  // The coordinator may still be starting: retry until the deadline. A
+  // connection can also be refused after connect() returned (UCX connects in
+  // the background): until the coordinator has said anything, losing the
+  // connection is a failed dial, retried like a refused one.
   Status last;
   while (true) {
     auto conn = connect_text(endpoint_.transport(), options_.coordinator_address);
@@ -55,9 +58,15 @@ Status MemberSession::join(std::vector<uint8_t> listen_address) {
       }
       for (auto& m : early)
         handle(*conn, m);
-      break;
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait_until(lock, deadline, [&] { return heard_ || !dial_failure_.ok(); });
+      if (dial_failure_.ok()) break;  // connected (or out of time: the wait below says so)
+      last = dial_failure_;
+      dial_failure_ = Status::Ok();
+      coordinator_.reset();
+    } else {
+      last = conn.status();
     }
-    last = conn.status();
     if (Clock::now() + std::chrono::milliseconds(100) > deadline) {
       return Unavailable(fmt::format("cannot reach the coordinator at {} within {} ms: {}",
                                      options_.coordinator_address, options_.connect_timeout.count(),
@@ -66,21 +75,33 @@ Status MemberSession::join(std::vector<uint8_t> listen_address) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   std::unique_lock<std::mutex> lock(mu_);
-  const bool done = cv_.wait_until(lock, deadline, [&] {
-    return !rejected_.empty() || !health_.ok() || (welcomed_ && have_servers_ && placement_);
-  });
+  // Admission first: from then on both sides watch each other's heartbeats,
+  // also while waiting for the rest of the job (which may take longer than
+  // the heartbeat timeout).
+  const bool admitted = cv_.wait_until(
+      lock, deadline, [&] { return !rejected_.empty() || !health_.ok() || welcomed_; });
   if (!rejected_.empty()) {
     return FailedPrecondition("the coordinator refused this " +
                               std::string(protocol::role_name(role_)) + ": " + rejected_);
   }
   if (!health_.ok()) return health_;
-  if (!done) {
+  if (!admitted) {
     return Timeout(fmt::format("the coordinator at {} did not admit this {} within {} ms",
                                options_.coordinator_address, protocol::role_name(role_),
                                options_.connect_timeout.count()));
   }
   last_heard_ = Clock::now();
   heartbeat_ = std::thread([this] { heartbeat_loop(); });
+  const bool started = cv_.wait_until(
+      lock, deadline, [&] { return !health_.ok() || (have_servers_ && placement_); });
+  if (!health_.ok()) return health_;
+  if (!started) {
+    return Timeout(fmt::format(
+        "the job did not start within {} ms: the coordinator at {} admitted this {} but not "
+        "every worker and server joined",
+        options_.connect_timeout.count(), options_.coordinator_address,
+        protocol::role_name(role_)));
+  }
   return Status::Ok();
 }
 
@@ -99,6 +120,7 @@ bool MemberSession::handle(const ConnectionPtr& conn, protocol::Message& message
     }
     if (conn->id() != coordinator_->id()) return false;
     last_heard_ = Clock::now();
+    heard_ = true;
   }
   if (auto* c = std::get_if<protocol::Challenge>(&message)) {
     protocol::Hello hello;
@@ -167,7 +189,9 @@ bool MemberSession::handle(const ConnectionPtr& conn, protocol::Message& message
 bool MemberSession::on_disconnect(const ConnectionPtr& conn, const Status& why) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!coordinator_ || conn->id() != coordinator_->id()) return false;
-  if (!shutdown_ && !goodbye_ && health_.ok()) {
+  if (joining_ && !heard_) {
+    dial_failure_ = why.ok() ? Unavailable("connection closed") : why;
+  } else if (!shutdown_ && !goodbye_ && health_.ok()) {
     health_ = Unavailable("lost the coordinator at " + options_.coordinator_address + ": " +
                           why.message());
   }

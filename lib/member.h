@@ -68,6 +68,8 @@ class MemberSession {
   const RuntimeOptions options_;
   transport::ConnectionPtr coordinator_;
   bool joining_ = false;                  // guarded by mu_
+  bool heard_ = false;                    // the coordinator said something; guarded by mu_
+  Status dial_failure_;                   // the connection failed before that; guarded by mu_
   std::vector<protocol::Message> early_;  // guarded by mu_
 
   mutable std::mutex mu_;

@@ -2,11 +2,7 @@
 // UCX over TCP on loopback), one worker through psld/c_api.h.
 #include "psld/c_api.h"
 
-#include <arpa/inet.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <future>
 #include <string>
@@ -14,26 +10,13 @@
 
 #include "psld/coordinator.h"
 #include "psld/server.h"
+#include "tests/test_process.h"
 
 namespace {
 
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  int port = -1;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
-    port = ntohs(a.sin_port);
-  }
-  close(fd);
-  return port;
-}
-
 TEST(CApi, AWorkerPushPullsThroughTheCApi) {
-  const std::string coordinator = "127.0.0.1:" + std::to_string(free_port());
+  const std::string coordinator =
+      "127.0.0.1:" + std::to_string(psld::testing::free_loopback_port());
   psld::Config cfg;
   cfg.job.coordinator = coordinator;
   cfg.job.transport = "ucx";

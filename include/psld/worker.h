@@ -28,7 +28,9 @@
 
 namespace psld {
 
+class CoordinatorService;
 class RequestState;
+class ServerService;
 class WorkerService;
 
 enum class DType : uint8_t {
@@ -74,6 +76,11 @@ class Worker {
   // Joins the job described by `config` (role worker): contacts the
   // coordinator, waits until every worker and server joined (up to
   // liveness.connect_timeout_ms), and connects to the servers.
+  //
+  // With job.colocate_servers (a plain `mpirun -np N trainer` or `srun -n N`
+  // job) this process also runs server `rank`, and worker 0 also runs the
+  // coordinator on job.coordinator: the job needs no other process. The rank
+  // must then be known at start (from the launcher or job.rank).
   static Result<std::unique_ptr<Worker>> join(const Config& config);
   ~Worker();
   Worker(const Worker&) = delete;
@@ -108,10 +115,17 @@ class Worker {
 
   // Tells the coordinator this worker is done and disconnects. Requests still
   // in flight fail with Aborted. Idempotent; the destructor calls it.
+  // A colocated server keeps serving the other workers until the job ends
+  // (every worker finished, or the job failed), so with job.colocate_servers
+  // this returns only then; destroying a colocated Worker without calling
+  // shutdown() leaves at once and fails the job, as a crash would.
   Status shutdown();
 
  private:
-  explicit Worker(std::unique_ptr<WorkerService> impl);
+  Worker() = default;
+  // Declared first: destroyed last, after the worker and server that dial it.
+  std::unique_ptr<CoordinatorService> coordinator_;
+  std::unique_ptr<ServerService> server_;
   std::unique_ptr<WorkerService> impl_;
 };
 
