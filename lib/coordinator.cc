@@ -154,6 +154,8 @@ void CoordinatorService::handle_control(const ConnectionPtr& conn, protocol::Mes
     }
   } else if (auto* hb = std::get_if<protocol::Heartbeat>(&message)) {
     post(conn, protocol::Heartbeat{hb->sequence});  // members watch us too
+  } else if (auto* report = std::get_if<protocol::LoadReport>(&message)) {
+    handle_load_report(m, *report);
   } else if (std::holds_alternative<protocol::Shutdown>(message)) {
     m.said_goodbye = true;
     // The acknowledgement lets the member close knowing its goodbye arrived:
@@ -287,6 +289,30 @@ void CoordinatorService::handle_register(Member& m, const protocol::RegisterTens
   }
   post(m.conn, protocol::TensorInfo{reg.request, reg.name, it->second.id, reg.dtype, reg.bytes,
                                     options_.chunk_bytes});
+}
+
+void CoordinatorService::handle_load_report(const Member& m, const protocol::LoadReport& r) {
+  // A member reports for itself, about servers of this job: anything else
+  // is dropped (and counted) rather than allowed to grow the history.
+  const uint32_t servers = options_.num_servers + options_.num_standby;
+  bool ok = r.role == m.role && r.rank == m.rank;
+  for (const auto& p : r.peers)
+    ok = ok && p.server < servers;
+  if (!ok) {
+    if (bad_reports_++ == 0) {
+      PSLD_LOG_WARN(
+          "coordinator: dropped a load report from {} that is not about itself or "
+          "names an unknown server",
+          describe(m));
+    }
+    return;
+  }
+  load_.ingest(r);
+}
+
+LoadHistory CoordinatorService::load_history() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return load_;
 }
 
 void CoordinatorService::fail_job(const std::string& reason) {

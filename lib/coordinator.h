@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "lib/endpoint.h"
+#include "lib/load_history.h"
 #include "lib/placement.h"
 #include "lib/runtime_options.h"
 
@@ -35,6 +36,8 @@ class CoordinatorService final : public Endpoint {
 
   // For tests and `psld top`.
   size_t num_members() const;
+  // A copy of the recent load the members reported.
+  LoadHistory load_history() const;
   const Placement* placement() const { return placement_ ? &*placement_ : nullptr; }
 
  private:
@@ -74,6 +77,7 @@ class CoordinatorService final : public Endpoint {
   // All of these run with mu_ held.
   void handle_hello(Member& m, const protocol::Hello& hello);
   void handle_register(Member& m, const protocol::RegisterTensor& reg);
+  void handle_load_report(const Member& m, const protocol::LoadReport& report);
   void maybe_start_job();
   void send_job_state(const Member& m);
   void fail_job(const std::string& reason);
@@ -92,6 +96,8 @@ class CoordinatorService final : public Endpoint {
   TensorId next_tensor_ = 1;
   std::map<uint64_t, std::set<uint32_t>> barriers_;
   std::optional<Placement> placement_;
+  LoadHistory load_;
+  uint64_t bad_reports_ = 0;
   bool job_started_ = false;
   bool job_over_ = false;
   Status job_status_;

@@ -22,6 +22,7 @@ MemberSession::MemberSession(Endpoint& endpoint, protocol::Role role, const Runt
     : endpoint_(endpoint), role_(role), options_(options) {}
 
 MemberSession::~MemberSession() {
+  stop_reports();
   {
     std::lock_guard<std::mutex> lock(mu_);
     goodbye_ = true;
@@ -58,12 +59,18 @@ Status MemberSession::join(std::vector<uint8_t> listen_address) {
       }
       for (auto& m : early)
         handle(*conn, m);
+      // The coordinator challenges every connection at once. A dial that
+      // neither fails nor hears anything within a second is given up and
+      // redialled (UCX does not always report a refused connection).
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait_until(lock, deadline, [&] { return heard_ || !dial_failure_.ok(); });
-      if (dial_failure_.ok()) break;  // connected (or out of time: the wait below says so)
-      last = dial_failure_;
+      const auto attempt_deadline = std::min(deadline, Clock::now() + std::chrono::seconds(1));
+      cv_.wait_until(lock, attempt_deadline, [&] { return heard_ || !dial_failure_.ok(); });
+      if (heard_) break;
+      last = dial_failure_.ok() ? Unavailable("no answer") : dial_failure_;
       dial_failure_ = Status::Ok();
       coordinator_.reset();
+      lock.unlock();
+      (*conn)->close();
     } else {
       last = conn.status();
     }
@@ -292,6 +299,45 @@ void MemberSession::goodbye() {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait_for(lock, options_.heartbeat_timeout,
                  [&] { return shutdown_ || !health_.ok() || !conn->is_open(); });
+  }
+}
+
+void MemberSession::start_reports(std::chrono::milliseconds interval, ReportFn make) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (reporter_.joinable() || interval.count() <= 0) return;
+  reports_stop_ = false;
+  reporter_ =
+      std::thread([this, interval, make = std::move(make)] { report_loop(interval, make); });
+}
+
+void MemberSession::stop_reports() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    reports_stop_ = true;
+  }
+  cv_.notify_all();
+  if (reporter_.joinable() && reporter_.get_id() != std::this_thread::get_id()) reporter_.join();
+}
+
+void MemberSession::report_loop(std::chrono::milliseconds interval, const ReportFn& make) {
+  auto window_start = Clock::now();
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    cv_.wait_for(lock, interval, [&] { return reports_stop_; });
+    const bool last = reports_stop_;
+    ConnectionPtr conn = welcomed_ && health_.ok() ? coordinator_ : nullptr;
+    lock.unlock();
+    const auto now = Clock::now();
+    const auto window_ns = static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(now - window_start).count());
+    window_start = now;
+    std::vector<protocol::Message> messages = make(window_ns);
+    if (conn && conn->is_open()) {
+      for (const auto& m : messages)
+        (void)endpoint_.send(conn, m);
+    }
+    lock.lock();
+    if (last) return;
   }
 }
 

@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -59,8 +60,17 @@ class MemberSession {
   // Reports a local fatal error to the coordinator, which fails the job.
   void report_failure(const std::string& reason);
 
+  // Load reports: every `interval` (nothing when it is zero) a thread calls
+  // make(the window's length in ns) and sends what it returns to the
+  // coordinator. stop_reports() sends one last window and joins the thread;
+  // the owner calls it before tearing down what `make` reads.
+  using ReportFn = std::function<std::vector<protocol::Message>(uint64_t window_ns)>;
+  void start_reports(std::chrono::milliseconds interval, ReportFn make);
+  void stop_reports();
+
  private:
   void heartbeat_loop();
+  void report_loop(std::chrono::milliseconds interval, const ReportFn& make);
   void fail(const std::string& reason);
 
   Endpoint& endpoint_;
@@ -93,6 +103,8 @@ class MemberSession {
   bool goodbye_ = false;
   transport::Clock::time_point last_heard_;
   std::thread heartbeat_;
+  std::thread reporter_;
+  bool reports_stop_ = false;  // guarded by mu_
 };
 
 }  // namespace psld

@@ -175,6 +175,67 @@ bool get(WireReader&, Shutdown*) {
   return true;
 }
 
+void put(WireWriter& w, const LoadReport& m) {
+  w.u8(static_cast<uint8_t>(m.role));
+  w.u32(m.rank);
+  w.u64(m.epoch);
+  w.u64(m.window);
+  w.u64(m.window_ns);
+  w.u32(m.part);
+  w.u32(m.parts);
+  for (uint64_t v : {m.bytes_in, m.bytes_out, m.busy_ns, m.queue_p50_ns, m.queue_p99_ns, m.rounds,
+                     m.lost_samples}) {
+    w.u64(v);
+  }
+  w.u32(static_cast<uint32_t>(m.arcs.size()));
+  for (const auto& a : m.arcs) {
+    w.u64(a.lo);
+    w.u64(a.bytes_in);
+    w.u64(a.bytes_out);
+    w.u64(a.busy_ns);
+    w.u32(a.requests);
+  }
+  w.u32(static_cast<uint32_t>(m.peers.size()));
+  for (const auto& p : m.peers) {
+    w.u32(p.server);
+    w.u64(p.bytes);
+    w.u32(p.answers);
+    w.u64(p.mean_ns);
+    w.u64(p.p99_ns);
+  }
+}
+bool get(WireReader& r, LoadReport* m) {
+  uint8_t role = 0;
+  if (!r.u8(&role) || role < 1 || role > 3) return false;
+  m->role = static_cast<Role>(role);
+  if (!r.u32(&m->rank) || !r.u64(&m->epoch) || !r.u64(&m->window) || !r.u64(&m->window_ns) ||
+      !r.u32(&m->part) || !r.u32(&m->parts) || m->parts == 0 || m->part >= m->parts) {
+    return false;
+  }
+  for (uint64_t* v : {&m->bytes_in, &m->bytes_out, &m->busy_ns, &m->queue_p50_ns, &m->queue_p99_ns,
+                      &m->rounds, &m->lost_samples}) {
+    if (!r.u64(v)) return false;
+  }
+  uint32_t n = 0;
+  if (!r.u32(&n) || n > kMaxLoadEntries) return false;
+  m->arcs.resize(n);
+  for (auto& a : m->arcs) {
+    if (!r.u64(&a.lo) || !r.u64(&a.bytes_in) || !r.u64(&a.bytes_out) || !r.u64(&a.busy_ns) ||
+        !r.u32(&a.requests)) {
+      return false;
+    }
+  }
+  if (!r.u32(&n) || n + m->arcs.size() > kMaxLoadEntries) return false;
+  m->peers.resize(n);
+  for (auto& p : m->peers) {
+    if (!r.u32(&p.server) || !r.u64(&p.bytes) || !r.u32(&p.answers) || !r.u64(&p.mean_ns) ||
+        !r.u64(&p.p99_ns)) {
+      return false;
+    }
+  }
+  return true;
+}
+
 void put(WireWriter& w, const WorkerHello& m) {
   w.u32(m.worker_rank);
   w.u64(m.proof);
@@ -277,32 +338,22 @@ bool get(WireReader& r, Error* m) {
 
 // The wire type of each alternative of Message, in variant order.
 constexpr Type kTypes[] = {
-    Type::kChallenge,      Type::kHello,
-    Type::kWelcome,        Type::kReject,
-    Type::kServerList,     Type::kPlacementChunk,
-    Type::kRegisterTensor, Type::kTensorInfo,
-    Type::kBarrierEnter,   Type::kBarrierRelease,
-    Type::kHeartbeat,      Type::kJobFailed,
-    Type::kShutdown,       Type::kWorkerHello,
-    Type::kGrant,          Type::kTensorKey,
-    Type::kPushMeta,       Type::kPullRequest,
-    Type::kCredit,         Type::kMoved,
+    Type::kChallenge,      Type::kHello,      Type::kWelcome,
+    Type::kReject,         Type::kServerList, Type::kPlacementChunk,
+    Type::kRegisterTensor, Type::kTensorInfo, Type::kBarrierEnter,
+    Type::kBarrierRelease, Type::kHeartbeat,  Type::kJobFailed,
+    Type::kShutdown,       Type::kLoadReport, Type::kWorkerHello,
+    Type::kGrant,          Type::kTensorKey,  Type::kPushMeta,
+    Type::kPullRequest,    Type::kCredit,     Type::kMoved,
     Type::kError,          Type::kAck,
 };
 static_assert(std::size(kTypes) == std::variant_size_v<Message>);
 
 constexpr const char* kNames[] = {
-    "Challenge",      "Hello",
-    "Welcome",        "Reject",
-    "ServerList",     "Placement",
-    "RegisterTensor", "TensorInfo",
-    "BarrierEnter",   "BarrierRelease",
-    "Heartbeat",      "JobFailed",
-    "Shutdown",       "WorkerHello",
-    "Grant",          "TensorKey",
-    "PushMeta",       "PullRequest",
-    "Credit",         "Moved",
-    "Error",          "Ack",
+    "Challenge",      "Hello",      "Welcome",      "Reject",         "ServerList", "Placement",
+    "RegisterTensor", "TensorInfo", "BarrierEnter", "BarrierRelease", "Heartbeat",  "JobFailed",
+    "Shutdown",       "LoadReport", "WorkerHello",  "Grant",          "TensorKey",  "PushMeta",
+    "PullRequest",    "Credit",     "Moved",        "Error",          "Ack",
 };
 static_assert(std::size(kNames) == std::variant_size_v<Message>);
 

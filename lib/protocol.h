@@ -13,6 +13,7 @@
 //   worker -> coordinator : RegisterTensor      -> TensorInfo (also to servers) | Error
 //   any -> coordinator    : BarrierEnter        -> BarrierRelease (to all)
 //   any <-> coordinator   : Heartbeat; coordinator -> all: JobFailed, Shutdown
+//   worker, server -> coordinator : LoadReport, every stats interval
 //   worker -> server      : WorkerHello          -> Grant (landing slots)
 //   worker -> server      : TensorKey (where pulls land), PushMeta (+ a write
 //                           into a slot, notify = tag), PullRequest
@@ -60,6 +61,7 @@ enum class Type : uint16_t {
   kHeartbeat = 11,
   kJobFailed = 12,
   kShutdown = 13,
+  kLoadReport = 14,
   kWorkerHello = 20,
   kGrant = 21,
   kTensorKey = 22,
@@ -148,6 +150,46 @@ struct JobFailed {
 
 struct Shutdown {};
 
+// Load statistics (DESIGN.md §5). One window of a server's (per arc of the
+// placement, identified by the arc's first hash `lo` in `epoch`) or a
+// worker's (per server) measurements. A window whose entries do not fit one
+// control message travels in `parts` messages with the same `window`; the
+// totals are in every part, the entries are split between them.
+inline constexpr size_t kMaxLoadEntries = 160;  // arcs + peers per part: fits kMaxMessageBytes
+struct ArcLoad {
+  uint64_t lo = 0;  // first hash of the arc
+  uint64_t bytes_in = 0;
+  uint64_t bytes_out = 0;
+  uint64_t busy_ns = 0;  // reduce and update (CPU) time spent on the arc's keys
+  uint32_t requests = 0;
+};
+struct PeerLoad {
+  uint32_t server = 0;
+  uint64_t bytes = 0;    // pushed to that server
+  uint32_t answers = 0;  // chunks answered (pulls, push_pulls)
+  uint64_t mean_ns = 0;  // time from issuing a chunk to its answer
+  uint64_t p99_ns = 0;
+};
+struct LoadReport {
+  Role role = Role::kServer;
+  uint32_t rank = 0;
+  uint64_t epoch = 0;      // the placement the arcs belong to
+  uint64_t window = 0;     // sequence number of the window, from 0
+  uint64_t window_ns = 0;  // its length
+  uint32_t part = 0;
+  uint32_t parts = 1;
+  // Totals of the window (servers; a worker's are its own pushes and pulls).
+  uint64_t bytes_in = 0;
+  uint64_t bytes_out = 0;
+  uint64_t busy_ns = 0;       // servers: wall time with a request in service (LoadRecorder)
+  uint64_t queue_p50_ns = 0;  // delay from arrival to processing
+  uint64_t queue_p99_ns = 0;
+  uint64_t rounds = 0;        // rounds (or async updates) applied
+  uint64_t lost_samples = 0;  // samples the ring overwrote before they were read
+  std::vector<ArcLoad> arcs;
+  std::vector<PeerLoad> peers;
+};
+
 struct WorkerHello {
   uint32_t worker_rank = 0;
   uint64_t proof = 0;
@@ -212,10 +254,10 @@ struct Ack {
   uint64_t request = 0;
 };
 
-using Message =
-    std::variant<Challenge, Hello, Welcome, Reject, ServerList, PlacementChunk, RegisterTensor,
-                 TensorInfo, BarrierEnter, BarrierRelease, Heartbeat, JobFailed, Shutdown,
-                 WorkerHello, Grant, TensorKey, PushMeta, PullRequest, Credit, Moved, Error, Ack>;
+using Message = std::variant<Challenge, Hello, Welcome, Reject, ServerList, PlacementChunk,
+                             RegisterTensor, TensorInfo, BarrierEnter, BarrierRelease, Heartbeat,
+                             JobFailed, Shutdown, LoadReport, WorkerHello, Grant, TensorKey,
+                             PushMeta, PullRequest, Credit, Moved, Error, Ack>;
 
 std::vector<uint8_t> encode(const Message& message);
 // DataLoss with what was wrong for anything malformed.

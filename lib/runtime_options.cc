@@ -44,6 +44,7 @@ RuntimeOptions runtime_options_from_config(const Config& c) {
   o.heartbeat_interval = std::chrono::milliseconds(c.liveness.heartbeat_interval_ms);
   o.heartbeat_timeout = std::chrono::milliseconds(c.liveness.heartbeat_timeout_ms);
   o.connect_timeout = std::chrono::milliseconds(c.liveness.connect_timeout_ms);
+  o.stats_interval = std::chrono::milliseconds(c.stats.interval_ms);
   return o;
 }
 

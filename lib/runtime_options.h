@@ -44,6 +44,8 @@ struct RuntimeOptions {
   std::chrono::milliseconds heartbeat_interval{500};
   std::chrono::milliseconds heartbeat_timeout{5000};
   std::chrono::milliseconds connect_timeout{10000};
+  // How often servers and workers send a LoadReport; 0: never.
+  std::chrono::milliseconds stats_interval{100};
 };
 
 // Resolves a validated Config into the runtime's options.

@@ -15,7 +15,16 @@ using transport::ConnectionPtr;
 
 namespace kn = psld::kernels;
 
+namespace {
+double ns_since(transport::Clock::time_point t) {
+  return static_cast<double>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(transport::Clock::now() - t).count());
+}
+}  // namespace
+
 struct ServerService::KeyState {
+  Key key = 0;
+  uint64_t arc = 0;  // first hash of the key's arc: the subject of its load samples
   DType dtype = DType::kF32;
   uint64_t bytes = 0;  // of the chunk in the workers' dtype
   size_t n = 0;        // elements
@@ -68,6 +77,7 @@ Result<std::unique_ptr<ServerService>> ServerService::start(const RuntimeOptions
     return InvalidArgument("server_threads must be in [1, 256]");
   }
   std::unique_ptr<ServerService> s(new ServerService(options));
+  PSLD_ASSIGN_OR_RETURN(s->load_, LoadRecorder::make(protocol::Role::kServer));
   PSLD_RETURN_IF_ERROR(s->Endpoint::start(options.endpoint));
   for (uint32_t i = 0; i < options.server_threads; ++i) {
     s->shards_.push_back(std::make_unique<Shard>());
@@ -78,6 +88,12 @@ Result<std::unique_ptr<ServerService>> ServerService::start(const RuntimeOptions
   }
   PSLD_RETURN_IF_ERROR(s->session_.join(s->transport().address()));
   s->placement_ = s->session_.placement();
+  s->session_.start_reports(options.stats_interval, [srv = s.get()](uint64_t window_ns) {
+    std::vector<protocol::Message> out;
+    for (auto& r : srv->load_->close_window(srv->rank(), srv->placement_->epoch(), window_ns))
+      out.emplace_back(std::move(r));
+    return out;
+  });
   PSLD_LOG_INFO("server {} listening at {}", s->rank(), s->address());
   return s;
 }
@@ -91,6 +107,7 @@ ServerService::~ServerService() {
 
 void ServerService::shutdown() {
   if (stopping_.exchange(true)) return;
+  session_.stop_reports();
   stop();  // no more handler calls after this
   for (auto& shard : shards_) {
     {
@@ -129,6 +146,11 @@ void ServerService::on_disconnect(const ConnectionPtr& conn, const Status& why) 
 void ServerService::on_control(const ConnectionPtr& conn, protocol::Message&& message) {
   if (session_.handle(conn, message)) return;
   handle_worker_message(conn, message);
+}
+
+uint64_t ServerService::arc_of(Key key) const {
+  const Placement& p = *placement_;
+  return p.arc(p.arc_index_of_hash(hash_key(key))).lo;
 }
 
 ConnectionPtr ServerService::worker_connection(uint64_t conn_id) const {
@@ -225,13 +247,16 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
     auto early = w->early.find(meta->tag);
     if (early == w->early.end()) {
       w->metas[meta->tag] = *meta;
+      load_->begin_service();  // the push is arriving; its data follows
       return;
     }
     const uint64_t length = early->second;
     w->early.erase(early);
-    PushWork work{conn->id(), *meta, w->slots->data() + meta->slot * w->slot_bytes, w->rank};
+    PushWork work{conn->id(), *meta, w->slots->data() + meta->slot * w->slot_bytes, w->rank,
+                  transport::Clock::now()};
     lock.unlock();
     if (length != meta->bytes) {
+      load_->end_service();
       send_error(conn->id(), meta->tag, DataLoss("push write length differs from its metadata"));
       return;
     }
@@ -243,7 +268,7 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
       send_error(conn->id(), pull->tag, InvalidArgument("pull of an invalid size"));
       return;
     }
-    dispatch(pull->key, PullWork{conn->id(), *pull});
+    dispatch(pull->key, PullWork{conn->id(), *pull, transport::Clock::now()});
   } else {
     lock.unlock();
     PSLD_LOG_WARN("server {}: unexpected {} from a worker", rank(),
@@ -267,13 +292,15 @@ void ServerService::on_write(const ConnectionPtr& conn, uint32_t tag, uint64_t l
       return;
     }
     w.early[tag] = length;
+    load_->begin_service();  // the push arrived; its metadata follows
     return;
   }
   PushWork work{conn->id(), meta->second, w.slots->data() + meta->second.slot * w.slot_bytes,
-                w.rank};
+                w.rank, transport::Clock::now()};
   w.metas.erase(meta);
   lock.unlock();
   if (length != work.meta.bytes) {
+    load_->end_service();
     send_error(conn->id(), tag, DataLoss("push write length differs from its metadata"));
     return;
   }
@@ -313,8 +340,13 @@ void ServerService::shard_loop(Shard& shard) {
 
 void ServerService::process(Shard& shard, Work& work) {
   if (auto* push = std::get_if<PushWork>(&work)) {
+    const uint64_t arc = arc_of(push->meta.key);
+    load_->record(arc, LoadMetric::kBytesIn, static_cast<double>(push->meta.bytes));
+    load_->record(arc, LoadMetric::kQueueNs, ns_since(push->arrived));
     process_push(shard, *push);
+    load_->end_service();  // reduced, parked for a later round, or refused
   } else if (auto* pull = std::get_if<PullWork>(&work)) {
+    load_->record(arc_of(pull->req.key), LoadMetric::kQueueNs, ns_since(pull->arrived));
     process_pull(shard, *pull);
   } else {
     const Key key = std::get<PullDone>(work).key;
@@ -342,6 +374,8 @@ ServerService::KeyState& ServerService::key_state(Shard& shard, Key key, DType d
   if (slot) return *slot;
   slot = std::make_unique<KeyState>();
   KeyState& k = *slot;
+  k.key = key;
+  k.arc = arc_of(key);
   k.dtype = dtype;
   k.bytes = bytes;
   k.n = bytes / protocol::dtype_bytes(dtype);
@@ -473,7 +507,9 @@ void ServerService::process_push(Shard& shard, PushWork& w) {
                                                 w.worker, meta.round, meta.key)));
       return;
     }
+    const auto start = transport::Clock::now();
     reduce_push(k, w);
+    load_->record(k.arc, LoadMetric::kBusyNs, ns_since(start));
     k.pushed[w.worker] = true;
     free_slot(shard, w.conn, meta.slot);
     if (then_pull) k.waiting.push_back(follow);
@@ -488,7 +524,9 @@ void ServerService::process_push(Shard& shard, PushWork& w) {
     return;
   }
   k.pushes = 0;
+  const auto start = transport::Clock::now();
   reduce_push(k, w);
+  load_->record(k.arc, LoadMetric::kBusyNs, ns_since(start));
   free_slot(shard, w.conn, meta.slot);
   k.last_round[w.worker] = std::max(k.last_round[w.worker], meta.round);
   if (then_pull) k.waiting.push_back(follow);
@@ -505,6 +543,7 @@ void ServerService::try_apply(Shard& shard, KeyState& k) {
 
 // Turns the accumulator into the new parameter value, then serves what waited.
 void ServerService::apply_round(Shard& shard, KeyState& k) {
+  const auto start = transport::Clock::now();
   const bool sum_mode = options_.mode == ServerMode::kSum;
   const bool bsp = options_.sync == SyncMode::kBsp;
   if (sum_mode) {
@@ -543,6 +582,8 @@ void ServerService::apply_round(Shard& shard, KeyState& k) {
   ++k.version;
   k.pushes = 0;
   std::fill(k.pushed.begin(), k.pushed.end(), false);
+  load_->record(k.arc, LoadMetric::kBusyNs, ns_since(start));
+  load_->record(k.arc, LoadMetric::kRound, 1);
   {
     std::lock_guard<std::mutex> lock(stats_mu_);
     ++stats_.rounds_applied;
@@ -630,13 +671,19 @@ void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
       static_cast<uint64_t>(key_chunk(w.req.key)) * session_.welcome().chunk_bytes;
   ++k.inflight;
   const Key key = w.req.key;
+  load_->begin_service();  // until the write completed
   Status s = conn->write({k.out_region.get(), 0, remote.get(), offset, k.bytes, w.req.tag},
-                         [this, key](Status) { dispatch(key, PullDone{key}); });
+                         [this, key](Status) {
+                           load_->end_service();
+                           dispatch(key, PullDone{key});
+                         });
   if (!s.ok()) {
     --k.inflight;
+    load_->end_service();
     send_error(w.conn, w.req.tag, s.with_context("pull write"));
     return;
   }
+  load_->record(k.arc, LoadMetric::kBytesOut, static_cast<double>(k.bytes));
   std::lock_guard<std::mutex> lock(stats_mu_);
   ++stats_.pulls;
   stats_.bytes_out += k.bytes;

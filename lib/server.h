@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "lib/load_stats.h"
 #include "lib/member.h"
 
 namespace psld {
@@ -51,10 +52,12 @@ class ServerService final : public Endpoint {
     protocol::PushMeta meta;
     const uint8_t* data = nullptr;  // the landing slot
     uint32_t worker = 0;
+    transport::Clock::time_point arrived{};
   };
   struct PullWork {
     uint64_t conn = 0;
     protocol::PullRequest req;
+    transport::Clock::time_point arrived{};
   };
   struct PullDone {
     Key key = 0;
@@ -88,6 +91,8 @@ class ServerService final : public Endpoint {
   // Answers a request for a key this server does not own in its epoch.
   void send_moved(uint64_t conn, uint32_t tag, Key key);
   void flush_credits(Shard& shard);
+  // The first hash of the arc that holds `key`: the subject of its load samples.
+  uint64_t arc_of(Key key) const;
 
   const RuntimeOptions options_;
   MemberSession session_;
@@ -101,6 +106,7 @@ class ServerService final : public Endpoint {
 
   mutable std::mutex stats_mu_;
   ServerStats stats_;
+  std::unique_ptr<LoadRecorder> load_;
 };
 
 }  // namespace psld

@@ -47,13 +47,19 @@ Status RequestState::status() const {
 
 Result<std::unique_ptr<WorkerService>> WorkerService::start(const RuntimeOptions& options) {
   std::unique_ptr<WorkerService> w(new WorkerService(options));
-  RuntimeOptions o = options;
+  PSLD_ASSIGN_OR_RETURN(w->load_, LoadRecorder::make(protocol::Role::kWorker));
   EndpointOptions ep = options.endpoint;
   ep.options.common.listen_address.clear();  // workers only dial
   PSLD_RETURN_IF_ERROR(w->Endpoint::start(ep));
   PSLD_RETURN_IF_ERROR(w->session_.join({}));
   w->placement_ = w->session_.placement();
   PSLD_RETURN_IF_ERROR(w->connect_servers());
+  w->session_.start_reports(options.stats_interval, [wk = w.get()](uint64_t window_ns) {
+    std::vector<protocol::Message> out;
+    for (auto& r : wk->load_->close_window(wk->rank(), wk->placement_->epoch(), window_ns))
+      out.emplace_back(std::move(r));
+    return out;
+  });
   PSLD_LOG_INFO("worker {} of {} joined; {} servers", w->rank(), w->num_workers(),
                 w->servers_.size());
   return w;
@@ -201,9 +207,11 @@ void WorkerService::finish_tag(uint32_t tag, const Status& status) {
   if (p.other_tag != 0) pending_.erase(p.other_tag);
   if (status.ok()) {
     ServerLoadStats& load = loads_[p.server];
-    ++load.answers;
-    load.answer_latency_ns += static_cast<uint64_t>(
+    const auto ns = static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - p.issued).count());
+    ++load.answers;
+    load.answer_latency_ns += ns;
+    load_->record(p.server, LoadMetric::kAnswerNs, static_cast<double>(ns));
   }
   p.request->complete_part(status);
 }
@@ -392,6 +400,7 @@ void WorkerService::issue(ServerConn& s, ChunkOp op, uint32_t slot) {
     pending_[push_tag] = Pending{op.request, pull_tag, s.rank, Clock::now()};
   }
   loads_[s.rank].bytes_pushed += span.bytes;
+  load_->record(s.rank, LoadMetric::kPushedBytes, static_cast<double>(span.bytes));
   protocol::PushMeta meta{
       push_tag, slot,    t.dtype, span.key, op.round, span.bytes, placement_->epoch(),
       flags,    pull_tag};
@@ -422,6 +431,7 @@ Status WorkerService::shutdown() {
     if (stopped_) return Status::Ok();
     stopped_ = true;
   }
+  session_.stop_reports();  // the last window goes before the goodbye
   session_.goodbye();
   stop();  // closing flushes: the goodbye reaches the coordinator first
   std::lock_guard<std::mutex> lock(mu_);

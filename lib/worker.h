@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "lib/load_stats.h"
 #include "lib/member.h"
 
 namespace psld {
@@ -127,6 +128,7 @@ class WorkerService final : public Endpoint {
   std::condition_variable cv_;
   std::map<uint32_t, ServerConn> servers_;     // by server rank
   std::map<uint32_t, ServerLoadStats> loads_;  // by server rank
+  std::unique_ptr<LoadRecorder> load_;         // the windows sent to the coordinator
   std::vector<Tensor> tensors_;
   std::map<std::string, uint32_t> tensor_by_name_;
   std::map<uint32_t, Pending> pending_;

@@ -23,6 +23,8 @@ std::vector<Message> examples() {
       Heartbeat{99},
       JobFailed{"worker 2 stopped answering"},
       Shutdown{},
+      LoadReport{Role::kServer, 2, 7, 41, 100000000, 1, 3, 1 << 20, 2 << 20, 5000, 100, 900, 12,
+                 3, {{0x10, 1, 2, 3, 4}, {0x20, 5, 6, 7, 8}}, {{1, 9, 10, 11, 12}}},
       WorkerHello{3, 0xabcdef},
       Grant{16, 4 << 20, {5, 6, 7}},
       TensorKey{4, 12, {1, 1, 2, 3, 5, 8}},

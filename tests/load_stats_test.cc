@@ -1,0 +1,181 @@
+// Load statistics: what a window of samples becomes (LoadRecorder) and the
+// coordinator's bounded memory of it (LoadHistory).
+#include <gtest/gtest.h>
+
+#include <set>
+#include <thread>
+
+#include "lib/load_history.h"
+#include "lib/load_stats.h"
+
+namespace psld {
+namespace {
+
+using protocol::LoadReport;
+using protocol::Role;
+
+TEST(LoadRecorder, SumsEachArcAndTheTotals) {
+  auto rec = *LoadRecorder::make(Role::kServer);
+  rec->record(0x100, LoadMetric::kBytesIn, 1000);
+  rec->record(0x100, LoadMetric::kBytesIn, 24);
+  rec->record(0x100, LoadMetric::kBytesOut, 512);
+  rec->record(0x200, LoadMetric::kBytesIn, 7);
+  rec->record(0x200, LoadMetric::kBusyNs, 300);
+  rec->record(0x200, LoadMetric::kQueueNs, 50);
+  rec->record(0x200, LoadMetric::kQueueNs, 150);
+  rec->record(0x200, LoadMetric::kRound, 1);
+  auto reports = rec->close_window(3, 9, 100'000'000);
+  ASSERT_EQ(reports.size(), 1u);
+  const LoadReport& r = reports[0];
+  EXPECT_EQ(r.role, Role::kServer);
+  EXPECT_EQ(r.rank, 3u);
+  EXPECT_EQ(r.epoch, 9u);
+  EXPECT_EQ(r.window, 0u);
+  EXPECT_EQ(r.window_ns, 100'000'000u);
+  EXPECT_EQ(r.bytes_in, 1031u);
+  EXPECT_EQ(r.bytes_out, 512u);
+  EXPECT_EQ(r.rounds, 1u);
+  EXPECT_EQ(r.lost_samples, 0u);
+  ASSERT_EQ(r.arcs.size(), 2u);
+  EXPECT_EQ(r.arcs[0].lo, 0x100u);
+  EXPECT_EQ(r.arcs[0].bytes_in, 1024u);
+  EXPECT_EQ(r.arcs[0].bytes_out, 512u);
+  EXPECT_EQ(r.arcs[1].lo, 0x200u);
+  EXPECT_EQ(r.arcs[1].busy_ns, 300u);
+  EXPECT_EQ(r.arcs[1].requests, 2u);
+  EXPECT_GE(r.queue_p99_ns, 50u);
+  // The next window starts empty and still reports (no traffic is a fact).
+  auto next = rec->close_window(3, 9, 100'000'000);
+  ASSERT_EQ(next.size(), 1u);
+  EXPECT_EQ(next[0].window, 1u);
+  EXPECT_EQ(next[0].bytes_in, 0u);
+  EXPECT_TRUE(next[0].arcs.empty());
+}
+
+TEST(LoadRecorder, ManyArcsAreSplitIntoPartsThatEachFitAMessage) {
+  auto rec = *LoadRecorder::make(Role::kServer);
+  constexpr uint64_t kArcs = 500;
+  for (uint64_t a = 0; a < kArcs; ++a)
+    rec->record(a << 40, LoadMetric::kBytesIn, static_cast<double>(a + 1));
+  auto reports = rec->close_window(1, 2, 1000);
+  ASSERT_EQ(reports.size(), (kArcs + protocol::kMaxLoadEntries - 1) / protocol::kMaxLoadEntries);
+  std::set<uint64_t> seen;
+  for (size_t i = 0; i < reports.size(); ++i) {
+    EXPECT_EQ(reports[i].part, i);
+    EXPECT_EQ(reports[i].parts, reports.size());
+    EXPECT_EQ(reports[i].bytes_in, kArcs * (kArcs + 1) / 2);  // totals in every part
+    const auto bytes = protocol::encode(reports[i]);
+    EXPECT_LE(bytes.size(), 8192u);
+    auto back = protocol::decode(bytes);
+    ASSERT_TRUE(back.ok()) << back.status().to_string();
+    for (const auto& a : std::get<LoadReport>(*back).arcs)
+      EXPECT_TRUE(seen.insert(a.lo).second);
+  }
+  EXPECT_EQ(seen.size(), kArcs);
+}
+
+TEST(LoadRecorder, SamplesTheRingOverwroteAreReportedLost) {
+  auto rec = *LoadRecorder::make(Role::kServer, 16);
+  for (int i = 0; i < 100; ++i)
+    rec->record(1, LoadMetric::kBytesIn, 1);
+  auto r = rec->close_window(0, 0, 1);
+  EXPECT_EQ(r[0].bytes_in, 16u);
+  EXPECT_EQ(r[0].lost_samples, 84u);
+  EXPECT_EQ(rec->close_window(0, 0, 1)[0].lost_samples, 0u);  // counted once
+}
+
+TEST(LoadRecorder, OccupancyCountsOverlappingServiceOnceAndSplitsAtWindows) {
+  auto rec = *LoadRecorder::make(Role::kServer);
+  EXPECT_EQ(rec->close_window(0, 0, 1)[0].busy_ns, 0u);  // idle
+  rec->begin_service();
+  rec->begin_service();  // overlapping requests: one busy period
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  rec->end_service();
+  const auto first = rec->close_window(0, 0, 1)[0].busy_ns;  // still in service
+  EXPECT_GE(first, 20'000'000u);
+  std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  rec->end_service();
+  const auto second = rec->close_window(0, 0, 1)[0].busy_ns;
+  EXPECT_GE(second, 10'000'000u);
+  EXPECT_EQ(rec->close_window(0, 0, 1)[0].busy_ns, 0u);  // idle again
+  rec->end_service();                                    // unbalanced: ignored
+  EXPECT_EQ(rec->close_window(0, 0, 1)[0].busy_ns, 0u);
+}
+
+TEST(LoadRecorder, WorkersReportEachServersAnswers) {
+  auto rec = *LoadRecorder::make(Role::kWorker);
+  for (int i = 1; i <= 100; ++i)
+    rec->record(2, LoadMetric::kAnswerNs, i * 1000.0);
+  rec->record(2, LoadMetric::kPushedBytes, 4096);
+  rec->record(0, LoadMetric::kPushedBytes, 8);
+  auto r = rec->close_window(5, 1, 1000)[0];
+  EXPECT_EQ(r.role, Role::kWorker);
+  ASSERT_EQ(r.peers.size(), 2u);
+  EXPECT_EQ(r.peers[0].server, 0u);
+  EXPECT_EQ(r.peers[0].bytes, 8u);
+  EXPECT_EQ(r.peers[0].answers, 0u);
+  EXPECT_EQ(r.peers[1].server, 2u);
+  EXPECT_EQ(r.peers[1].answers, 100u);
+  EXPECT_EQ(r.peers[1].mean_ns, 50'500u);
+  EXPECT_EQ(r.peers[1].p99_ns, 99'000u);
+}
+
+LoadReport server_report(uint32_t rank, uint64_t window, std::vector<uint64_t> arcs) {
+  LoadReport r;
+  r.role = Role::kServer;
+  r.rank = rank;
+  r.window = window;
+  r.bytes_in = 10;
+  for (uint64_t lo : arcs)
+    r.arcs.push_back({lo, 1, 2, 3, 4});
+  return r;
+}
+
+TEST(LoadHistory, KeepsTheRecentWindowsOfEachServerAndArc) {
+  LoadHistory h(LoadHistory::Options{4, 2, 100});
+  for (uint64_t w = 0; w < 10; ++w)
+    h.ingest(server_report(1, w, {0x10, 0x20}));
+  ASSERT_NE(h.server(1), nullptr);
+  EXPECT_EQ(h.server(1)->size(), 4u);
+  EXPECT_EQ(h.server(1)->front().window, 6u);
+  EXPECT_EQ(h.server(1)->back().window, 9u);
+  EXPECT_EQ(h.server(0), nullptr);
+  ASSERT_EQ(h.arcs().size(), 2u);
+  EXPECT_EQ(h.arcs().at(0x10).size(), 2u);
+  EXPECT_EQ(h.arcs().at(0x10).back().server, 1u);
+  // Part 1 of a window adds entries, not a second copy of the totals.
+  LoadReport part = server_report(1, 10, {0x30});
+  part.part = 1;
+  part.parts = 2;
+  h.ingest(part);
+  EXPECT_EQ(h.server(1)->back().window, 9u);
+  EXPECT_EQ(h.arcs().count(0x30), 1u);
+}
+
+TEST(LoadHistory, MemoryIsBoundedWhateverTheJobLength) {
+  constexpr size_t kServerWindows = 16, kArcWindows = 4, kMaxArcs = 1000;
+  LoadHistory h(LoadHistory::Options{kServerWindows, kArcWindows, kMaxArcs});
+  size_t peak = 0;
+  // 100,000 windows from 8 servers; the arcs change every window (as after
+  // placement changes), and workers report on every server.
+  for (uint64_t w = 0; w < 100'000; ++w) {
+    const uint32_t server = static_cast<uint32_t>(w % 8);
+    h.ingest(server_report(server, w, {w * 3, w * 3 + 1, w * 3 + 2}));
+    LoadReport worker;
+    worker.role = Role::kWorker;
+    worker.rank = static_cast<uint32_t>(w % 4);
+    worker.window = w;
+    worker.peers.push_back({server, 100, 1, 10, 20});
+    h.ingest(worker);
+    peak = std::max(peak, h.entries());
+  }
+  EXPECT_LE(h.arcs().size(), kMaxArcs);
+  const size_t bound = 8 * kServerWindows + 8 * kServerWindows * 4 + kMaxArcs * kArcWindows;
+  EXPECT_LE(peak, bound);
+  // The newest arcs survived eviction.
+  EXPECT_EQ(h.arcs().count(99'999 * 3), 1u);
+  EXPECT_EQ(h.arcs().count(0), 0u);
+}
+
+}  // namespace
+}  // namespace psld
