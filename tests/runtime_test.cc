@@ -2,10 +2,18 @@
 // on a loopback fabric.
 #include <gtest/gtest.h>
 
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
 #include <future>
+#include <map>
+#include <mutex>
 #include <numeric>
+#include <thread>
 
 #include "lib/coordinator.h"
+#include "lib/load_history.h"
 #include "lib/server.h"
 #include "lib/worker.h"
 #include "transports/loopback/loopback.h"
@@ -230,6 +238,83 @@ TEST_P(Runtime, SameNameWithDifferentSizesIsAClearError) {
   EXPECT_EQ(again.status().code(), StatusCode::kAlreadyExists);
 }
 
+TEST_P(Runtime, TheCoordinatorHearsEveryPushedByteInTheLoadReports) {
+  // Windows of 200 ms: the history's 64 windows hold the whole test, so the
+  // reported bytes must add up exactly.
+  Cluster c(
+      2, 2, [](RuntimeOptions& o) { o.stats_interval = std::chrono::milliseconds(200); },
+      GetParam());
+  ASSERT_TRUE(c.start().ok());
+  constexpr size_t kN = 100000;  // several chunks on both servers
+  constexpr int kRounds = 10;
+  Status s = on_all(c, [&](size_t wi) -> Status {
+    WorkerService& w = *c.workers[wi];
+    std::vector<float> x(kN, 1.0f);
+    PSLD_ASSIGN_OR_RETURN(uint32_t h,
+                          w.register_tensor("g", DType::kF32, kN * 4, x.data(), nullptr));
+    for (int r = 0; r < kRounds; ++r) {
+      PSLD_ASSIGN_OR_RETURN(auto req, w.submit(h, RequestKind::kPushPull));
+      PSLD_RETURN_IF_ERROR(req->wait(10s));
+    }
+    return Status::Ok();
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  std::map<uint32_t, uint64_t> pushed;  // by server, as the workers counted
+  for (auto& w : c.workers) {
+    for (const auto& l : w->server_loads())
+      pushed[l.server] += l.bytes_pushed;
+  }
+  ASSERT_EQ(pushed.size(), 2u);
+  // The last windows arrive within an interval or two.
+  const uint64_t chunks_per_round = (kN * 4 + c.base.chunk_bytes - 1) / c.base.chunk_bytes;
+  const uint64_t want_answers = 2 * kRounds * chunks_per_round;
+  std::map<uint32_t, uint64_t> reported_in, reported_arcs;
+  uint64_t answers = 0;
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (std::chrono::steady_clock::now() < deadline) {
+    const LoadHistory h = c.coordinator->load_history();
+    reported_in.clear();
+    reported_arcs.clear();
+    answers = 0;
+    for (const auto& [server, bytes] : pushed) {
+      if (const auto* ring = h.server(server)) {
+        for (const auto& win : *ring)
+          reported_in[server] += win.bytes_in;
+      }
+      if (const auto* views = h.seen_by_workers(server)) {
+        for (const auto& v : *views)
+          answers += v.peer.answers;
+      }
+    }
+    for (const auto& [lo, ring] : h.arcs()) {
+      for (const auto& win : ring)
+        reported_arcs[win.server] += win.bytes_in;
+    }
+    if (reported_in == pushed && answers == want_answers) break;
+    std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_EQ(reported_in, pushed);
+  // Every chunk of every push_pull was answered, and every worker said so.
+  EXPECT_EQ(answers, want_answers);
+  const LoadHistory h = c.coordinator->load_history();
+  for (const auto& [server, bytes] : pushed) {
+    const auto* ring = h.server(server);
+    ASSERT_NE(ring, nullptr);
+    uint64_t busy = 0, rounds = 0;
+    for (const auto& win : *ring) {
+      busy += win.busy_ns;
+      rounds += win.rounds;
+      EXPECT_EQ(win.epoch, 0u);
+      EXPECT_EQ(win.lost_samples, 0u);
+    }
+    EXPECT_GT(busy, 0u) << "server " << server << " served pushes, so it was occupied";
+    EXPECT_GT(rounds, 0u);
+  }
+  // Per-arc bytes add up to the servers' totals (arc windows hold the last 8
+  // windows of each arc, which covers this short test).
+  EXPECT_EQ(reported_arcs, pushed);
+}
+
 TEST_P(Runtime, AsyncModeConservesTheTotalOfAllPushes) {
   Cluster c(
       3, 2, [](RuntimeOptions& o) { o.sync = SyncMode::kAsync; }, GetParam());
@@ -285,6 +370,289 @@ TEST_P(Runtime, AWorkerThatDiesFailsTheJobForEveryone) {
   EXPECT_NE(st.message().find("worker 2"), std::string::npos) << st.to_string();
   Status job = c.coordinator->wait(5s);
   EXPECT_EQ(job.code(), StatusCode::kAborted) << job.to_string();
+}
+
+// Bounded staleness, s = 2: pushes are applied on arrival and a pull of round
+// r waits until every worker's pushes up to round r - s are in. Each worker
+// pushes a one-hot vector (1 at its own rank) every round, so after a pull
+// element k is how many of worker k's pushes the server applied: never less
+// than r - s, never more than worker k has pushed. Worker 2 is slow, so
+// worker 0 must be held back by the bound.
+TEST_P(Runtime, StalenessBoundsHowFarAheadAFastWorkerRuns) {
+  constexpr uint32_t kWorkers = 3;
+  constexpr uint64_t kStaleness = 2;
+  constexpr uint64_t kRounds = 30;
+  constexpr uint32_t kFast = 0, kSlow = 2;
+  const std::array<std::chrono::milliseconds, kWorkers> delay = {0ms, 3ms, 20ms};
+  Cluster c(
+      kWorkers, 2,
+      [](RuntimeOptions& o) {
+        o.sync = SyncMode::kStaleness;
+        o.staleness = kStaleness;
+      },
+      GetParam());
+  ASSERT_TRUE(c.start().ok());
+  std::array<std::atomic<uint64_t>, kWorkers> pushed{};  // pushes submitted, per worker rank
+  // The fast worker's largest r - (slow worker's count); negative while the
+  // slow worker is ahead (the fast one can start late).
+  int64_t fast_max_lead = -1000;
+  uint64_t fast_at_bound = 0;  // rounds where it saw the slow worker exactly s behind
+  std::array<std::vector<float>, kWorkers> memory;
+  Status s = on_all(c, [&](size_t wi) -> Status {
+    WorkerService& w = *c.workers[wi];
+    const uint32_t me = w.rank();
+    std::vector<float>& x = memory[me];
+    x.assign(kWorkers, 0.0f);
+    PSLD_ASSIGN_OR_RETURN(
+        uint32_t h, w.register_tensor("counts", DType::kF32, kWorkers * 4, x.data(), nullptr));
+    for (uint64_t r = 1; r <= kRounds; ++r) {
+      std::this_thread::sleep_for(delay[me]);
+      std::fill(x.begin(), x.end(), 0.0f);
+      x[me] = 1.0f;
+      pushed[me].fetch_add(1);  // before the push can be applied anywhere
+      PSLD_ASSIGN_OR_RETURN(auto push, w.submit(h, RequestKind::kPush));
+      PSLD_RETURN_IF_ERROR(push->wait(10s));
+      PSLD_ASSIGN_OR_RETURN(auto pull, w.submit(h, RequestKind::kPull));
+      PSLD_RETURN_IF_ERROR(pull->wait(10s));
+      for (uint32_t k = 0; k < kWorkers; ++k) {
+        const uint64_t most = pushed[k].load();  // read after the pull landed
+        const float count = x[k];
+        const uint64_t least = r > kStaleness ? r - kStaleness : 0;
+        if (count != std::floor(count) || count < static_cast<float>(least) ||
+            count > static_cast<float>(most)) {
+          return Internal("worker " + std::to_string(me) + " round " + std::to_string(r) +
+                          ": worker " + std::to_string(k) + "'s count is " + std::to_string(count) +
+                          ", not in [" + std::to_string(least) + ", " + std::to_string(most) +
+                          "] (staleness " + std::to_string(kStaleness) + ")");
+        }
+      }
+      if (me == kFast) {
+        const int64_t lead = static_cast<int64_t>(r) - static_cast<int64_t>(x[kSlow]);
+        fast_max_lead = std::max(fast_max_lead, lead);
+        if (lead == static_cast<int64_t>(kStaleness)) ++fast_at_bound;
+      }
+    }
+    PSLD_RETURN_IF_ERROR(w.barrier(10s));
+    // Every push reached its server: the counts add up to every push made.
+    const auto deadline = std::chrono::steady_clock::now() + 5s;
+    while (true) {
+      PSLD_ASSIGN_OR_RETURN(auto pull, w.submit(h, RequestKind::kPull));
+      PSLD_RETURN_IF_ERROR(pull->wait(10s));
+      if (std::all_of(x.begin(), x.end(),
+                      [&](float v) { return v == static_cast<float>(kRounds); }))
+        break;
+      if (std::chrono::steady_clock::now() > deadline) {
+        std::string counts;
+        for (float v : x)
+          counts += std::to_string(v) + " ";
+        return Internal("worker " + std::to_string(me) + ": the final counts are " + counts +
+                        "not " + std::to_string(kRounds) + " each");
+      }
+      std::this_thread::sleep_for(5ms);
+    }
+    return Status::Ok();
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  // Otherwise the bound was never what held the fast worker back and the
+  // checks above prove nothing.
+  EXPECT_EQ(fast_max_lead, static_cast<int64_t>(kStaleness));
+  EXPECT_GT(fast_at_bound, 0u);
+}
+
+// Speaks the worker side of the protocol to one server by hand, to send what
+// a WorkerService never does: requests for keys the server does not own.
+class RawWorker final : public Endpoint {
+ public:
+  static Result<std::unique_ptr<RawWorker>> start(const EndpointOptions& options) {
+    std::unique_ptr<RawWorker> r(new RawWorker);
+    EndpointOptions ep = options;
+    ep.options.common.listen_address.clear();
+    PSLD_RETURN_IF_ERROR(r->Endpoint::start(ep));
+    return r;
+  }
+  ~RawWorker() override { stop(); }
+
+  // Removes and returns the first message of type T that `match` accepts.
+  template <typename T>
+  Result<T> next(const std::function<bool(const T&)>& match, std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    std::optional<T> found;
+    cv_.wait_for(lock, timeout, [&] {
+      for (auto it = inbox_.begin(); it != inbox_.end(); ++it) {
+        const T* m = std::get_if<T>(&*it);
+        if (m != nullptr && match(*m)) {
+          found = *m;
+          inbox_.erase(it);
+          return true;
+        }
+      }
+      return false;
+    });
+    if (!found) return Timeout("no matching message; inbox holds " + describe_inbox());
+    return *found;
+  }
+  bool wait_write(uint32_t tag, std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, timeout, [&] { return writes_.count(tag) > 0; });
+  }
+  bool wrote(uint32_t tag) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return writes_.count(tag) > 0;
+  }
+
+ private:
+  RawWorker() = default;
+  void on_control(const transport::ConnectionPtr&, protocol::Message&& message) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      inbox_.push_back(std::move(message));
+    }
+    cv_.notify_all();
+  }
+  void on_write(const transport::ConnectionPtr&, uint32_t notify, uint64_t length) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      writes_[notify] = length;
+    }
+    cv_.notify_all();
+  }
+  std::string describe_inbox() const {  // mu_ held
+    std::string out;
+    for (const auto& m : inbox_)
+      out += std::string(protocol::message_name(m)) + " ";
+    return out.empty() ? "nothing" : out;
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<protocol::Message> inbox_;
+  std::map<uint32_t, uint64_t> writes_;  // notify tag -> length
+};
+
+// docs/runtime.md: "A request for a key the server does not own is answered
+// Moved ... none of them takes the server down."
+TEST_P(Runtime, ARequestForAKeyTheServerDoesNotOwnIsAnsweredMoved) {
+  Cluster c(1, 2, nullptr, GetParam());
+  ASSERT_TRUE(c.start().ok());
+  ServerService& server = *c.servers[0];
+  const Placement* placement = c.coordinator->placement();
+  ASSERT_NE(placement, nullptr);
+  // A tensor id no worker registered; chunk `owned` is this server's, chunk
+  // `other` the other server's.
+  constexpr TensorId kTensor = 1000;
+  std::optional<uint32_t> owned, other;
+  for (uint32_t chunk = 0; chunk < 1000 && !(owned && other); ++chunk) {
+    auto& slot = placement->owner_of_key(make_key(kTensor, chunk)) == server.rank() ? owned : other;
+    if (!slot) slot = chunk;
+  }
+  ASSERT_TRUE(owned && other);
+  const Key mine = make_key(kTensor, *owned), theirs = make_key(kTensor, *other);
+  const uint64_t chunk_bytes = c.base.chunk_bytes;
+  constexpr uint64_t kElems = 64;  // of each chunk, at its start
+
+  // Declared before the raw worker: its transport reads and writes them.
+  std::vector<float> tensor((std::max(*owned, *other) + 1) * chunk_bytes / 4, -1.0f);
+  std::vector<float> source(tensor.size());
+  for (size_t i = 0; i < source.size(); ++i)
+    source[i] = static_cast<float>(i % 1000);
+  auto raw_or = RawWorker::start(c.base.endpoint);
+  ASSERT_TRUE(raw_or.ok()) << raw_or.status().to_string();
+  RawWorker& raw = **raw_or;
+  auto conn_or = connect_text(raw.transport(), server.address());
+  ASSERT_TRUE(conn_or.ok()) << conn_or.status().to_string();
+  transport::ConnectionPtr conn = *conn_or;
+
+  // Join as worker 0 and learn where pulls of the tensor land.
+  ASSERT_TRUE(
+      raw.send(conn, protocol::WorkerHello{0, protocol::secret_proof(c.base.secret, 0)}).ok());
+  auto grant = raw.next<protocol::Grant>([](const auto&) { return true; }, 5s);
+  ASSERT_TRUE(grant.ok()) << grant.status().to_string();
+  ASSERT_GE(grant->num_slots, 3u);
+  auto slots = conn->import_region(grant->slots_key);
+  ASSERT_TRUE(slots.ok()) << slots.status().to_string();
+  auto tensor_region = raw.transport().register_memory(tensor.data(), tensor.size() * 4,
+                                                       transport::MemoryKind::kHost);
+  auto source_region = raw.transport().register_memory(source.data(), source.size() * 4,
+                                                       transport::MemoryKind::kHost);
+  ASSERT_TRUE(tensor_region.ok() && source_region.ok());
+  const auto& rkey = (*tensor_region)->remote_key();
+  ASSERT_TRUE(raw.send(conn, protocol::TensorKey{7, kTensor,
+                                                 std::vector<uint8_t>(rkey.begin(), rkey.end())})
+                  .ok());
+  ASSERT_TRUE(raw.next<protocol::Ack>([](const auto& a) { return a.request == 7; }, 5s).ok());
+
+  // A push into landing slot `slot`: the metadata, then the write.
+  auto push = [&](Key key, uint32_t slot, uint32_t tag, uint8_t flags, uint32_t pull_tag) {
+    protocol::PushMeta meta{tag,   slot,    DType::kF32, key, 1, kElems * 4, placement->epoch(),
+                            flags, pull_tag};
+    Status st = raw.send(conn, meta);
+    if (!st.ok()) return st;
+    const uint64_t offset = static_cast<uint64_t>(key_chunk(key)) * chunk_bytes;
+    return conn->write(
+        {source_region->get(), offset, slots->get(), slot * grant->slot_bytes, kElems * 4, tag},
+        nullptr);
+  };
+  auto expect_moved = [&](uint32_t tag) {
+    auto moved = raw.next<protocol::Moved>([&](const auto& m) { return m.tag == tag; }, 5s);
+    ASSERT_TRUE(moved.ok()) << "tag " << tag << ": " << moved.status().to_string();
+    EXPECT_EQ(moved->key, theirs);
+    EXPECT_EQ(moved->epoch, placement->epoch());
+  };
+  // The slot of a refused push comes back as a credit.
+  auto expect_credit = [&](uint32_t slot) {
+    auto credit = raw.next<protocol::Credit>(
+        [&](const auto& cr) {
+          return std::find(cr.slots.begin(), cr.slots.end(), slot) != cr.slots.end();
+        },
+        5s);
+    EXPECT_TRUE(credit.ok()) << "slot " << slot << ": " << credit.status().to_string();
+  };
+
+  ASSERT_TRUE(push(theirs, 0, 11, 0, 0).ok());
+  expect_moved(11);
+  expect_credit(0);
+  ASSERT_TRUE(push(theirs, 1, 12, protocol::kPushThenPull, 13).ok());  // a push_pull
+  expect_moved(12);
+  expect_credit(1);
+  ASSERT_TRUE(raw.send(conn, protocol::PullRequest{14, DType::kF32, kElems * 4, theirs, 1,
+                                                   placement->epoch()})
+                  .ok());
+  expect_moved(14);
+  EXPECT_EQ(server.stats().rejected, 3u);
+  EXPECT_EQ(server.stats().pushes, 0u);
+  EXPECT_EQ(server.stats().pulls, 0u);
+
+  // The server is still up and serves a request for its own key: a push_pull
+  // of round 1 (one worker: the round is its push) writes the sum back.
+  ASSERT_TRUE(push(mine, 2, 21, protocol::kPushThenPull, 22).ok());
+  ASSERT_TRUE(raw.wait_write(22, 5s)) << "the push_pull of an owned key was not answered";
+  const size_t at = static_cast<size_t>(*owned) * chunk_bytes / 4;
+  for (size_t i = at; i < at + kElems; ++i)
+    ASSERT_EQ(tensor[i], source[i]) << "element " << i;
+  EXPECT_EQ(tensor[at + kElems], -1.0f) << "the pull wrote past its chunk";
+  expect_credit(2);
+  // Nothing was ever written for the refused requests.
+  EXPECT_FALSE(raw.wrote(13));
+  EXPECT_FALSE(raw.wrote(14));
+  EXPECT_EQ(server.stats().rejected, 3u);
+  EXPECT_EQ(server.stats().pushes, 1u);
+  EXPECT_EQ(server.malformed_messages(), 0u);
+
+  // And the real worker's traffic, to both servers, is exact.
+  WorkerService& w = *c.workers[0];
+  constexpr size_t kN = 300001;  // 19 chunks of 64 KiB, a short tail
+  std::vector<float> x(kN);
+  auto h = w.register_tensor("after", DType::kF32, kN * 4, x.data(), nullptr);
+  ASSERT_TRUE(h.ok()) << h.status().to_string();
+  for (size_t i = 0; i < kN; ++i)
+    x[i] = static_cast<float>(i % 4099);
+  auto req = w.submit(*h, RequestKind::kPushPull);
+  ASSERT_TRUE(req.ok());
+  ASSERT_TRUE((*req)->wait(10s).ok());
+  for (size_t i = 0; i < kN; ++i)
+    ASSERT_EQ(x[i], static_cast<float>(i % 4099)) << "element " << i;
+  EXPECT_GT(server.stats().pushes, 1u);
+  EXPECT_EQ(server.stats().rejected, 3u);
 }
 
 TEST(RuntimeLoopback, UnreachableCoordinatorIsAClearErrorAtStart) {

@@ -2,7 +2,7 @@
 // Fashion-MNIST with psld, run by `tools/dev demo` under `psld launch`.
 //
 // Each worker trains on its shard of the 60,000 training images; every round
-// it computes the gradient of its mini-batch (OpenBLAS sgemm), writes it into
+// it computes the gradient of its mini-batch (tools/mlp.h), writes it into
 // the registered parameter tensors and push_pulls them: the servers sum the
 // workers' gradients, apply SGD with momentum and write the new parameters
 // straight back. Worker 0 prints a live table and, at the end, the test-set
@@ -10,172 +10,23 @@
 //
 //   psld-demo-mlp [--rounds N] [--batch B] [--hidden H] [--data DIR]
 #include <cblas.h>
-#include <zlib.h>
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "psld/worker.h"
+#include "tools/mlp.h"
 
 namespace {
 
-struct Dataset {
-  int n = 0;
-  std::vector<float> images;  // n x 784, scaled to [0, 1]
-  std::vector<int> labels;
-};
-
-uint32_t be32(const unsigned char* p) {
-  return (uint32_t{p[0]} << 24) | (uint32_t{p[1]} << 16) | (uint32_t{p[2]} << 8) | p[3];
-}
-
-// Reads a gzip'd IDX file whole.
-bool read_gz(const std::string& path, std::vector<unsigned char>* out) {
-  gzFile f = gzopen(path.c_str(), "rb");
-  if (f == nullptr) return false;
-  unsigned char buf[1 << 16];
-  int n;
-  while ((n = gzread(f, buf, sizeof(buf))) > 0)
-    out->insert(out->end(), buf, buf + n);
-  gzclose(f);
-  return n == 0;
-}
-
-bool load(const std::string& dir, const std::string& prefix, Dataset* d, std::string* error) {
-  std::vector<unsigned char> img, lab;
-  const std::string ip = dir + "/" + prefix + "-images-idx3-ubyte.gz";
-  const std::string lp = dir + "/" + prefix + "-labels-idx1-ubyte.gz";
-  if (!read_gz(ip, &img) || !read_gz(lp, &lab)) {
-    *error = "cannot read " + ip + " or " + lp +
-             " (Debian package dataset-fashion-mnist; tools/dev demo installs it)";
-    return false;
-  }
-  if (img.size() < 16 || lab.size() < 8 || be32(img.data()) != 2051 || be32(lab.data()) != 2049) {
-    *error = "not IDX files: " + ip + ", " + lp;
-    return false;
-  }
-  const uint32_t n = be32(img.data() + 4), rows = be32(img.data() + 8),
-                 cols = be32(img.data() + 12);
-  if (rows * cols != 784 || be32(lab.data() + 4) != n || img.size() != 16 + size_t{n} * 784 ||
-      lab.size() != 8 + size_t{n}) {
-    *error = "unexpected IDX shapes in " + ip;
-    return false;
-  }
-  d->n = static_cast<int>(n);
-  d->images.resize(size_t{n} * 784);
-  d->labels.resize(n);
-  for (size_t i = 0; i < d->images.size(); ++i)
-    d->images[i] = img[16 + i] / 255.0f;
-  for (uint32_t i = 0; i < n; ++i)
-    d->labels[i] = lab[8 + i];
-  return true;
-}
-
-// One dense layer's parameters live in one registered tensor: weights
-// (in x out, row-major) followed by the bias (out).
-struct Layer {
-  int in = 0, out = 0;
-  std::vector<float> params;  // registered with psld: gradients in, parameters out
-  std::vector<float> grad;
-  psld::TensorHandle handle;
-  float* w() { return params.data(); }
-  float* b() { return params.data() + static_cast<size_t>(in) * out; }
-  float* gw() { return grad.data(); }
-  float* gb() { return grad.data() + static_cast<size_t>(in) * out; }
-};
-
-struct Mlp {
-  std::vector<Layer> layers;
-  // Activations per layer for a batch (inputs of layer l are acts[l]).
-  std::vector<std::vector<float>> acts, deltas;
-
-  Mlp(const std::vector<int>& dims, uint64_t seed) {
-    std::mt19937_64 rng(seed);
-    for (size_t l = 0; l + 1 < dims.size(); ++l) {
-      Layer layer;
-      layer.in = dims[l];
-      layer.out = dims[l + 1];
-      layer.params.resize(static_cast<size_t>(layer.in) * layer.out + layer.out);
-      layer.grad.resize(layer.params.size());
-      // He initialisation for ReLU layers.
-      std::normal_distribution<float> nd(0.0f, std::sqrt(2.0f / static_cast<float>(layer.in)));
-      for (size_t i = 0; i < static_cast<size_t>(layer.in) * layer.out; ++i)
-        layer.params[i] = nd(rng);
-      layers.push_back(std::move(layer));
-    }
-  }
-
-  // Forward pass on `batch` rows of x; returns the mean cross-entropy and,
-  // when `train`, leaves the gradient in every layer's grad.
-  float step(const float* x, const int* y, int batch, bool train, int* correct) {
-    acts.assign(layers.size() + 1, {});
-    acts[0].assign(x, x + static_cast<size_t>(batch) * layers[0].in);
-    for (size_t l = 0; l < layers.size(); ++l) {
-      Layer& L = layers[l];
-      std::vector<float>& out = acts[l + 1];
-      out.resize(static_cast<size_t>(batch) * L.out);
-      for (int r = 0; r < batch; ++r)
-        std::memcpy(&out[static_cast<size_t>(r) * L.out], L.b(), L.out * 4);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, batch, L.out, L.in, 1.0f,
-                  acts[l].data(), L.in, L.w(), L.out, 1.0f, out.data(), L.out);
-      if (l + 1 < layers.size()) {
-        for (float& v : out)
-          v = std::max(v, 0.0f);
-      }
-    }
-    // Softmax cross-entropy on the logits.
-    const int classes = layers.back().out;
-    std::vector<float>& logits = acts.back();
-    std::vector<float> dlogits(logits.size());
-    double loss = 0;
-    for (int r = 0; r < batch; ++r) {
-      float* z = &logits[static_cast<size_t>(r) * classes];
-      const float m = *std::max_element(z, z + classes);
-      double sum = 0;
-      for (int c = 0; c < classes; ++c)
-        sum += std::exp(static_cast<double>(z[c] - m));
-      const double logsum = std::log(sum) + m;
-      loss += logsum - z[y[r]];
-      if (correct && std::max_element(z, z + classes) - z == y[r]) ++*correct;
-      for (int c = 0; c < classes; ++c) {
-        dlogits[static_cast<size_t>(r) * classes + c] =
-            static_cast<float>((std::exp(z[c] - logsum) - (c == y[r] ? 1.0 : 0.0)) / batch);
-      }
-    }
-    if (!train) return static_cast<float>(loss / batch);
-    // Backward.
-    std::vector<float> delta = std::move(dlogits);
-    for (size_t li = layers.size(); li-- > 0;) {
-      Layer& L = layers[li];
-      const std::vector<float>& in = acts[li];
-      // dW = in^T * delta; db = column sums of delta.
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, L.in, L.out, batch, 1.0f, in.data(),
-                  L.in, delta.data(), L.out, 0.0f, L.gw(), L.out);
-      std::fill(L.gb(), L.gb() + L.out, 0.0f);
-      for (int r = 0; r < batch; ++r) {
-        for (int c = 0; c < L.out; ++c)
-          L.gb()[c] += delta[static_cast<size_t>(r) * L.out + c];
-      }
-      if (li == 0) break;
-      std::vector<float> prev(static_cast<size_t>(batch) * L.in);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, batch, L.in, L.out, 1.0f, delta.data(),
-                  L.out, L.w(), L.out, 0.0f, prev.data(), L.in);
-      for (size_t i = 0; i < prev.size(); ++i) {
-        if (in[i] <= 0.0f) prev[i] = 0.0f;  // ReLU'
-      }
-      delta = std::move(prev);
-    }
-    return static_cast<float>(loss / batch);
-  }
-};
+using psld::demo::Dataset;
+using psld::demo::Mlp;
 
 int arg_int(int argc, char** argv, const char* name, int fallback) {
   for (int i = 1; i + 1 < argc; ++i) {
@@ -197,7 +48,7 @@ int main(int argc, char** argv) {
   const int rounds = arg_int(argc, argv, "--rounds", 600);
   const int batch = arg_int(argc, argv, "--batch", 64);
   const int hidden = arg_int(argc, argv, "--hidden", 512);
-  const std::string dir = arg_str(argc, argv, "--data", "/usr/share/datasets/fashion-mnist");
+  const std::string dir = arg_str(argc, argv, "--data", psld::demo::kFashionMnistDir);
   openblas_set_num_threads(1);  // one core per worker process
 
   auto config = psld::load_config({});
@@ -214,14 +65,19 @@ int main(int argc, char** argv) {
   const int rank = static_cast<int>(worker.rank());
   const int workers = static_cast<int>(worker.num_workers());
 
-  Dataset train, test;
-  std::string error;
-  if (!load(dir, "train", &train, &error) || !load(dir, "t10k", &test, &error)) {
-    std::fprintf(stderr, "%s\n", error.c_str());
-    return 1;
+  auto train_set = psld::demo::load_fashion_mnist(dir, "train");
+  auto test_set = psld::demo::load_fashion_mnist(dir, "t10k");
+  for (const auto* set : {&train_set, &test_set}) {
+    if (!set->ok()) {
+      std::fprintf(stderr, "%s\n", set->status().message().c_str());
+      return 1;
+    }
   }
+  const Dataset& train = *train_set;
+  const Dataset& test = *test_set;
   // Worker 0's initial weights are everyone's: the same seed everywhere.
-  Mlp model({784, hidden, hidden, 10}, 42);
+  Mlp model({psld::demo::kPixels, hidden, hidden, psld::demo::kClasses}, 42);
+  std::vector<psld::TensorHandle> handles;
   for (size_t l = 0; l < model.layers.size(); ++l) {
     auto& L = model.layers[l];
     std::vector<float> init = L.params;
@@ -231,14 +87,14 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "register: %s\n", h.status().to_string().c_str());
       return 1;
     }
-    L.handle = *h;
+    handles.push_back(*h);
   }
   if (auto s = worker.barrier(); !s.ok()) {
     std::fprintf(stderr, "barrier: %s\n", s.to_string().c_str());
     return 1;
   }
-  for (auto& L : model.layers) {
-    auto req = worker.pull(L.handle);
+  for (const psld::TensorHandle& h : handles) {
+    auto req = worker.pull(h);
     if (!req.ok() || !req->wait().ok()) {
       std::fprintf(stderr, "initial pull failed\n");
       return 1;
@@ -278,14 +134,15 @@ int main(int argc, char** argv) {
                   784 * 4);
       yb[i] = train.labels[idx];
     }
-    loss_sum += model.step(xb.data(), yb.data(), batch, true, nullptr);
+    loss_sum += model.train_step(xb.data(), yb.data(), batch);
     ++loss_n;
     // The gradient goes out through the registered memory; the new
     // parameters come back into it.
     std::vector<psld::Request> reqs;
-    for (auto& L : model.layers) {
+    for (size_t l = 0; l < model.layers.size(); ++l) {
+      auto& L = model.layers[l];
       std::memcpy(L.params.data(), L.grad.data(), L.grad.size() * 4);
-      auto req = worker.push_pull(L.handle);
+      auto req = worker.push_pull(handles[l]);
       if (!req.ok()) {
         std::fprintf(stderr, "push_pull: %s\n", req.status().to_string().c_str());
         return 1;
@@ -328,9 +185,9 @@ int main(int argc, char** argv) {
     const int chunk = 500;
     for (int i = 0; i < test.n; i += chunk) {
       const int b = std::min(chunk, test.n - i);
-      loss += model.step(&test.images[static_cast<size_t>(i) * 784], &test.labels[i], b, false,
-                         &correct) *
-              b;
+      loss +=
+          model.evaluate(&test.images[static_cast<size_t>(i) * 784], &test.labels[i], b, &correct) *
+          b;
     }
     std::printf("trained %d rounds x %d workers x %d images in %.1f s (%.0f images/s)\n", rounds,
                 workers, batch, total, rounds * double(batch) * workers / total);
