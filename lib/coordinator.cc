@@ -156,6 +156,8 @@ void CoordinatorService::handle_control(const ConnectionPtr& conn, protocol::Mes
     post(conn, protocol::Heartbeat{hb->sequence});  // members watch us too
   } else if (auto* report = std::get_if<protocol::LoadReport>(&message)) {
     handle_load_report(m, *report);
+  } else if (auto* vote = std::get_if<protocol::EpochVote>(&message)) {
+    handle_vote(m, *vote);
   } else if (std::holds_alternative<protocol::Shutdown>(message)) {
     m.said_goodbye = true;
     // The acknowledgement lets the member close knowing its goodbye arrived:
@@ -307,7 +309,97 @@ void CoordinatorService::handle_load_report(const Member& m, const protocol::Loa
     }
     return;
   }
+  if (r.role == protocol::Role::kWorker) max_round_ = std::max(max_round_, r.rounds);
   load_.ingest(r);
+}
+
+Status CoordinatorService::propose(const PlacementDelta& delta) {
+  Status st = start_switch(delta);
+  flush();
+  return st;
+}
+
+Placement CoordinatorService::current_placement() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return *placement_;
+}
+
+Status CoordinatorService::start_switch(const PlacementDelta& delta) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!job_started_ || job_over_) return FailedPrecondition("the job is not running");
+  if (switch_) return FailedPrecondition("an epoch switch is in flight");
+  if (delta.from_epoch != placement_->epoch()) {
+    return FailedPrecondition(fmt::format("the delta starts from epoch {}, the job is at {}",
+                                          delta.from_epoch, placement_->epoch()));
+  }
+  auto next = placement_->apply(delta);
+  if (!next.ok()) return next.status().with_context("the proposed epoch");
+  Switch sw{delta, delta.serialize(), std::move(next).value(), 0, 4, {}};
+  if (sw.delta_bytes.size() > protocol::kMaxDeltaBytes) {
+    return InvalidArgument(fmt::format("a delta of {} bytes does not fit one message ({})",
+                                       sw.delta_bytes.size(), protocol::kMaxDeltaBytes));
+  }
+  switch_ = std::move(sw);
+  send_prepare();
+  return Status::Ok();
+}
+
+// mu_ held.
+void CoordinatorService::send_prepare() {
+  Switch& sw = *switch_;
+  // Ahead of every round seen, and after the previous switch (an epoch must
+  // serve at least one round for the next one to take its keys from it).
+  sw.switch_round = std::max(max_round_ + sw.margin, last_switch_round_ + 1);
+  sw.yes.clear();
+  for (const auto& [rank, id] : servers_) {
+    post(members_.at(id).conn,
+         protocol::EpochChange{false, sw.next.epoch(), sw.switch_round, sw.delta_bytes});
+  }
+}
+
+void CoordinatorService::handle_vote(const Member& m, const protocol::EpochVote& vote) {
+  if (m.role != protocol::Role::kServer || !switch_) return;
+  Switch& sw = *switch_;
+  if (vote.epoch != sw.next.epoch() || vote.switch_round != sw.switch_round) return;  // stale
+  max_round_ = std::max(max_round_, vote.max_round);
+  if (!vote.yes) {
+    // A server already saw a round past the switch: switch later.
+    sw.margin = std::min<uint64_t>(sw.margin * 2, 1 << 20);
+    PSLD_LOG_DEBUG("coordinator: server {} saw round {} >= {}; epoch {} retried later", m.rank,
+                   vote.max_round, sw.switch_round, sw.next.epoch());
+    send_prepare();
+    return;
+  }
+  sw.yes.insert(m.rank);
+  if (sw.yes.size() < servers_.size()) return;
+  // Everyone agreed: commit, servers first.
+  const protocol::EpochChange commit{true, sw.next.epoch(), sw.switch_round, sw.delta_bytes};
+  for (const auto& [rank, id] : servers_)
+    post(members_.at(id).conn, commit);
+  for (const auto& [rank, id] : workers_)
+    post(members_.at(id).conn, commit);
+  PSLD_LOG_INFO("coordinator: epoch {} from round {} ({} ranges move)", sw.next.epoch(),
+                sw.switch_round, sw.delta.assignments.size());
+  placement_ = std::move(sw.next);
+  last_switch_round_ = sw.switch_round;
+  switch_.reset();
+  ++switches_;
+  cv_.notify_all();
+}
+
+uint64_t CoordinatorService::epoch() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return placement_ ? placement_->epoch() : 0;
+}
+
+bool CoordinatorService::switching() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return switch_.has_value();
+}
+
+uint64_t CoordinatorService::switches() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return switches_;
 }
 
 LoadHistory CoordinatorService::load_history() const {

@@ -38,6 +38,20 @@ class CoordinatorService final : public Endpoint {
   size_t num_members() const;
   // A copy of the recent load the members reported.
   LoadHistory load_history() const;
+
+  // Starts a placement epoch switch (DESIGN.md §7): the servers prepare it at
+  // a switch round ahead of every worker, vote, and once all agree everyone
+  // commits it. FailedPrecondition while another switch is in flight or when
+  // delta does not start from the current epoch; InvalidArgument when it does
+  // not apply or is too large for one message.
+  Status propose(const PlacementDelta& delta);
+  // A copy of the committed placement.
+  Placement current_placement() const;
+  // The last committed epoch, and whether a switch is in flight.
+  uint64_t epoch() const;
+  bool switching() const;
+  // Epoch switches committed so far, and prepares sent (retries included).
+  uint64_t switches() const;
   const Placement* placement() const { return placement_ ? &*placement_ : nullptr; }
 
  private:
@@ -78,6 +92,9 @@ class CoordinatorService final : public Endpoint {
   void handle_hello(Member& m, const protocol::Hello& hello);
   void handle_register(Member& m, const protocol::RegisterTensor& reg);
   void handle_load_report(const Member& m, const protocol::LoadReport& report);
+  void handle_vote(const Member& m, const protocol::EpochVote& vote);
+  void send_prepare();
+  Status start_switch(const PlacementDelta& delta);
   void maybe_start_job();
   void send_job_state(const Member& m);
   void fail_job(const std::string& reason);
@@ -97,6 +114,19 @@ class CoordinatorService final : public Endpoint {
   std::map<uint64_t, std::set<uint32_t>> barriers_;
   std::optional<Placement> placement_;
   LoadHistory load_;
+  // The epoch switch in flight (DESIGN.md §7).
+  struct Switch {
+    PlacementDelta delta;
+    std::vector<uint8_t> delta_bytes;
+    Placement next;
+    uint64_t switch_round = 0;
+    uint64_t margin = 0;  // rounds ahead of the furthest round seen; doubles on a no
+    std::set<uint32_t> yes;
+  };
+  std::optional<Switch> switch_;
+  uint64_t max_round_ = 0;  // the highest round any member reported
+  uint64_t last_switch_round_ = 0;
+  uint64_t switches_ = 0;
   uint64_t bad_reports_ = 0;
   bool job_started_ = false;
   bool job_over_ = false;

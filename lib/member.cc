@@ -143,6 +143,19 @@ bool MemberSession::handle(const ConnectionPtr& conn, protocol::Message& message
     (void)endpoint_.send(conn, hello);
     return true;
   }
+  if (auto* e = std::get_if<protocol::EpochChange>(&message)) {
+    EpochFn fn;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      fn = on_epoch_;
+    }
+    if (fn) {
+      fn(*e);
+    } else {
+      PSLD_LOG_WARN("an epoch change from the coordinator, and nobody to take it");
+    }
+    return true;
+  }
   std::lock_guard<std::mutex> lock(mu_);
   if (auto* w = std::get_if<protocol::Welcome>(&message)) {
     welcome_ = *w;
@@ -300,6 +313,16 @@ void MemberSession::goodbye() {
     cv_.wait_for(lock, options_.heartbeat_timeout,
                  [&] { return shutdown_ || !health_.ok() || !conn->is_open(); });
   }
+}
+
+Status MemberSession::send_to_coordinator(const protocol::Message& message) {
+  ConnectionPtr conn;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    conn = coordinator_;
+  }
+  if (!conn) return Unavailable("not connected to the coordinator");
+  return endpoint_.send(conn, message);
 }
 
 void MemberSession::start_reports(std::chrono::milliseconds interval, ReportFn make) {

@@ -65,6 +65,15 @@ class MemberSession {
   // coordinator. stop_reports() sends one last window and joins the thread;
   // the owner calls it before tearing down what `make` reads.
   using ReportFn = std::function<std::vector<protocol::Message>(uint64_t window_ns)>;
+  // Placement epoch changes from the coordinator go to `fn` (on the
+  // transport's thread). Set before join().
+  using EpochFn = std::function<void(const protocol::EpochChange&)>;
+  void on_epoch(EpochFn fn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    on_epoch_ = std::move(fn);
+  }
+  // Sends a message to the coordinator (Unavailable when not connected).
+  Status send_to_coordinator(const protocol::Message& message);
   void start_reports(std::chrono::milliseconds interval, ReportFn make);
   void stop_reports();
 
@@ -104,6 +113,7 @@ class MemberSession {
   transport::Clock::time_point last_heard_;
   std::thread heartbeat_;
   std::thread reporter_;
+  EpochFn on_epoch_;           // guarded by mu_
   bool reports_stop_ = false;  // guarded by mu_
 };
 

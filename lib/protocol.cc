@@ -304,13 +304,18 @@ void put(WireWriter& w, const Credit& m) {
   w.u32(static_cast<uint32_t>(m.slots.size()));
   for (uint32_t s : m.slots)
     w.u32(s);
+  w.u32(static_cast<uint32_t>(m.accepted.size()));
+  for (uint32_t t : m.accepted)
+    w.u32(t);
 }
 bool get(WireReader& r, Credit* m) {
-  uint32_t n = 0;
-  if (!r.u32(&n) || n > kMaxListEntries || n > r.remaining() / 4) return false;
-  m->slots.resize(n);
-  for (auto& s : m->slots) {
-    if (!r.u32(&s)) return false;
+  for (auto* list : {&m->slots, &m->accepted}) {
+    uint32_t n = 0;
+    if (!r.u32(&n) || n > kMaxListEntries || n > r.remaining() / 4) return false;
+    list->resize(n);
+    for (auto& v : *list) {
+      if (!r.u32(&v)) return false;
+    }
   }
   return true;
 }
@@ -336,24 +341,61 @@ bool get(WireReader& r, Error* m) {
          r.str(&m->message, kMaxReasonBytes);
 }
 
+void put(WireWriter& w, const EpochChange& m) {
+  w.u8(m.commit ? 1 : 0);
+  w.u64(m.epoch);
+  w.u64(m.switch_round);
+  w.blob(m.delta);
+}
+bool get(WireReader& r, EpochChange* m) {
+  return read_bool(r, &m->commit) && r.u64(&m->epoch) && r.u64(&m->switch_round) &&
+         read_bytes(r, &m->delta, kMaxDeltaBytes);
+}
+
+void put(WireWriter& w, const EpochVote& m) {
+  w.u64(m.epoch);
+  w.u64(m.switch_round);
+  w.u8(m.yes ? 1 : 0);
+  w.u64(m.max_round);
+}
+bool get(WireReader& r, EpochVote* m) {
+  return r.u64(&m->epoch) && r.u64(&m->switch_round) && read_bool(r, &m->yes) &&
+         r.u64(&m->max_round);
+}
+
+void put(WireWriter& w, const StateRequest& m) {
+  w.u32(m.tag);
+  w.u64(m.key);
+  w.u64(m.switch_round);
+  w.u8(static_cast<uint8_t>(m.dtype));
+  w.u64(m.bytes);
+  w.blob(m.region);
+}
+bool get(WireReader& r, StateRequest* m) {
+  return r.u32(&m->tag) && r.u64(&m->key) && r.u64(&m->switch_round) && m->switch_round > 0 &&
+         read_dtype(r, &m->dtype) && r.u64(&m->bytes) && read_bytes(r, &m->region, kMaxBlobBytes);
+}
+
 // The wire type of each alternative of Message, in variant order.
 constexpr Type kTypes[] = {
-    Type::kChallenge,      Type::kHello,      Type::kWelcome,
-    Type::kReject,         Type::kServerList, Type::kPlacementChunk,
-    Type::kRegisterTensor, Type::kTensorInfo, Type::kBarrierEnter,
-    Type::kBarrierRelease, Type::kHeartbeat,  Type::kJobFailed,
-    Type::kShutdown,       Type::kLoadReport, Type::kWorkerHello,
-    Type::kGrant,          Type::kTensorKey,  Type::kPushMeta,
-    Type::kPullRequest,    Type::kCredit,     Type::kMoved,
-    Type::kError,          Type::kAck,
+    Type::kChallenge,      Type::kHello,        Type::kWelcome,
+    Type::kReject,         Type::kServerList,   Type::kPlacementChunk,
+    Type::kRegisterTensor, Type::kTensorInfo,   Type::kBarrierEnter,
+    Type::kBarrierRelease, Type::kHeartbeat,    Type::kJobFailed,
+    Type::kShutdown,       Type::kLoadReport,   Type::kWorkerHello,
+    Type::kGrant,          Type::kTensorKey,    Type::kPushMeta,
+    Type::kPullRequest,    Type::kCredit,       Type::kMoved,
+    Type::kError,          Type::kAck,          Type::kEpochChange,
+    Type::kEpochVote,      Type::kStateRequest,
 };
 static_assert(std::size(kTypes) == std::variant_size_v<Message>);
 
 constexpr const char* kNames[] = {
-    "Challenge",      "Hello",      "Welcome",      "Reject",         "ServerList", "Placement",
-    "RegisterTensor", "TensorInfo", "BarrierEnter", "BarrierRelease", "Heartbeat",  "JobFailed",
-    "Shutdown",       "LoadReport", "WorkerHello",  "Grant",          "TensorKey",  "PushMeta",
-    "PullRequest",    "Credit",     "Moved",        "Error",          "Ack",
+    "Challenge",      "Hello",        "Welcome",      "Reject",         "ServerList", "Placement",
+    "RegisterTensor", "TensorInfo",   "BarrierEnter", "BarrierRelease", "Heartbeat",  "JobFailed",
+    "Shutdown",       "LoadReport",   "WorkerHello",  "Grant",          "TensorKey",  "PushMeta",
+    "PullRequest",    "Credit",       "Moved",        "Error",          "Ack",        "EpochChange",
+    "EpochVote",      "StateRequest",
 };
 static_assert(std::size(kNames) == std::variant_size_v<Message>);
 

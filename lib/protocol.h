@@ -17,8 +17,13 @@
 //   worker -> server      : WorkerHello          -> Grant (landing slots)
 //   worker -> server      : TensorKey (where pulls land), PushMeta (+ a write
 //                           into a slot, notify = tag), PullRequest
-//   server -> worker      : Credit, Moved, Error; pulls arrive as writes into
-//                           the worker's tensor, notify = tag
+//   server -> worker      : Credit (freed slots, accepted plain pushes), Moved,
+//                           Error; pulls arrive as writes into the worker's
+//                           tensor, notify = tag
+//   coordinator -> servers: EpochChange(prepare) -> EpochVote; then
+//                           EpochChange(commit) to every member (DESIGN.md §7)
+//   new owner -> old owner: StateRequest -> a write of the key's state into
+//                           the new owner's region, notify = tag
 #pragma once
 
 #include <cstdint>
@@ -71,6 +76,9 @@ enum class Type : uint16_t {
   kMoved = 26,
   kError = 27,
   kAck = 28,
+  kEpochChange = 29,
+  kEpochVote = 30,
+  kStateRequest = 31,
 };
 
 struct Challenge {
@@ -234,6 +242,10 @@ struct PullRequest {
 
 struct Credit {
   std::vector<uint32_t> slots;
+  // Tags of plain pushes the server took (reduced, or kept for a later
+  // round): a plain push completes then, not when its write left, so that a
+  // push the server answers Moved can still be sent again from the tensor.
+  std::vector<uint32_t> accepted;
 };
 
 struct Moved {
@@ -253,11 +265,45 @@ struct Error {
 struct Ack {
   uint64_t request = 0;
 };
+// A placement epoch switch (DESIGN.md §7). Rounds >= switch_round of every
+// key are served under epoch `epoch` (the previous epoch with `delta`
+// applied), earlier rounds under the epochs before. `prepare` goes to the
+// servers, which from then on refuse rounds >= switch_round of keys they
+// lose and vote; `commit` goes to everyone once every server voted yes.
+inline constexpr size_t kMaxDeltaBytes = 7168;
+struct EpochChange {
+  bool commit = false;
+  uint64_t epoch = 0;
+  uint64_t switch_round = 0;
+  std::vector<uint8_t> delta;  // PlacementDelta::serialize()
+};
+// A server's answer to a prepare: no when it already took a round >=
+// switch_round of a key it would lose; max_round is the highest round it has
+// seen of any key, so the next try can switch later.
+struct EpochVote {
+  uint64_t epoch = 0;
+  uint64_t switch_round = 0;
+  bool yes = false;
+  uint64_t max_round = 0;
+};
+// A key's new owner asks its previous owner for the key's state as of round
+// switch_round - 1 (a 16-byte header {u64 version, u64 0}, then parameter and
+// the optimizer's two moments in fp32), to be written into `region` with
+// notify = tag.
+struct StateRequest {
+  uint32_t tag = 0;
+  Key key = 0;
+  uint64_t switch_round = 0;
+  DType dtype = DType::kF32;
+  uint64_t bytes = 0;  // of the chunk, in dtype
+  std::vector<uint8_t> region;
+};
 
-using Message = std::variant<Challenge, Hello, Welcome, Reject, ServerList, PlacementChunk,
-                             RegisterTensor, TensorInfo, BarrierEnter, BarrierRelease, Heartbeat,
-                             JobFailed, Shutdown, LoadReport, WorkerHello, Grant, TensorKey,
-                             PushMeta, PullRequest, Credit, Moved, Error, Ack>;
+using Message =
+    std::variant<Challenge, Hello, Welcome, Reject, ServerList, PlacementChunk, RegisterTensor,
+                 TensorInfo, BarrierEnter, BarrierRelease, Heartbeat, JobFailed, Shutdown,
+                 LoadReport, WorkerHello, Grant, TensorKey, PushMeta, PullRequest, Credit, Moved,
+                 Error, Ack, EpochChange, EpochVote, StateRequest>;
 
 std::vector<uint8_t> encode(const Message& message);
 // DataLoss with what was wrong for anything malformed.

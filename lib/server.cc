@@ -16,6 +16,10 @@ using transport::ConnectionPtr;
 namespace kn = psld::kernels;
 
 namespace {
+// A shipped key's state: {u64 version, u64 reserved}, then parameter, first
+// and second moment, fp32.
+constexpr uint64_t kStateHeader = 16;
+
 double ns_since(transport::Clock::time_point t) {
   return static_cast<double>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(transport::Clock::now() - t).count());
@@ -44,6 +48,17 @@ struct ServerService::KeyState {
   uint32_t inflight = 0;  // pull writes reading param right now
   bool apply_pending = false;
   std::vector<uint64_t> last_round;  // per worker, for bounded staleness
+  std::vector<uint64_t> applied;     // per worker: async pushes applied in this run
+  // Migration. A key this server gained waits for its state: pushes park,
+  // pulls wait, until the previous owner's write lands in `incoming`.
+  bool awaiting_state = false;
+  uint64_t state_round = 0;  // the switch round it was gained at
+  // The switch round this server's run of ownership began (0: from the first
+  // epoch). A key that leaves and comes back gets a new KeyState for the new
+  // run; the old one still finishes its rounds and ships them.
+  uint64_t owned_from = 0;
+  std::shared_ptr<transport::MemoryRegion> incoming;
+  std::vector<StateWork> successors;  // state requests waiting for their round
 };
 
 struct ServerService::Shard {
@@ -51,8 +66,10 @@ struct ServerService::Shard {
   std::condition_variable cv;
   std::deque<Work> queue;
   bool stop = false;
-  std::unordered_map<Key, std::unique_ptr<KeyState>> keys;
-  std::map<uint64_t, std::vector<uint32_t>> credits;  // connection -> freed slots
+  // Per key, its runs of ownership here, oldest first.
+  std::unordered_map<Key, std::vector<std::unique_ptr<KeyState>>> keys;
+  std::map<uint64_t, std::vector<uint32_t>> credits;   // connection -> freed slots
+  std::map<uint64_t, std::vector<uint32_t>> accepted;  // connection -> plain push tags taken
   std::thread thread;
 };
 
@@ -86,11 +103,16 @@ Result<std::unique_ptr<ServerService>> ServerService::start(const RuntimeOptions
     Shard* raw = shard.get();
     shard->thread = std::thread([srv = s.get(), raw] { srv->shard_loop(*raw); });
   }
+  s->session_.on_epoch(
+      [srv = s.get()](const protocol::EpochChange& e) { srv->on_epoch_change(e); });
   PSLD_RETURN_IF_ERROR(s->session_.join(s->transport().address()));
-  s->placement_ = s->session_.placement();
+  {
+    std::lock_guard<std::mutex> lock(s->epoch_mu_);
+    s->epochs_.emplace(s->session_.placement());
+  }
   s->session_.start_reports(options.stats_interval, [srv = s.get()](uint64_t window_ns) {
     std::vector<protocol::Message> out;
-    for (auto& r : srv->load_->close_window(srv->rank(), srv->placement_->epoch(), window_ns))
+    for (auto& r : srv->load_->close_window(srv->rank(), srv->newest_epoch(), window_ns))
       out.emplace_back(std::move(r));
     return out;
   });
@@ -149,8 +171,43 @@ void ServerService::on_control(const ConnectionPtr& conn, protocol::Message&& me
 }
 
 uint64_t ServerService::arc_of(Key key) const {
-  const Placement& p = *placement_;
+  std::lock_guard<std::mutex> lock(epoch_mu_);
+  const Placement& p = epochs_->latest();
   return p.arc(p.arc_index_of_hash(hash_key(key))).lo;
+}
+
+ServerId ServerService::owner_for(Key key, uint64_t round) const {
+  std::lock_guard<std::mutex> lock(epoch_mu_);
+  if (prepared_ && round >= prepared_->switch_round) {
+    return prepared_->placement->owner_of_key(key);
+  }
+  return epochs_->owner(key, round);
+}
+
+uint64_t ServerService::newest_epoch() const {
+  std::lock_guard<std::mutex> lock(epoch_mu_);
+  return prepared_ ? prepared_->epoch : epochs_->latest().epoch();
+}
+
+std::optional<std::pair<uint64_t, ServerId>> ServerService::gained(Key key, uint64_t round) const {
+  // Walk back from the epoch that serves `round` while this server owns the
+  // key: where that run of epochs starts, the key arrived from the owner
+  // before it.
+  std::lock_guard<std::mutex> lock(epoch_mu_);
+  std::vector<std::pair<uint64_t, const Placement*>> epochs;  // (switch round, placement)
+  for (size_t i = 0; i < epochs_->size(); ++i)
+    epochs.emplace_back(epochs_->entry(i).switch_round, epochs_->entry(i).placement.get());
+  if (prepared_) epochs.emplace_back(prepared_->switch_round, prepared_->placement.get());
+  size_t i = epochs.size();
+  while (i > 0 && epochs[i - 1].first > round)
+    --i;
+  if (i == 0) return std::nullopt;
+  --i;  // the epoch that serves `round`
+  const ServerId me = rank();
+  while (i > 0 && epochs[i - 1].second->owner_of_key(key) == me)
+    --i;
+  if (i == 0 || epochs[i].first == 0) return std::nullopt;
+  return std::make_pair(epochs[i].first, epochs[i - 1].second->owner_of_key(key));
 }
 
 ConnectionPtr ServerService::worker_connection(uint64_t conn_id) const {
@@ -165,7 +222,7 @@ void ServerService::send_moved(uint64_t conn_id, uint32_t tag, Key key) {
     ++stats_.rejected;
   }
   if (ConnectionPtr conn = worker_connection(conn_id)) {
-    (void)send(conn, protocol::Moved{tag, key, placement_->epoch()});
+    (void)send(conn, protocol::Moved{tag, key, newest_epoch()});
   }
 }
 
@@ -215,6 +272,17 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
     (void)send(conn, grant);
     return;
   }
+  if (auto* req = std::get_if<protocol::StateRequest>(&message)) {
+    // Another server took over this key and wants its state (migration).
+    auto region = conn->import_region(req->region);
+    if (!region.ok()) {
+      PSLD_LOG_ERROR("server {}: a state request for key {:#x} with a bad region: {}", rank(),
+                     req->key, region.status().to_string());
+      return;
+    }
+    dispatch(req->key, StateWork{conn->id(), *req, *region});
+    return;
+  }
   std::unique_lock<std::mutex> lock(conns_mu_);
   if (!w->hello) {
     lock.unlock();
@@ -232,6 +300,10 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
     lock.unlock();
     (void)send(conn, protocol::Ack{key->request});
   } else if (auto* meta = std::get_if<protocol::PushMeta>(&message)) {
+    // Before the push is looked at: an epoch prepared after this line sees it.
+    uint64_t seen = max_round_seen_.load();
+    while (meta->round > seen && !max_round_seen_.compare_exchange_weak(seen, meta->round)) {
+    }
     const uint32_t db = protocol::dtype_bytes(meta->dtype);
     if (meta->slot >= w->num_slots || meta->bytes == 0 || meta->bytes > w->slot_bytes ||
         meta->bytes % db != 0 || w->slot_busy[meta->slot]) {
@@ -277,6 +349,17 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
 }
 
 void ServerService::on_write(const ConnectionPtr& conn, uint32_t tag, uint64_t length) {
+  {
+    std::unique_lock<std::mutex> lock(peers_mu_);
+    auto it = incoming_.find({conn->id(), tag});
+    if (it != incoming_.end()) {
+      const auto [key, run] = it->second;
+      incoming_.erase(it);
+      lock.unlock();
+      dispatch(key, StateArrived{key, run});
+      return;
+    }
+  }
   std::unique_lock<std::mutex> lock(conns_mu_);
   auto it = conns_.find(conn->id());
   if (it == conns_.end()) return;
@@ -348,32 +431,55 @@ void ServerService::process(Shard& shard, Work& work) {
   } else if (auto* pull = std::get_if<PullWork>(&work)) {
     load_->record(arc_of(pull->req.key), LoadMetric::kQueueNs, ns_since(pull->arrived));
     process_pull(shard, *pull);
+  } else if (auto* sw = std::get_if<StateWork>(&work)) {
+    const protocol::StateRequest& req = sw->req;
+    if (owner_for(req.key, req.switch_round - 1) != rank()) {
+      PSLD_LOG_ERROR(
+          "server {}: asked for the state of key {:#x} as of round {}, which it does "
+          "not own",
+          rank(), req.key, req.switch_round - 1);
+      return;
+    }
+    KeyState& k = key_state(shard, req.key, req.dtype, req.bytes, req.switch_round - 1);
+    k.successors.push_back(*sw);
+    maybe_ship(k);
+  } else if (auto* arrived = std::get_if<StateArrived>(&work)) {
+    KeyState* k = find_run(shard, arrived->key, arrived->run);
+    if (k != nullptr && k->awaiting_state) install_state(shard, *k);
   } else {
-    const Key key = std::get<PullDone>(work).key;
-    auto it = shard.keys.find(key);
-    if (it == shard.keys.end()) return;
-    KeyState& k = *it->second;
+    const PullDone& done = std::get<PullDone>(work);
+    KeyState* found = find_run(shard, done.key, done.run);
+    if (found == nullptr) return;
+    KeyState& k = *found;
     if (k.inflight > 0) --k.inflight;
     if (k.inflight == 0) {
       if (k.apply_pending) {
         k.apply_pending = false;
         apply_round(shard, k);
       }
-      while (k.inflight == 0 && !k.deferred.empty()) {
+      while (k.inflight == 0 && !k.deferred.empty() && !k.awaiting_state) {
         PushWork next = std::move(k.deferred.front());
         k.deferred.pop_front();
         process_push(shard, next);
       }
+      maybe_ship(k);
     }
   }
 }
 
 ServerService::KeyState& ServerService::key_state(Shard& shard, Key key, DType dtype,
-                                                  uint64_t bytes) {
-  auto& slot = shard.keys[key];
-  if (slot) return *slot;
-  slot = std::make_unique<KeyState>();
-  KeyState& k = *slot;
+                                                  uint64_t bytes, uint64_t round) {
+  const auto g = gained(key, round);
+  const uint64_t run = g ? g->first : 0;
+  auto& runs = shard.keys[key];
+  for (auto& r : runs) {
+    if (r->owned_from == run) return *r;
+  }
+  auto it = std::upper_bound(runs.begin(), runs.end(), run,
+                             [](uint64_t v, const auto& r) { return v < r->owned_from; });
+  it = runs.insert(it, std::make_unique<KeyState>());
+  KeyState& k = **it;
+  k.owned_from = run;
   k.key = key;
   k.arc = arc_of(key);
   k.dtype = dtype;
@@ -383,6 +489,7 @@ ServerService::KeyState& ServerService::key_state(Shard& shard, Key key, DType d
   k.acc = std::make_unique<float[]>(k.n);
   k.pushed.assign(session_.welcome().num_workers, false);
   k.last_round.assign(session_.welcome().num_workers, 0);
+  k.applied.assign(session_.welcome().num_workers, 0);
   if (dtype != DType::kF32) k.out16 = std::make_unique<uint16_t[]>(k.n);
   void* out =
       dtype == DType::kF32 ? static_cast<void*>(k.param.get()) : static_cast<void*>(k.out16.get());
@@ -393,7 +500,17 @@ ServerService::KeyState& ServerService::key_state(Shard& shard, Key key, DType d
     PSLD_LOG_ERROR("server {}: cannot register key {:#x}: {}", rank(), key,
                    region.status().to_string());
   }
+  if (g) request_state(k, g->first, g->second);
   return k;
+}
+
+ServerService::KeyState* ServerService::find_run(Shard& shard, Key key, uint64_t run) {
+  auto it = shard.keys.find(key);
+  if (it == shard.keys.end()) return nullptr;
+  for (auto& r : it->second) {
+    if (r->owned_from == run) return r.get();
+  }
+  return nullptr;
 }
 
 void ServerService::free_slot(Shard& shard, uint64_t conn, uint32_t slot) {
@@ -405,14 +522,246 @@ void ServerService::free_slot(Shard& shard, uint64_t conn, uint32_t slot) {
   shard.credits[conn].push_back(slot);
 }
 
+ConnectionPtr ServerService::peer(ServerId id) {
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  auto it = peers_.find(id);
+  if (it != peers_.end() && it->second->is_open()) return it->second;
+  for (const auto& entry : session_.servers()) {
+    if (entry.rank != id) continue;
+    auto conn = connect_text(transport(), std::string(entry.address.begin(), entry.address.end()));
+    if (!conn.ok()) {
+      PSLD_LOG_ERROR("server {}: cannot reach server {}: {}", rank(), id,
+                     conn.status().to_string());
+      return nullptr;
+    }
+    peers_[id] = *conn;
+    return *conn;
+  }
+  return nullptr;
+}
+
+void ServerService::request_state(KeyState& k, uint64_t switch_round, ServerId from) {
+  k.awaiting_state = true;
+  k.state_round = switch_round;
+  auto region = transport().allocate_memory(kStateHeader + 3 * k.n * sizeof(float),
+                                            transport::MemoryKind::kHost);
+  ConnectionPtr conn = peer(from);
+  if (!region.ok() || !conn) {
+    PSLD_LOG_ERROR("server {}: cannot ask server {} for key {:#x}: {}", rank(), from, k.key,
+                   region.ok() ? "no connection" : region.status().to_string());
+    return;
+  }
+  k.incoming = *region;
+  protocol::StateRequest req{
+      0,
+      k.key,
+      switch_round,
+      k.dtype,
+      k.bytes,
+      std::vector<uint8_t>(k.incoming->remote_key().begin(), k.incoming->remote_key().end())};
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    req.tag = next_state_tag_++;
+    if (req.tag == 0) req.tag = next_state_tag_++;
+    incoming_[{conn->id(), req.tag}] = {k.key, k.owned_from};
+  }
+  PSLD_LOG_DEBUG("server {}: key {:#x} moves here at round {}; asking server {} for it", rank(),
+                 k.key, switch_round, from);
+  Status st = send(conn, req);
+  if (!st.ok()) {
+    PSLD_LOG_ERROR("server {}: asking server {} for key {:#x}: {}", rank(), from, k.key,
+                   st.to_string());
+  }
+}
+
+void ServerService::install_state(Shard& shard, KeyState& k) {
+  uint64_t version = 0;
+  std::memcpy(&version, k.incoming->data(), sizeof(version));
+  const float* in = reinterpret_cast<const float*>(k.incoming->data() + kStateHeader);
+  std::memcpy(k.param.get(), in, k.n * sizeof(float));
+  const OptimizerKind kind = options_.optimizer.kind;
+  const bool optimizer = options_.mode == ServerMode::kOptimizer;
+  if (optimizer && kind != OptimizerKind::kSgd) {
+    k.m = std::make_unique<float[]>(k.n);
+    std::memcpy(k.m.get(), in + k.n, k.n * sizeof(float));
+  }
+  if (optimizer && (kind == OptimizerKind::kAdam || kind == OptimizerKind::kAdamW)) {
+    k.v = std::make_unique<float[]>(k.n);
+    std::memcpy(k.v.get(), in + 2 * k.n, k.n * sizeof(float));
+  }
+  if (optimizer && kind == OptimizerKind::kSgd && options_.optimizer.momentum > 0) {
+    k.m = std::make_unique<float[]>(k.n);
+    std::memcpy(k.m.get(), in + k.n, k.n * sizeof(float));
+  }
+  if (k.dtype == DType::kF16) kn::f32_to_f16(k.out16.get(), k.param.get(), k.n);
+  if (k.dtype == DType::kBF16) kn::f32_to_bf16(k.out16.get(), k.param.get(), k.n);
+  // BSP: version is the round, state_round - 1. Async: the updates applied,
+  // which Adam's bias correction counts; every worker pushed up to the switch.
+  k.version = version;
+  std::fill(k.last_round.begin(), k.last_round.end(), k.state_round - 1);
+  k.awaiting_state = false;
+  k.incoming.reset();
+  PSLD_LOG_DEBUG("server {}: key {:#x} arrived as of round {}", rank(), k.key, k.version);
+  // Serve what waited for it.
+  std::vector<PullWork> still;
+  for (auto& p : k.waiting) {
+    if (pull_ready(k, p.req)) {
+      serve_pull(shard, k, p);
+    } else {
+      still.push_back(p);
+    }
+  }
+  k.waiting.swap(still);
+  release_parked(shard, k);
+  while (k.inflight == 0 && !k.deferred.empty()) {
+    PushWork next = std::move(k.deferred.front());
+    k.deferred.pop_front();
+    process_push(shard, next);
+  }
+  maybe_ship(k);
+}
+
+bool ServerService::ready_to_ship(const KeyState& k, uint64_t switch_round) const {
+  if (k.awaiting_state) return false;
+  if (options_.sync == SyncMode::kBsp) return k.version >= switch_round - 1;
+  // Async and staleness: every worker's pushes of this run's rounds up to the
+  // switch are applied (counted: pushes may be applied out of round order).
+  const uint64_t first = std::max<uint64_t>(k.owned_from, 1);
+  const uint64_t want = switch_round > first ? switch_round - first : 0;
+  for (uint64_t a : k.applied) {
+    if (a < want) return false;
+  }
+  return true;
+}
+
+void ServerService::maybe_ship(KeyState& k) {
+  if (k.successors.empty()) return;
+  std::vector<StateWork> still;
+  for (auto& w : k.successors) {
+    if (ready_to_ship(k, w.req.switch_round)) {
+      ship_state(k, w);
+    } else {
+      still.push_back(std::move(w));
+    }
+  }
+  k.successors.swap(still);
+}
+
+// Parameter, then the two moments (zeros when the optimizer keeps none),
+// fp32, into the successor's region with one write.
+void ServerService::ship_state(KeyState& k, const StateWork& w) {
+  const uint64_t bytes = kStateHeader + 3 * k.n * sizeof(float);
+  auto staging = transport().allocate_memory(bytes, transport::MemoryKind::kHost);
+  ConnectionPtr conn = worker_connection(w.conn);
+  if (!staging.ok() || !conn) {
+    PSLD_LOG_ERROR("server {}: cannot ship key {:#x}: {}", rank(), k.key,
+                   staging.ok() ? "the successor is gone" : staging.status().to_string());
+    return;
+  }
+  std::memset((*staging)->data(), 0, kStateHeader);
+  std::memcpy((*staging)->data(), &k.version, sizeof(k.version));
+  float* out = reinterpret_cast<float*>((*staging)->data() + kStateHeader);
+  std::memcpy(out, k.param.get(), k.n * sizeof(float));
+  if (k.m) {
+    std::memcpy(out + k.n, k.m.get(), k.n * sizeof(float));
+  } else {
+    std::memset(out + k.n, 0, k.n * sizeof(float));
+  }
+  if (k.v) {
+    std::memcpy(out + 2 * k.n, k.v.get(), k.n * sizeof(float));
+  } else {
+    std::memset(out + 2 * k.n, 0, k.n * sizeof(float));
+  }
+  PSLD_LOG_DEBUG("server {}: shipping key {:#x} as of round {}", rank(), k.key, k.version);
+  auto region = *staging;
+  Status st =
+      conn->write({region.get(), 0, w.region.get(), 0, bytes, w.req.tag}, [region](Status s) {
+        if (!s.ok()) {
+          PSLD_LOG_ERROR("shipping a key's state failed: {}", s.to_string());
+        }
+      });
+  if (!st.ok()) {
+    PSLD_LOG_ERROR("server {}: shipping key {:#x}: {}", rank(), k.key, st.to_string());
+  }
+}
+
+void ServerService::release_parked(Shard& shard, KeyState& k) {
+  if (options_.sync != SyncMode::kBsp) return;
+  auto next = k.parked.find(k.version + 1);
+  if (next == k.parked.end()) return;
+  std::vector<PushWork> ready = std::move(next->second);
+  k.parked.erase(next);
+  for (auto& p : ready)
+    process_push(shard, p);
+}
+
+void ServerService::on_epoch_change(const protocol::EpochChange& change) {
+  auto delta = PlacementDelta::deserialize(change.delta);
+  protocol::EpochVote vote{change.epoch, change.switch_round, false, 0};
+  {
+    std::lock_guard<std::mutex> lock(epoch_mu_);
+    const Placement& latest = epochs_->latest();
+    if (change.commit) {
+      if (!prepared_ || prepared_->epoch != change.epoch) {
+        PSLD_LOG_ERROR("server {}: commit of epoch {} that was not prepared", rank(), change.epoch);
+        return;
+      }
+      epochs_->push(prepared_->placement, change.switch_round);
+      prepared_.reset();
+      PSLD_LOG_INFO("server {}: epoch {} from round {}", rank(), change.epoch, change.switch_round);
+      return;
+    }
+    if (!delta.ok() || delta->from_epoch != latest.epoch() || delta->to_epoch != change.epoch) {
+      PSLD_LOG_ERROR("server {}: a prepare of epoch {} that does not follow epoch {}: {}", rank(),
+                     change.epoch, latest.epoch(),
+                     delta.ok() ? "wrong epochs" : delta.status().to_string());
+      return;
+    }
+    auto next = latest.apply(*delta);
+    if (!next.ok()) {
+      PSLD_LOG_ERROR("server {}: epoch {} does not apply: {}", rank(), change.epoch,
+                     next.status().to_string());
+      return;
+    }
+    // A round at or past the switch already seen here means the switch is
+    // too early: vote no and change nothing (a push this server took must
+    // never be refused later). Otherwise, from here on rounds >=
+    // switch_round of the keys this server loses are refused. Pushes arrive
+    // on this same thread, so none slips in between.
+    vote.max_round = max_round_seen_.load();
+    vote.yes = vote.max_round < change.switch_round;
+    if (vote.yes) {
+      prepared_ = Prepared{change.epoch, change.switch_round,
+                           std::make_shared<const Placement>(std::move(next).value())};
+    }
+  }
+  (void)session_.send_to_coordinator(vote);
+}
+
 void ServerService::flush_credits(Shard& shard) {
+  for (auto& [conn_id, tags] : shard.accepted)
+    shard.credits[conn_id];  // a credit message also for accepted pushes alone
   for (auto& [conn_id, slots] : shard.credits) {
-    if (slots.empty()) continue;
-    if (ConnectionPtr conn = worker_connection(conn_id)) {
-      (void)send(conn, protocol::Credit{std::move(slots)});
+    auto acc = shard.accepted.find(conn_id);
+    std::vector<uint32_t> tags;
+    if (acc != shard.accepted.end()) tags = std::move(acc->second);
+    if (slots.empty() && tags.empty()) continue;
+    ConnectionPtr conn = worker_connection(conn_id);
+    if (!conn) continue;
+    // At most 1024 entries a message: well inside a control message.
+    constexpr size_t kPerMessage = 1024;
+    size_t si = 0, ti = 0;
+    while (si < slots.size() || ti < tags.size()) {
+      protocol::Credit credit;
+      while (si < slots.size() && credit.slots.size() < kPerMessage)
+        credit.slots.push_back(slots[si++]);
+      while (ti < tags.size() && credit.slots.size() + credit.accepted.size() < kPerMessage)
+        credit.accepted.push_back(tags[ti++]);
+      (void)send(conn, credit);
     }
   }
   shard.credits.clear();
+  shard.accepted.clear();
 }
 
 // Copies (first push of a round) or adds a pushed chunk into the accumulator.
@@ -446,12 +795,13 @@ void ServerService::reduce_push(KeyState& k, const PushWork& w) {
 
 void ServerService::process_push(Shard& shard, PushWork& w) {
   const protocol::PushMeta& meta = w.meta;
-  if (placement_->owner_of_key(meta.key) != rank()) {
+  const uint64_t round = (meta.flags & protocol::kPushInit) ? 0 : meta.round;
+  if (owner_for(meta.key, round) != rank()) {
     free_slot(shard, w.conn, meta.slot);
     send_moved(w.conn, meta.tag, meta.key);
     return;
   }
-  KeyState& k = key_state(shard, meta.key, meta.dtype, meta.bytes);
+  KeyState& k = key_state(shard, meta.key, meta.dtype, meta.bytes, round);
   if (k.dtype != meta.dtype || k.bytes != meta.bytes) {
     free_slot(shard, w.conn, meta.slot);
     send_error(w.conn, meta.tag,
@@ -465,6 +815,21 @@ void ServerService::process_push(Shard& shard, PushWork& w) {
     ++stats_.pushes;
   }
   const bool then_pull = (meta.flags & protocol::kPushThenPull) != 0;
+  // A plain push completes at the worker once taken here (reduced or kept).
+  if (!then_pull && !w.taken) {
+    shard.accepted[w.conn].push_back(meta.tag);
+    w.taken = true;
+  }
+  if (k.awaiting_state) {
+    // Gained by migration: everything waits for the state (and a push_pull's
+    // pull is queued when its push is processed again).
+    if (options_.sync == SyncMode::kBsp) {
+      k.parked[meta.round].push_back(w);
+    } else {
+      k.deferred.push_back(w);
+    }
+    return;
+  }
   PullWork follow{w.conn, protocol::PullRequest{meta.pull_tag, meta.dtype, meta.bytes, meta.key,
                                                 meta.round, meta.epoch}};
 
@@ -529,6 +894,7 @@ void ServerService::process_push(Shard& shard, PushWork& w) {
   load_->record(k.arc, LoadMetric::kBusyNs, ns_since(start));
   free_slot(shard, w.conn, meta.slot);
   k.last_round[w.worker] = std::max(k.last_round[w.worker], meta.round);
+  ++k.applied[w.worker];
   if (then_pull) k.waiting.push_back(follow);
   apply_round(shard, k);
 }
@@ -598,16 +964,9 @@ void ServerService::apply_round(Shard& shard, KeyState& k) {
     }
   }
   k.waiting.swap(still);
+  maybe_ship(k);
   // BSP: pushes parked for the next round can be reduced now.
-  if (bsp) {
-    auto next = k.parked.find(k.version + 1);
-    if (next != k.parked.end()) {
-      std::vector<PushWork> ready = std::move(next->second);
-      k.parked.erase(next);
-      for (auto& p : ready)
-        process_push(shard, p);
-    }
-  }
+  if (bsp) release_parked(shard, k);
 }
 
 bool ServerService::pull_ready(const KeyState& k, const protocol::PullRequest& req) const {
@@ -626,11 +985,11 @@ bool ServerService::pull_ready(const KeyState& k, const protocol::PullRequest& r
 }
 
 void ServerService::process_pull(Shard& shard, PullWork& w) {
-  if (placement_->owner_of_key(w.req.key) != rank()) {
+  if (owner_for(w.req.key, w.req.round) != rank()) {
     send_moved(w.conn, w.req.tag, w.req.key);
     return;
   }
-  KeyState& k = key_state(shard, w.req.key, w.req.dtype, w.req.bytes);
+  KeyState& k = key_state(shard, w.req.key, w.req.dtype, w.req.bytes, w.req.round);
   if (k.dtype != w.req.dtype || k.bytes != w.req.bytes) {
     send_error(w.conn, w.req.tag,
                InvalidArgument(fmt::format("key {:#x} holds {} bytes of {}, the pull asks {} of {}",
@@ -638,7 +997,7 @@ void ServerService::process_pull(Shard& shard, PullWork& w) {
                                            w.req.bytes, protocol::dtype_name(w.req.dtype))));
     return;
   }
-  if (pull_ready(k, w.req)) {
+  if (!k.awaiting_state && pull_ready(k, w.req)) {
     serve_pull(shard, k, w);
   } else {
     k.waiting.push_back(w);
@@ -671,11 +1030,12 @@ void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
       static_cast<uint64_t>(key_chunk(w.req.key)) * session_.welcome().chunk_bytes;
   ++k.inflight;
   const Key key = w.req.key;
+  const uint64_t run = k.owned_from;
   load_->begin_service();  // until the write completed
   Status s = conn->write({k.out_region.get(), 0, remote.get(), offset, k.bytes, w.req.tag},
-                         [this, key](Status) {
+                         [this, key, run](Status) {
                            load_->end_service();
-                           dispatch(key, PullDone{key});
+                           dispatch(key, PullDone{key, run});
                          });
   if (!s.ok()) {
     --k.inflight;

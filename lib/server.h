@@ -15,9 +15,11 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
+#include "lib/epoch_log.h"
 #include "lib/load_stats.h"
 #include "lib/member.h"
 
@@ -53,6 +55,7 @@ class ServerService final : public Endpoint {
     const uint8_t* data = nullptr;  // the landing slot
     uint32_t worker = 0;
     transport::Clock::time_point arrived{};
+    bool taken = false;  // the worker was told the push was accepted
   };
   struct PullWork {
     uint64_t conn = 0;
@@ -61,8 +64,20 @@ class ServerService final : public Endpoint {
   };
   struct PullDone {
     Key key = 0;
+    uint64_t run = 0;  // KeyState::owned_from
   };
-  using Work = std::variant<PushWork, PullWork, PullDone>;
+  // A successor asks for a key's state as of switch_round - 1 (migration).
+  struct StateWork {
+    uint64_t conn = 0;
+    protocol::StateRequest req;
+    std::shared_ptr<transport::RemoteRegion> region;
+  };
+  // The state this server asked for landed in the key's incoming region.
+  struct StateArrived {
+    Key key = 0;
+    uint64_t run = 0;
+  };
+  using Work = std::variant<PushWork, PullWork, PullDone, StateWork, StateArrived>;
 
   struct KeyState;
   struct Shard;
@@ -79,7 +94,9 @@ class ServerService final : public Endpoint {
   void process(Shard& shard, Work& work);
   void process_push(Shard& shard, PushWork& w);
   void process_pull(Shard& shard, PullWork& w);
-  KeyState& key_state(Shard& shard, Key key, protocol::DType dtype, uint64_t bytes);
+  // The key's state, created on first use; `round` is the round of the
+  // request that creates it (a key gained by migration waits for its state).
+  KeyState& key_state(Shard& shard, Key key, protocol::DType dtype, uint64_t bytes, uint64_t round);
   void reduce_push(KeyState& k, const PushWork& w);
   void try_apply(Shard& shard, KeyState& k);
   void apply_round(Shard& shard, KeyState& k);
@@ -91,12 +108,45 @@ class ServerService final : public Endpoint {
   // Answers a request for a key this server does not own in its epoch.
   void send_moved(uint64_t conn, uint32_t tag, Key key);
   void flush_credits(Shard& shard);
+  // Migration (DESIGN.md §7).
+  void on_epoch_change(const protocol::EpochChange& change);
+  // Who serves round `round` of `key`: the committed epochs, and a prepared
+  // epoch from its switch round on.
+  ServerId owner_for(Key key, uint64_t round) const;
+  uint64_t newest_epoch() const;
+  // When this server gained `key` at a switch round (the state must come
+  // from `from`): {switch_round, from}; nullopt when it held it from epoch 0.
+  std::optional<std::pair<uint64_t, ServerId>> gained(Key key, uint64_t round) const;
+  void request_state(KeyState& k, uint64_t switch_round, ServerId from);
+  KeyState* find_run(Shard& shard, Key key, uint64_t run);
+  void install_state(Shard& shard, KeyState& k);
+  bool ready_to_ship(const KeyState& k, uint64_t switch_round) const;
+  void ship_state(KeyState& k, const StateWork& w);
+  void maybe_ship(KeyState& k);
+  void release_parked(Shard& shard, KeyState& k);
+  transport::ConnectionPtr peer(ServerId id);
   // The first hash of the arc that holds `key`: the subject of its load samples.
   uint64_t arc_of(Key key) const;
 
   const RuntimeOptions options_;
   MemberSession session_;
-  std::shared_ptr<const Placement> placement_;
+  // Epochs: the committed log and a prepared one (guarded by epoch_mu_).
+  mutable std::mutex epoch_mu_;
+  std::optional<EpochLog> epochs_;
+  struct Prepared {
+    uint64_t epoch = 0;
+    uint64_t switch_round = 0;
+    std::shared_ptr<const Placement> placement;
+  };
+  std::optional<Prepared> prepared_;
+  std::atomic<uint64_t> max_round_seen_{0};
+  // Connections this server dialled to other servers (migration), by id.
+  std::mutex peers_mu_;
+  std::map<ServerId, transport::ConnectionPtr> peers_;
+  // State requests in flight: (connection, tag) -> key.
+  // (connection, tag) -> (key, run).
+  std::map<std::pair<uint64_t, uint32_t>, std::pair<Key, uint64_t>> incoming_;  // peers_mu_
+  uint32_t next_state_tag_ = 1;  // guarded by peers_mu_
 
   mutable std::mutex conns_mu_;
   std::map<uint64_t, std::shared_ptr<WorkerConn>> conns_;

@@ -51,13 +51,28 @@ Result<std::unique_ptr<WorkerService>> WorkerService::start(const RuntimeOptions
   EndpointOptions ep = options.endpoint;
   ep.options.common.listen_address.clear();  // workers only dial
   PSLD_RETURN_IF_ERROR(w->Endpoint::start(ep));
+  w->session_.on_epoch([wk = w.get()](const protocol::EpochChange& e) { wk->on_epoch_change(e); });
   PSLD_RETURN_IF_ERROR(w->session_.join({}));
-  w->placement_ = w->session_.placement();
+  std::vector<protocol::EpochChange> early;
+  {
+    std::lock_guard<std::mutex> lock(w->mu_);
+    w->epochs_.emplace(w->session_.placement());
+    early.swap(w->early_epochs_);
+  }
+  for (const auto& e : early)
+    w->on_epoch_change(e);
   PSLD_RETURN_IF_ERROR(w->connect_servers());
   w->session_.start_reports(options.stats_interval, [wk = w.get()](uint64_t window_ns) {
     std::vector<protocol::Message> out;
-    for (auto& r : wk->load_->close_window(wk->rank(), wk->placement_->epoch(), window_ns))
+    uint64_t epoch = 0;
+    {
+      std::lock_guard<std::mutex> lock(wk->mu_);
+      epoch = wk->epochs_->latest().epoch();
+    }
+    for (auto& r : wk->load_->close_window(wk->rank(), epoch, window_ns)) {
+      r.rounds = wk->max_round_.load();  // workers: the highest round pushed
       out.emplace_back(std::move(r));
+    }
     return out;
   });
   PSLD_LOG_INFO("worker {} of {} joined; {} servers", w->rank(), w->num_workers(),
@@ -139,6 +154,8 @@ void WorkerService::on_control(const ConnectionPtr& conn, protocol::Message&& me
       s->granted = true;
       cv_.notify_all();
     } else if (auto* c = std::get_if<protocol::Credit>(&message)) {
+      for (uint32_t tag : c->accepted)
+        finish_tag(tag, Status::Ok());
       for (uint32_t slot : c->slots)
         s->free_slots.push_back(slot);
       pump(*s);
@@ -155,8 +172,7 @@ void WorkerService::on_control(const ConnectionPtr& conn, protocol::Message&& me
         PSLD_LOG_ERROR("{}", st.to_string());
       }
     } else if (auto* m = std::get_if<protocol::Moved>(&message)) {
-      finish_tag(m->tag, Moved(fmt::format("key {:#x} is not on server {} in epoch {}", m->key,
-                                           s->rank, m->epoch)));
+      on_moved(*s, *m);
     } else {
       PSLD_LOG_WARN("worker: unexpected {} from server {}", protocol::message_name(message),
                     s->rank);
@@ -333,21 +349,95 @@ Result<std::shared_ptr<RequestState>> WorkerService::submit(uint32_t handle, Req
     req = std::make_shared<RequestState>(chunks);
     uint64_t round = t.push_round;
     if (kind == RequestKind::kPush || kind == RequestKind::kPushPull) round = ++t.push_round;
-    for (uint64_t c = 0; c < chunks; ++c) {
-      const Key key = make_key(t.id, static_cast<uint32_t>(c));
-      const ServerId owner = placement_->owner_of_key(key);
-      auto it = servers_.find(owner);
-      if (it == servers_.end()) {
-        req->complete_part(Unavailable(fmt::format("no connection to server {}", owner)));
-        continue;
-      }
-      it->second.backlog.push_back({kind, handle, static_cast<uint32_t>(c), round, req});
-    }
+    if (round > max_round_.load()) max_round_.store(round);
+    for (uint64_t c = 0; c < chunks; ++c)
+      route({kind, handle, static_cast<uint32_t>(c), round, req});
     for (auto& [r, s] : servers_)
       pump(s);
   }
   flush();
   return req;
+}
+
+void WorkerService::route(ChunkOp op) {
+  const Tensor& t = tensors_[op.tensor];
+  const Key key = make_key(t.id, op.chunk);
+  // The initial value is round 0 of the key.
+  const uint64_t round = op.kind == RequestKind::kInit ? 0 : op.round;
+  const ServerId owner = epochs_->owner(key, round);
+  auto it = servers_.find(owner);
+  if (it == servers_.end()) {
+    op.request->complete_part(Unavailable(fmt::format("no connection to server {}", owner)));
+    return;
+  }
+  it->second.backlog.push_back(std::move(op));
+}
+
+void WorkerService::on_moved(ServerConn& s, const protocol::Moved& m) {
+  auto it = pending_.find(m.tag);
+  if (it == pending_.end()) return;
+  Pending p = std::move(it->second);
+  pending_.erase(it);
+  if (p.other_tag != 0) pending_.erase(p.other_tag);  // a push_pull's pull: never answered
+  const uint64_t known = epochs_->latest().epoch();
+  PSLD_LOG_DEBUG("worker {}: server {} says key {:#x} round {} moved (its epoch {}, ours {})",
+                 rank(), s.rank, m.key, p.op.round, m.epoch, known);
+  if (m.epoch > known) {
+    // The server already knows the epoch that moved the key; it reaches
+    // this worker with its commit.
+    moved_.push_back({std::move(p.op), m.epoch});
+    return;
+  }
+  const Tensor& t = tensors_[p.op.tensor];
+  const uint64_t round = p.op.kind == RequestKind::kInit ? 0 : p.op.round;
+  if (epochs_->owner(make_key(t.id, p.op.chunk), round) == s.rank) {
+    p.request->complete_part(Moved(fmt::format(
+        "key {:#x} is not on server {} in epoch {}, though this worker's epoch {} puts it there",
+        m.key, s.rank, m.epoch, known)));
+    return;
+  }
+  route(std::move(p.op));
+  for (auto& [r, srv] : servers_)
+    pump(srv);
+}
+
+void WorkerService::on_epoch_change(const protocol::EpochChange& change) {
+  if (!change.commit) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!epochs_) {
+      early_epochs_.push_back(change);
+      return;
+    }
+    auto delta = PlacementDelta::deserialize(change.delta);
+    const Placement& latest = epochs_->latest();
+    if (!delta.ok() || delta->from_epoch != latest.epoch()) {
+      PSLD_LOG_ERROR("worker {}: epoch {} does not follow epoch {}", rank(), change.epoch,
+                     latest.epoch());
+      return;
+    }
+    auto next = latest.apply(*delta);
+    if (!next.ok()) {
+      PSLD_LOG_ERROR("worker {}: epoch {} does not apply: {}", rank(), change.epoch,
+                     next.status().to_string());
+      return;
+    }
+    epochs_->push(std::make_shared<const Placement>(std::move(next).value()), change.switch_round);
+    PSLD_LOG_DEBUG("worker {}: epoch {} from round {}", rank(), change.epoch, change.switch_round);
+    // What a server sent back for this epoch goes out again.
+    std::vector<MovedOp> still;
+    for (auto& m : moved_) {
+      if (m.epoch <= change.epoch) {
+        route(std::move(m.op));
+      } else {
+        still.push_back(std::move(m));
+      }
+    }
+    moved_.swap(still);
+    for (auto& [r, srv] : servers_)
+      pump(srv);
+  }
+  flush();
 }
 
 void WorkerService::pump(ServerConn& s) {
@@ -377,9 +467,9 @@ void WorkerService::issue(ServerConn& s, ChunkOp op, uint32_t slot) {
   ConnectionPtr conn = s.conn;
   if (op.kind == RequestKind::kPull) {
     const uint32_t pull_tag = tag();
-    pending_[pull_tag] = Pending{op.request, 0, s.rank, Clock::now()};
+    pending_[pull_tag] = Pending{op.request, 0, s.rank, Clock::now(), op};
     protocol::PullRequest pr{pull_tag, t.dtype,  span.bytes,
-                             span.key, op.round, placement_->epoch()};
+                             span.key, op.round, epochs_->latest().epoch()};
     outbox_.push_back([this, conn, pr] {
       Status st = send(conn, pr);
       if (!st.ok()) {
@@ -396,26 +486,25 @@ void WorkerService::issue(ServerConn& s, ChunkOp op, uint32_t slot) {
     pull_tag = tag();
     flags |= protocol::kPushThenPull;
     if (op.kind == RequestKind::kInit) flags |= protocol::kPushInit;
-    pending_[pull_tag] = Pending{op.request, push_tag, s.rank, Clock::now()};
-    pending_[push_tag] = Pending{op.request, pull_tag, s.rank, Clock::now()};
+    pending_[pull_tag] = Pending{op.request, push_tag, s.rank, Clock::now(), op};
+    pending_[push_tag] = Pending{op.request, pull_tag, s.rank, Clock::now(), op};
+  } else {
+    // A plain push completes when the server says it took it (Credit).
+    pending_[push_tag] = Pending{op.request, 0, s.rank, Clock::now(), op};
   }
   loads_[s.rank].bytes_pushed += span.bytes;
   load_->record(s.rank, LoadMetric::kPushedBytes, static_cast<double>(span.bytes));
   protocol::PushMeta meta{
-      push_tag, slot,    t.dtype, span.key, op.round, span.bytes, placement_->epoch(),
+      push_tag, slot,    t.dtype, span.key, op.round, span.bytes, epochs_->latest().epoch(),
       flags,    pull_tag};
   transport::WriteRequest wr{t.region.get(),      span.offset, s.slots.get(),
                              slot * s.slot_bytes, span.bytes,  push_tag};
   auto region = t.region;  // kept alive by the lambda
   auto slots = s.slots;
-  auto request = op.request;
-  const bool notify_completes = pull_tag != 0;
-  outbox_.push_back([this, conn, meta, wr, region, slots, request, notify_completes] {
+  outbox_.push_back([this, conn, meta, wr, region, slots] {
     Status st = send(conn, meta);
-    auto done = [this, request, notify_completes, tag = meta.tag](Status ws) {
-      if (!notify_completes) {
-        request->complete_part(ws);
-      } else if (!ws.ok()) {
+    auto done = [this, tag = meta.tag](Status ws) {
+      if (!ws.ok()) {
         std::lock_guard<std::mutex> lock(mu_);
         finish_tag(tag, ws);
       }
@@ -423,6 +512,21 @@ void WorkerService::issue(ServerConn& s, ChunkOp op, uint32_t slot) {
     if (st.ok()) st = conn->write(wr, done);
     if (!st.ok()) done(st);
   });
+}
+
+std::string WorkerService::describe_in_flight() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string out = fmt::format("worker {} (epoch {}):", rank(), epochs_->latest().epoch());
+  for (const auto& [r, s] : servers_) {
+    out += fmt::format(" server {}: {} free slots, {} waiting for credit;", r, s.free_slots.size(),
+                       s.backlog.size());
+  }
+  for (const auto& [tag, p] : pending_) {
+    out += fmt::format(" tag {} -> server {} (tensor {} chunk {} round {});", tag, p.server,
+                       p.op.tensor, p.op.chunk, p.op.round);
+  }
+  out += fmt::format(" {} waiting for an epoch", moved_.size());
+  return out;
 }
 
 Status WorkerService::shutdown() {

@@ -5,6 +5,7 @@
 // server's memory), pulled by the server writing straight into the tensor.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -15,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "lib/epoch_log.h"
 #include "lib/load_stats.h"
 #include "lib/member.h"
 
@@ -68,6 +70,9 @@ class WorkerService final : public Endpoint {
   std::vector<ServerLoadStats> server_loads();
   // Says goodbye to the coordinator and stops; idempotent.
   Status shutdown();
+  // What is in flight, for diagnostics: per server, chunks waiting for a
+  // credit and operations waiting for an answer, and ops waiting for an epoch.
+  std::string describe_in_flight();
 
  private:
   explicit WorkerService(const RuntimeOptions& options);
@@ -104,6 +109,13 @@ class WorkerService final : public Endpoint {
     uint32_t other_tag = 0;  // push_pull: the push's tag for the pull's and vice versa
     uint32_t server = 0;
     transport::Clock::time_point issued;
+    ChunkOp op;  // to send it again where the server answers Moved
+  };
+  // An operation a server answered Moved, waiting for an epoch it does not
+  // know yet.
+  struct MovedOp {
+    ChunkOp op;
+    uint64_t epoch = 0;
   };
 
   void on_write(const transport::ConnectionPtr& conn, uint32_t tag, uint64_t length) override;
@@ -119,10 +131,17 @@ class WorkerService final : public Endpoint {
   void finish_tag(uint32_t tag, const Status& status);   // mu_ held
   void flush();
   void fail_everything(const Status& why);  // mu_ held
+  void on_epoch_change(const protocol::EpochChange& change);
+  void on_moved(ServerConn& s, const protocol::Moved& moved);  // mu_ held
+  // Queues the op on the server that serves its round. mu_ held.
+  void route(ChunkOp op);
 
   const RuntimeOptions options_;
   MemberSession session_;
-  std::shared_ptr<const Placement> placement_;
+  std::optional<EpochLog> epochs_;                   // guarded by mu_
+  std::vector<protocol::EpochChange> early_epochs_;  // arrived before join finished; mu_
+  std::vector<MovedOp> moved_;                       // guarded by mu_
+  std::atomic<uint64_t> max_round_{0};               // highest round pushed, for reports
 
   std::mutex mu_;
   std::condition_variable cv_;

@@ -23,17 +23,34 @@ std::vector<Message> examples() {
       Heartbeat{99},
       JobFailed{"worker 2 stopped answering"},
       Shutdown{},
-      LoadReport{Role::kServer, 2, 7, 41, 100000000, 1, 3, 1 << 20, 2 << 20, 5000, 100, 900, 12,
-                 3, {{0x10, 1, 2, 3, 4}, {0x20, 5, 6, 7, 8}}, {{1, 9, 10, 11, 12}}},
+      LoadReport{Role::kServer,
+                 2,
+                 7,
+                 41,
+                 100000000,
+                 1,
+                 3,
+                 1 << 20,
+                 2 << 20,
+                 5000,
+                 100,
+                 900,
+                 12,
+                 3,
+                 {{0x10, 1, 2, 3, 4}, {0x20, 5, 6, 7, 8}},
+                 {{1, 9, 10, 11, 12}}},
       WorkerHello{3, 0xabcdef},
       Grant{16, 4 << 20, {5, 6, 7}},
       TensorKey{4, 12, {1, 1, 2, 3, 5, 8}},
       PushMeta{17, 3, DType::kBF16, make_key(12, 4), 100, 4096, 2, kPushThenPull, 18},
       PullRequest{19, DType::kF16, 2048, make_key(12, 4), 100, 2},
-      Credit{{1, 2, 3, 15}},
+      Credit{{1, 2, 3, 15}, {7, 8}},
       Moved{17, make_key(12, 4), 3},
       Error{17, 0, static_cast<uint8_t>(StatusCode::kOutOfRange), "slot 99 out of range"},
       Ack{4},
+      EpochChange{true, 3, 120, {1, 2, 3}},
+      EpochVote{3, 120, true, 99},
+      StateRequest{5, make_key(12, 4), 120, DType::kF16, 2048, {4, 5}},
   };
 }
 
@@ -119,7 +136,7 @@ TEST(Protocol, BadEnumsAndHugeCountsAreRejected) {
   EXPECT_FALSE(decode(push).ok());
 
   // A credit list that claims 4096 entries but carries none must not allocate them.
-  auto credit = encode(Credit{{}});
+  auto credit = encode(Credit{{}, {}});
   credit[4] = 0x00;
   credit[5] = 0x10;  // 4096
   EXPECT_FALSE(decode(credit).ok());

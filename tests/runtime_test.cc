@@ -16,6 +16,7 @@
 #include "lib/load_history.h"
 #include "lib/server.h"
 #include "lib/worker.h"
+#include "tests/cluster.h"
 #include "transports/loopback/loopback.h"
 
 namespace psld {
@@ -24,88 +25,7 @@ namespace {
 using namespace std::chrono_literals;
 using protocol::DType;
 
-struct Cluster {
-  std::shared_ptr<transport::LoopbackFabric> fabric = std::make_shared<transport::LoopbackFabric>();
-  RuntimeOptions base;
-  std::unique_ptr<CoordinatorService> coordinator;
-  std::vector<std::unique_ptr<ServerService>> servers;
-  std::vector<std::unique_ptr<WorkerService>> workers;
-
-  explicit Cluster(uint32_t num_workers, uint32_t num_servers,
-                   const std::function<void(RuntimeOptions&)>& tweak = nullptr,
-                   const std::string& transport = "loopback") {
-    base.endpoint.transport = transport;
-    base.endpoint.options.loopback.fabric = fabric;
-    base.endpoint.options.ucx.tls = "tcp";
-    base.endpoint.options.common.op_timeout = 5s;
-    base.num_workers = num_workers;
-    base.num_servers = num_servers;
-    base.chunk_bytes = 64 * 1024;
-    base.slots_per_worker = 4;
-    base.heartbeat_interval = 50ms;
-    base.heartbeat_timeout = 2s;
-    base.connect_timeout = 5s;
-    if (tweak) tweak(base);
-  }
-
-  Status start() {
-    auto c = CoordinatorService::start(base);
-    if (!c.ok()) return c.status();
-    coordinator = std::move(c).value();
-    base.coordinator_address = coordinator->address();
-    std::vector<std::future<Result<std::unique_ptr<ServerService>>>> sf;
-    for (uint32_t i = 0; i < base.num_servers; ++i) {
-      sf.push_back(std::async(std::launch::async, [this] { return ServerService::start(base); }));
-    }
-    std::vector<std::future<Result<std::unique_ptr<WorkerService>>>> wf;
-    for (uint32_t i = 0; i < base.num_workers; ++i) {
-      RuntimeOptions o = base;
-      o.rank = static_cast<int32_t>(i);
-      wf.push_back(std::async(std::launch::async, [o] { return WorkerService::start(o); }));
-    }
-    Status first;
-    for (auto& f : sf) {
-      auto s = f.get();
-      if (s.ok())
-        servers.push_back(std::move(s).value());
-      else if (first.ok())
-        first = s.status();
-    }
-    for (auto& f : wf) {
-      auto w = f.get();
-      if (w.ok())
-        workers.push_back(std::move(w).value());
-      else if (first.ok())
-        first = w.status();
-    }
-    return first;
-  }
-
-  ~Cluster() {
-    for (auto& w : workers)
-      (void)w->shutdown();
-    if (coordinator) (void)coordinator->wait(2s);
-    for (auto& s : servers)
-      s->shutdown();
-    if (coordinator) coordinator->shutdown();
-  }
-};
-
 class Runtime : public ::testing::TestWithParam<std::string> {};
-
-// Runs fn(worker index) on every worker concurrently and returns the first error.
-Status on_all(Cluster& c, const std::function<Status(size_t)>& fn) {
-  std::vector<std::future<Status>> fs;
-  for (size_t i = 0; i < c.workers.size(); ++i) {
-    fs.push_back(std::async(std::launch::async, [&, i] { return fn(i); }));
-  }
-  Status first;
-  for (auto& f : fs) {
-    Status s = f.get();
-    if (!s.ok() && first.ok()) first = s;
-  }
-  return first;
-}
 
 TEST_P(Runtime, ClusterStartsAndAllWorkersGetRanks) {
   Cluster c(3, 2, nullptr, GetParam());

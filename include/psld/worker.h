@@ -96,7 +96,9 @@ class Worker {
   Result<TensorHandle> register_tensor(std::string_view name, DType dtype, size_t bytes, void* data,
                                        const void* init = nullptr);
 
-  // Sends the tensor's contents (a gradient) for the next round.
+  // Sends the tensor's contents (a gradient) for the next round. Complete
+  // when the server took it (it may have to be sent again after a placement
+  // change, so the memory must stay untouched until then).
   Result<Request> push(TensorHandle tensor);
   // Fetches the parameters of the round this worker last pushed (BSP: waits
   // until every worker pushed it) into the tensor's memory.
