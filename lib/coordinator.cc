@@ -45,6 +45,10 @@ Result<std::unique_ptr<CoordinatorService>> CoordinatorService::start(
   }
   std::unique_ptr<CoordinatorService> c(new CoordinatorService(options));
   PSLD_RETURN_IF_ERROR(c->Endpoint::start(options.endpoint));
+  if (options.balancer_enabled) {
+    PSLD_ASSIGN_OR_RETURN(auto b, Balancer::make());
+    c->balancer_.emplace(std::move(b));
+  }
   c->monitor_ = std::thread([raw = c.get()] { raw->monitor(); });
   PSLD_LOG_INFO("coordinator listening at {} for {} workers, {} servers (+{} standby)",
                 c->address(), options.num_workers, options.num_servers, options.num_standby);
@@ -387,6 +391,78 @@ void CoordinatorService::handle_vote(const Member& m, const protocol::EpochVote&
   cv_.notify_all();
 }
 
+// mu_ held. The balancer sees one window per server per decision: what the
+// server reported since the previous decision, over the rounds the job made
+// in that time.
+void CoordinatorService::balance() {
+  const auto now = Clock::now();
+  const bool first = last_decision_ == Clock::time_point{};
+  const uint64_t rounds = max_round_ - decision_round_;
+  const double elapsed_s = std::chrono::duration<double>(now - last_decision_).count();
+  // A window belongs to the epoch that was in force when it began: one that
+  // straddles a switch (and the migration) is not evidence about the new one.
+  const uint64_t window_epoch = decision_epoch_;
+  last_decision_ = now;
+  decision_round_ = max_round_;
+  decision_epoch_ = placement_->epoch();
+  if (first || rounds == 0) return;  // nothing measured yet
+  const uint64_t seq = balancer_->decisions() + 1;
+  BalancerInput input;
+  std::map<uint32_t, uint64_t> newest = decision_window_;
+  for (const auto& [rank, id] : servers_) {
+    const auto* ring = load_.server(rank);
+    if (ring == nullptr) continue;
+    ServerWindow w;
+    w.seq = seq;
+    w.epoch = window_epoch;
+    w.rounds = rounds;
+    w.round_s = elapsed_s / static_cast<double>(rounds);
+    bool any = false;
+    for (const auto& win : *ring) {
+      auto seen = decision_window_.find(rank);
+      if (seen != decision_window_.end() && win.window <= seen->second) continue;
+      w.bytes += static_cast<double>(win.bytes_in + win.bytes_out);
+      w.busy_s += static_cast<double>(win.busy_ns) / 1e9;
+      newest[rank] = std::max(newest[rank], win.window);
+      any = true;
+    }
+    if (any) input.servers.push_back(ServerHistory{rank, {w}});
+  }
+  for (const auto& [lo, ring] : load_.arcs()) {
+    const Arc arc = placement_->arc(placement_->arc_index_of_hash(lo));
+    if (arc.lo != lo) continue;  // an arc of an older epoch, since cut
+    double bytes = 0;
+    for (const auto& win : ring) {
+      auto seen = decision_window_.find(win.server);
+      if (win.epoch != placement_->epoch()) continue;
+      if (seen != decision_window_.end() && win.window <= seen->second) continue;
+      bytes += static_cast<double>(win.bytes_in + win.bytes_out);
+    }
+    if (bytes > 0) input.ranges.push_back({arc.lo, arc.hi, bytes / static_cast<double>(rounds)});
+  }
+  decision_window_ = std::move(newest);
+  for (const auto& [rank, id] : servers_) {
+    if (placement_->find_server(rank) == nullptr) input.standby.push_back({rank, 1.0});
+  }
+  auto plan = balancer_->decide(*placement_, input);
+  if (!plan.ok()) {
+    PSLD_LOG_WARN("balancer: {}", plan.status().to_string());
+    return;
+  }
+  PSLD_LOG_DEBUG("balancer: {}", plan->log);
+  if (plan->steps.empty()) return;
+  const PlanStep& step = plan->steps.front();
+  PSLD_LOG_INFO("balancer: {}", step.reason);
+  Switch sw{step.change.delta, step.change.delta.serialize(), step.change.next, 0, 4, {}};
+  if (sw.delta_bytes.size() > protocol::kMaxDeltaBytes) {
+    PSLD_LOG_WARN("balancer: a plan of {} bytes does not fit one epoch change; skipped",
+                  sw.delta_bytes.size());
+    return;
+  }
+  switch_ = std::move(sw);
+  send_prepare();
+}
+
 uint64_t CoordinatorService::epoch() const {
   std::lock_guard<std::mutex> lock(mu_);
   return placement_ ? placement_->epoch() : 0;
@@ -442,6 +518,10 @@ void CoordinatorService::monitor() {
                              options_.heartbeat_timeout.count()));
         break;
       }
+    }
+    if (balancer_ && job_started_ && !job_over_ && !switch_ &&
+        now - last_decision_ >= options_.balancer_interval) {
+      balance();
     }
     lock.unlock();
     flush();

@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "lib/balancer.h"
 #include "lib/endpoint.h"
 #include "lib/load_history.h"
 #include "lib/placement.h"
@@ -94,6 +95,8 @@ class CoordinatorService final : public Endpoint {
   void handle_load_report(const Member& m, const protocol::LoadReport& report);
   void handle_vote(const Member& m, const protocol::EpochVote& vote);
   void send_prepare();
+  // One balancer decision over the load reported since the last (mu_ held).
+  void balance();
   Status start_switch(const PlacementDelta& delta);
   void maybe_start_job();
   void send_job_state(const Member& m);
@@ -125,6 +128,12 @@ class CoordinatorService final : public Endpoint {
   };
   std::optional<Switch> switch_;
   uint64_t max_round_ = 0;  // the highest round any member reported
+  // The balancer, when enabled, and what its last decision had seen.
+  std::optional<Balancer> balancer_;
+  transport::Clock::time_point last_decision_{};
+  uint64_t decision_round_ = 0;                   // max_round_ then
+  uint64_t decision_epoch_ = 0;                   // the committed epoch then
+  std::map<uint32_t, uint64_t> decision_window_;  // server -> last window seen
   uint64_t last_switch_round_ = 0;
   uint64_t switches_ = 0;
   uint64_t bad_reports_ = 0;

@@ -46,6 +46,9 @@ struct RuntimeOptions {
   std::chrono::milliseconds connect_timeout{10000};
   // How often servers and workers send a LoadReport; 0: never.
   std::chrono::milliseconds stats_interval{100};
+  // The coordinator's balancer (lib/balancer.h): plans every interval.
+  bool balancer_enabled = false;
+  std::chrono::milliseconds balancer_interval{1000};
 };
 
 // Resolves a validated Config into the runtime's options.

@@ -673,9 +673,11 @@ void ServerService::ship_state(KeyState& k, const StateWork& w) {
     std::memset(out + 2 * k.n, 0, k.n * sizeof(float));
   }
   PSLD_LOG_DEBUG("server {}: shipping key {:#x} as of round {}", rank(), k.key, k.version);
+  // Both regions must outlive the write (an emulated link queues it).
   auto region = *staging;
+  auto target = w.region;
   Status st =
-      conn->write({region.get(), 0, w.region.get(), 0, bytes, w.req.tag}, [region](Status s) {
+      conn->write({region.get(), 0, target.get(), 0, bytes, w.req.tag}, [region, target](Status s) {
         if (!s.ok()) {
           PSLD_LOG_ERROR("shipping a key's state failed: {}", s.to_string());
         }

@@ -25,6 +25,9 @@ struct Cluster {
   std::unique_ptr<CoordinatorService> coordinator;
   std::vector<std::unique_ptr<ServerService>> servers;
   std::vector<std::unique_ptr<WorkerService>> workers;
+  // Changes the options of the i-th server started (servers[i]), e.g. to
+  // put one behind a slow emulated link.
+  std::function<void(uint32_t, RuntimeOptions&)> server_tweak;
 
   explicit Cluster(uint32_t num_workers, uint32_t num_servers,
                    const std::function<void(RuntimeOptions&)>& tweak = nullptr,
@@ -50,7 +53,9 @@ struct Cluster {
     base.coordinator_address = coordinator->address();
     std::vector<std::future<Result<std::unique_ptr<ServerService>>>> sf;
     for (uint32_t i = 0; i < base.num_servers + base.num_standby; ++i) {
-      sf.push_back(std::async(std::launch::async, [this] { return ServerService::start(base); }));
+      RuntimeOptions o = base;
+      if (server_tweak) server_tweak(i, o);
+      sf.push_back(std::async(std::launch::async, [o] { return ServerService::start(o); }));
     }
     std::vector<std::future<Result<std::unique_ptr<WorkerService>>>> wf;
     for (uint32_t i = 0; i < base.num_workers; ++i) {

@@ -101,7 +101,7 @@ TEST(Config, DefaultsAreValidAndDocumented) {
   EXPECT_EQ(c.liveness.heartbeat_timeout_ms, 5000);
   EXPECT_EQ(c.liveness.connect_timeout_ms, 10000);
   EXPECT_EQ(c.stats.interval_ms, 100);
-  EXPECT_TRUE(c.balancer.enabled);
+  EXPECT_FALSE(c.balancer.enabled);
   EXPECT_EQ(c.job.listen, "127.0.0.1:0");
   // PyTorch's defaults.
   EXPECT_EQ(c.optimizer.lr, 1e-3);
