@@ -178,6 +178,14 @@ TEST(Launch, BadUsageIsExplained) {
   RunResult r = run({psld(), "launch", "-w", "0", "--", "true"}, {}, std::chrono::seconds(20));
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("usage"), std::string::npos) << r.output;
+  r = run({psld(), "launch", "-w", "1", "-s", "1", "--slow-server", "0:fast", "--", "true"}, {},
+          std::chrono::seconds(20));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("expected RANK:RATE"), std::string::npos) << r.output;
+  r = run({psld(), "launch", "-w", "1", "-s", "1", "--slow-server", "3:25M", "--", "true"}, {},
+          std::chrono::seconds(20));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("only 1 servers"), std::string::npos) << r.output;
   r = run({psld(), "config", "--job.num_wrkers=2"}, {}, std::chrono::seconds(20));
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("did you mean"), std::string::npos) << r.output;

@@ -1,6 +1,6 @@
 // psld — the command-line tool.
 //
-//   psld launch -w N -s M [--standby K] [--transport T] [--] PROGRAM ARGS...
+//   psld launch -w N -s M [--standby K] [--transport T] [--slow-server R:RATE] [--] PROGRAM ARGS...
 //   psld coordinator [--key=value ...]
 //   psld server [--key=value ...]
 //   psld config [--key=value ...]
@@ -23,6 +23,7 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -36,12 +37,16 @@ namespace {
 using namespace std::chrono_literals;
 
 constexpr const char* kUsage = R"(usage:
-  psld launch -w N -s M [--standby K] [--transport ucx|verbs] [--] PROGRAM [ARGS...]
+  psld launch -w N -s M [--standby K] [--transport ucx|verbs]
+              [--slow-server R:RATE] [--] PROGRAM [ARGS...]
       Runs a job on this machine: a coordinator (in this process), M servers
       and K standby servers (`psld server`), and N copies of PROGRAM as
       workers, each with PSLD_* variables that tell it its role and rank.
       Output is prefixed with who printed it. When one process fails the job
       stops and psld exits non-zero naming it; every child is stopped.
+      --slow-server R:RATE puts server R behind an emulated link of RATE
+      bytes/s each way (suffixes K, M, G: 25M), a bandwidth straggler;
+      repeatable.
   psld coordinator [--key=value ...]   run the coordinator of a job
   psld server [--key=value ...]        run one parameter server
   psld config [--key=value ...]        print the effective configuration
@@ -176,9 +181,34 @@ int free_port() {
   return port;
 }
 
+// "0:25M" -> {0, 25000000}; nullopt when malformed.
+std::optional<std::pair<int, uint64_t>> parse_slow_server(const std::string& text) {
+  const auto colon = text.find(':');
+  if (colon == std::string::npos || colon == 0) return std::nullopt;
+  char* end = nullptr;
+  const long rank = std::strtol(text.c_str(), &end, 10);
+  if (end != text.c_str() + colon || rank < 0) return std::nullopt;
+  const char* rate_text = text.c_str() + colon + 1;
+  const double rate = std::strtod(rate_text, &end);
+  if (end == rate_text || !(rate > 0)) return std::nullopt;
+  double scale = 1;
+  const std::string suffix = end;
+  if (suffix == "K" || suffix == "k") {
+    scale = 1e3;
+  } else if (suffix == "M") {
+    scale = 1e6;
+  } else if (suffix == "G") {
+    scale = 1e9;
+  } else if (!suffix.empty()) {
+    return std::nullopt;
+  }
+  return std::make_pair(static_cast<int>(rank), static_cast<uint64_t>(rate * scale));
+}
+
 int cmd_launch(int argc, char** argv) {
   int workers = 0, servers = 0, standby = 0;
   std::string transport;
+  std::map<int, uint64_t> slow;  // server rank -> link bytes/s
   int i = 2;
   auto need = [&](const char* flag) -> const char* {
     if (i + 1 >= argc) {
@@ -205,6 +235,13 @@ int cmd_launch(int argc, char** argv) {
     } else if (a == "--transport") {
       if (!(v = need("--transport"))) return 2;
       transport = v;
+    } else if (a == "--slow-server") {
+      if (!(v = need("--slow-server"))) return 2;
+      auto parsed = parse_slow_server(v);
+      if (!parsed) {
+        return fail(fmt::format("--slow-server {}: expected RANK:RATE, e.g. 0:25M\n{}", v, kUsage));
+      }
+      slow[parsed->first] = parsed->second;
     } else if (!a.empty() && a[0] == '-') {
       return fail("unknown option " + a + "\n" + kUsage);
     } else {
@@ -213,6 +250,12 @@ int cmd_launch(int argc, char** argv) {
   }
   if (workers < 1 || servers < 1 || standby < 0) {
     return fail(std::string("launch needs -w N (>= 1) and -s M (>= 1)\n") + kUsage);
+  }
+  for (const auto& [rank, rate] : slow) {
+    if (rank >= servers + standby) {
+      return fail(
+          fmt::format("--slow-server {}: there are only {} servers", rank, servers + standby));
+    }
   }
   if (i >= argc)
     return fail(std::string("launch needs a PROGRAM to run as the workers\n") + kUsage);
@@ -253,6 +296,12 @@ int cmd_launch(int argc, char** argv) {
     auto e = env;
     e["PSLD_JOB_ROLE"] = "server";
     e["PSLD_JOB_RANK"] = std::to_string(s);
+    if (auto it = slow.find(s); it != slow.end()) {
+      e["PSLD_LINK_EGRESS_BYTES_PER_SECOND"] = std::to_string(it->second);
+      e["PSLD_LINK_INGRESS_BYTES_PER_SECOND"] = std::to_string(it->second);
+      std::fprintf(stderr, "psld: server %d is behind a %.1f MB/s link\n", s,
+                   static_cast<double>(it->second) / 1e6);
+    }
     c.pid = spawn({self, "server"}, e, &c.out);
     if (c.pid < 0) return fail("cannot start a server");
     children.push_back(std::move(c));
