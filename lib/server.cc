@@ -603,15 +603,7 @@ void ServerService::install_state(Shard& shard, KeyState& k) {
   k.incoming.reset();
   PSLD_LOG_DEBUG("server {}: key {:#x} arrived as of round {}", rank(), k.key, k.version);
   // Serve what waited for it.
-  std::vector<PullWork> still;
-  for (auto& p : k.waiting) {
-    if (pull_ready(k, p.req)) {
-      serve_pull(shard, k, p);
-    } else {
-      still.push_back(p);
-    }
-  }
-  k.waiting.swap(still);
+  serve_ready_pulls(shard, k);
   release_parked(shard, k);
   while (k.inflight == 0 && !k.deferred.empty()) {
     PushWork next = std::move(k.deferred.front());
@@ -685,6 +677,18 @@ void ServerService::ship_state(KeyState& k, const StateWork& w) {
   if (!st.ok()) {
     PSLD_LOG_ERROR("server {}: shipping key {:#x}: {}", rank(), k.key, st.to_string());
   }
+}
+
+void ServerService::serve_ready_pulls(Shard& shard, KeyState& k) {
+  std::vector<PullWork> still;
+  for (auto& p : k.waiting) {
+    if (pull_ready(k, p.req)) {
+      serve_pull(shard, k, p);
+    } else {
+      still.push_back(p);
+    }
+  }
+  k.waiting.swap(still);
 }
 
 void ServerService::release_parked(Shard& shard, KeyState& k) {
@@ -957,15 +961,7 @@ void ServerService::apply_round(Shard& shard, KeyState& k) {
     ++stats_.rounds_applied;
   }
   // Serve the pulls this round satisfies.
-  std::vector<PullWork> still;
-  for (auto& p : k.waiting) {
-    if (pull_ready(k, p.req)) {
-      serve_pull(shard, k, p);
-    } else {
-      still.push_back(p);
-    }
-  }
-  k.waiting.swap(still);
+  serve_ready_pulls(shard, k);
   maybe_ship(k);
   // BSP: pushes parked for the next round can be reduced now.
   if (bsp) release_parked(shard, k);

@@ -124,6 +124,7 @@ class ServerService final : public Endpoint {
   void ship_state(KeyState& k, const StateWork& w);
   void maybe_ship(KeyState& k);
   void release_parked(Shard& shard, KeyState& k);
+  void serve_ready_pulls(Shard& shard, KeyState& k);
   transport::ConnectionPtr peer(ServerId id);
   // The first hash of the arc that holds `key`: the subject of its load samples.
   uint64_t arc_of(Key key) const;

@@ -105,4 +105,14 @@ inline Status on_all(Cluster& c, const std::function<Status(size_t)>& fn) {
   return first;
 }
 
+// The transports a runtime test runs on: the loopback fabric, and UCX where
+// this build has it.
+inline std::vector<std::string> test_backends() {
+  std::vector<std::string> out{"loopback"};
+  for (const auto& t : transport::available_transports()) {
+    if (t == "ucx") out.push_back("ucx");
+  }
+  return out;
+}
+
 }  // namespace psld

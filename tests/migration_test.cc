@@ -317,15 +317,7 @@ TEST_P(Migration, AsyncModeConservesEveryPushAcrossMigrations) {
     ASSERT_EQ(x[i], want) << "element " << i << " (" << last.to_string() << ")";
 }
 
-std::vector<std::string> backends() {
-  std::vector<std::string> out{"loopback"};
-  for (const auto& t : transport::available_transports()) {
-    if (t == "ucx") out.push_back("ucx");
-  }
-  return out;
-}
-
-INSTANTIATE_TEST_SUITE_P(Transports, Migration, ::testing::ValuesIn(backends()),
+INSTANTIATE_TEST_SUITE_P(Transports, Migration, ::testing::ValuesIn(test_backends()),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

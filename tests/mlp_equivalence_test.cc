@@ -49,11 +49,8 @@
 #include <string>
 #include <vector>
 
-#include "lib/coordinator.h"
-#include "lib/server.h"
-#include "lib/worker.h"
+#include "tests/cluster.h"
 #include "tools/mlp.h"
-#include "transports/loopback/loopback.h"
 
 namespace psld {
 namespace {
@@ -92,70 +89,21 @@ std::vector<int> dims() {
 }
 
 // A coordinator, servers and workers in this process on one loopback fabric.
-struct Cluster {
-  std::shared_ptr<transport::LoopbackFabric> fabric = std::make_shared<transport::LoopbackFabric>();
-  RuntimeOptions base;
-  std::unique_ptr<CoordinatorService> coordinator;
-  std::vector<std::unique_ptr<ServerService>> servers;
-  std::vector<std::unique_ptr<WorkerService>> workers;
-
-  Cluster() {
-    base.endpoint.transport = "loopback";
-    base.endpoint.options.loopback.fabric = fabric;
-    base.endpoint.options.common.op_timeout = 10s;
-    base.num_workers = kWorkers;
-    base.num_servers = kServers;
-    // Small chunks so that every layer but the last spreads over both servers.
-    base.chunk_bytes = 64 * 1024;
-    base.mode = ServerMode::kOptimizer;
-    base.optimizer.kind = OptimizerKind::kSgd;
-    base.optimizer.lr = kLr;
-    base.heartbeat_interval = 100ms;
-    base.heartbeat_timeout = 10s;
-    base.connect_timeout = 10s;
-  }
-
-  Status start() {
-    auto c = CoordinatorService::start(base);
-    if (!c.ok()) return c.status();
-    coordinator = std::move(c).value();
-    base.coordinator_address = coordinator->address();
-    std::vector<std::future<Result<std::unique_ptr<ServerService>>>> sf;
-    for (uint32_t i = 0; i < base.num_servers; ++i) {
-      sf.push_back(std::async(std::launch::async, [this] { return ServerService::start(base); }));
-    }
-    std::vector<std::future<Result<std::unique_ptr<WorkerService>>>> wf;
-    for (uint32_t i = 0; i < base.num_workers; ++i) {
-      RuntimeOptions o = base;
-      o.rank = static_cast<int32_t>(i);
-      wf.push_back(std::async(std::launch::async, [o] { return WorkerService::start(o); }));
-    }
-    Status first;
-    for (auto& f : sf) {
-      auto s = f.get();
-      if (s.ok())
-        servers.push_back(std::move(s).value());
-      else if (first.ok())
-        first = s.status();
-    }
-    for (auto& f : wf) {
-      auto w = f.get();
-      if (w.ok())
-        workers.push_back(std::move(w).value());
-      else if (first.ok())
-        first = w.status();
-    }
-    return first;
-  }
-
-  ~Cluster() {
-    for (auto& w : workers)
-      (void)w->shutdown();
-    if (coordinator) (void)coordinator->wait(2s);
-    for (auto& s : servers)
-      s->shutdown();
-    if (coordinator) coordinator->shutdown();
-  }
+// The job: tests/cluster.h's in-process cluster with plain SGD on the servers.
+struct MlpCluster : Cluster {
+  MlpCluster()
+      : Cluster(kWorkers, kServers, [](RuntimeOptions& o) {
+          o.endpoint.options.common.op_timeout = 10s;
+          // Small chunks so that every layer but the last spreads over both servers.
+          o.chunk_bytes = 64 * 1024;
+          o.mode = ServerMode::kOptimizer;
+          o.optimizer.kind = OptimizerKind::kSgd;
+          o.optimizer.lr = kLr;
+          o.heartbeat_interval = 100ms;
+          o.heartbeat_timeout = 10s;
+          o.connect_timeout = 10s;
+          o.slots_per_worker = 16;
+        }) {}
 };
 
 // Copies rows `first`..`first + n` of a round's combined batch.
@@ -273,7 +221,7 @@ TEST(MlpEquivalence, DistributedBspMatchesSingleProcessOnTheCombinedBatch) {
   }
   const auto t_reference = std::chrono::steady_clock::now();
 
-  Cluster cluster;
+  MlpCluster cluster;
   ASSERT_TRUE(cluster.start().ok());
   std::vector<WorkerRun> runs(kWorkers);
   {

@@ -598,15 +598,7 @@ TEST_P(Runtime, WrongSecretIsRefused) {
   (*coord)->shutdown();
 }
 
-std::vector<std::string> backends() {
-  std::vector<std::string> out{"loopback"};
-  for (const auto& t : transport::available_transports()) {
-    if (t == "ucx") out.push_back("ucx");
-  }
-  return out;
-}
-
-INSTANTIATE_TEST_SUITE_P(Transports, Runtime, ::testing::ValuesIn(backends()),
+INSTANTIATE_TEST_SUITE_P(Transports, Runtime, ::testing::ValuesIn(test_backends()),
                          [](const auto& info) { return info.param; });
 
 }  // namespace
