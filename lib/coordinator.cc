@@ -99,6 +99,9 @@ void CoordinatorService::post(const ConnectionPtr& conn, protocol::Message messa
 }
 
 void CoordinatorService::flush() {
+  // One flusher at a time, so messages leave in the order they were posted
+  // (a commit must not be overtaken by the next epoch's prepare).
+  std::lock_guard<std::mutex> order(flush_mu_);
   std::vector<std::pair<ConnectionPtr, protocol::Message>> out;
   {
     std::lock_guard<std::mutex> lock(mu_);

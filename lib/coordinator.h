@@ -142,6 +142,7 @@ class CoordinatorService final : public Endpoint {
   Status job_status_;
   bool stopping_ = false;
   std::vector<std::pair<transport::ConnectionPtr, protocol::Message>> outbox_;
+  std::mutex flush_mu_;  // held while flushing: sends leave in posting order
   std::thread monitor_;
 };
 
