@@ -246,7 +246,9 @@ void CoordinatorService::handle_hello(Member& m, const protocol::Hello& hello) {
 
 void CoordinatorService::maybe_start_job() {
   if (workers_.size() < options_.num_workers) return;
-  for (uint32_t r = 0; r < options_.num_servers; ++r) {
+  // Standby servers too: every worker connects to every server at start, so
+  // that a scale-out needs no new connections.
+  for (uint32_t r = 0; r < options_.num_servers + options_.num_standby; ++r) {
     if (!servers_.count(r)) return;
   }
   std::vector<ServerSpec> specs;

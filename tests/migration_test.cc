@@ -317,6 +317,109 @@ TEST_P(Migration, AsyncModeConservesEveryPushAcrossMigrations) {
     ASSERT_EQ(x[i], want) << "element " << i << " (" << last.to_string() << ")";
 }
 
+// The long run: 4 workers, 3 servers + 1 standby, 1000 BSP rounds of
+// Adam on integer-valued gradients, with 20 forced migrations, a scale-out to
+// the standby and a scale-in while it runs; the final parameters are
+// bit-identical to a run without any of it.
+TEST(MigrationLong, ThousandRoundsWithScaleOutAndScaleInAreBitIdentical) {
+  constexpr int kRounds = 1000;
+  auto run = [&](bool migrate_too) -> std::vector<std::vector<float>> {
+    Cluster c(4, 3, [](RuntimeOptions& o) {
+      o.num_standby = 1;
+      o.mode = ServerMode::kOptimizer;
+      o.optimizer.kind = OptimizerKind::kAdam;
+      o.optimizer.lr = 0.01f;
+      o.stats_interval = 20ms;
+    });
+    EXPECT_TRUE(c.start().ok());
+    const std::vector<size_t> elems = {3, 20000, 33333};
+    std::vector<std::pair<TensorId, uint32_t>> chunks;
+    for (size_t t = 0; t < elems.size(); ++t) {
+      const uint64_t n = (elems[t] * 4 + c.base.chunk_bytes - 1) / c.base.chunk_bytes;
+      for (uint64_t k = 0; k < n; ++k)
+        chunks.emplace_back(static_cast<TensorId>(t + 1), static_cast<uint32_t>(k));
+    }
+    std::atomic<bool> stop{false};
+    std::atomic<int> started{0};
+    std::thread mover;
+    if (migrate_too) {
+      mover = std::thread([&] {
+        while (started.load() < 4)
+          std::this_thread::sleep_for(1ms);
+        auto switch_to = [&](const char* what, auto&& make) {
+          while (c.coordinator->switching())
+            std::this_thread::sleep_for(1ms);
+          const Placement p = c.coordinator->current_placement();
+          auto change = make(p);
+          ASSERT_TRUE(change.ok()) << what << ": " << change.status().to_string();
+          const uint64_t before = c.coordinator->switches();
+          ASSERT_TRUE(c.coordinator->propose(change->delta).ok()) << what;
+          const auto deadline = std::chrono::steady_clock::now() + 10s;
+          while (c.coordinator->switches() == before && std::chrono::steady_clock::now() < deadline)
+            std::this_thread::sleep_for(1ms);
+          EXPECT_GT(c.coordinator->switches(), before) << what << " did not commit";
+        };
+        EXPECT_EQ(migrate(c, chunks, 10, 3, stop), 10);
+        switch_to("scale-out", [](const Placement& p) { return p.add_server({3, 1.0}); });
+        EXPECT_EQ(migrate(c, chunks, 10, 4, stop), 10);
+        switch_to("scale-in", [](const Placement& p) { return p.drain_server(1); });
+      });
+    }
+    std::vector<std::vector<float>> result;
+    Status s = on_all(c, [&](size_t wi) -> Status {
+      WorkerService& w = *c.workers[wi];
+      std::vector<std::vector<float>> data(elems.size());
+      std::vector<uint32_t> handles;
+      for (size_t t = 0; t < elems.size(); ++t) {
+        data[t].assign(elems[t], 0.0f);
+        std::vector<float> init(elems[t]);
+        for (size_t i = 0; i < elems[t]; ++i)
+          init[i] = static_cast<float>(i % 5) - 2.0f;
+        PSLD_ASSIGN_OR_RETURN(uint32_t h,
+                              w.register_tensor("p" + std::to_string(t), DType::kF32, elems[t] * 4,
+                                                data[t].data(), init.data()));
+        handles.push_back(h);
+      }
+      PSLD_RETURN_IF_ERROR(w.barrier(10s));
+      ++started;
+      for (int r = 1; r <= kRounds; ++r) {
+        std::vector<std::shared_ptr<RequestState>> reqs;
+        for (size_t t = 0; t < elems.size(); ++t) {
+          for (size_t i = 0; i < elems[t]; ++i)
+            data[t][i] = static_cast<float>((i * 3 + w.rank() + static_cast<size_t>(r)) % 7) - 3.0f;
+          PSLD_ASSIGN_OR_RETURN(auto req, w.submit(handles[t], RequestKind::kPushPull));
+          reqs.push_back(req);
+        }
+        for (auto& req : reqs) {
+          PSLD_RETURN_IF_ERROR(req->wait(20s).with_context("round " + std::to_string(r)));
+        }
+      }
+      if (w.rank() == 0) result = data;
+      return Status::Ok();
+    });
+    stop = true;
+    if (mover.joinable()) mover.join();
+    EXPECT_TRUE(s.ok()) << s.to_string();
+    if (migrate_too) {
+      EXPECT_GE(c.coordinator->switches(), 22u);
+      const Placement p = c.coordinator->current_placement();
+      EXPECT_GT(p.share_of(3), 0.0) << "the standby took no load";
+      EXPECT_EQ(p.share_of(1), 0.0) << "the drained server kept load";
+    }
+    return result;
+  };
+  const auto with = run(true);
+  const auto without = run(false);
+  ASSERT_EQ(with.size(), without.size());
+  ASSERT_FALSE(with.empty());
+  for (size_t t = 0; t < with.size(); ++t) {
+    for (size_t i = 0; i < with[t].size(); ++i) {
+      ASSERT_EQ(std::bit_cast<uint32_t>(with[t][i]), std::bit_cast<uint32_t>(without[t][i]))
+          << "tensor " << t << " element " << i;
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, Migration, ::testing::ValuesIn(test_backends()),
                          [](const auto& info) { return info.param; });
 
