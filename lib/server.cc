@@ -39,6 +39,9 @@ struct ServerService::KeyState {
   std::unique_ptr<float[]> m, v;  // optimizer state, allocated on first use
   std::unique_ptr<uint16_t[]> out16;
   std::shared_ptr<transport::MemoryRegion> out_region;
+  // BSP sum mode, fp32: acc is registered too, and a round is applied by
+  // swapping param and acc (and their regions) instead of copying.
+  std::shared_ptr<transport::MemoryRegion> acc_region;
   uint64_t version = 0;  // rounds (BSP) or pushes (async) applied
   uint32_t pushes = 0;   // BSP: pushes reduced into acc for round version + 1
   std::vector<bool> pushed;
@@ -500,6 +503,11 @@ ServerService::KeyState& ServerService::key_state(Shard& shard, Key key, DType d
     PSLD_LOG_ERROR("server {}: cannot register key {:#x}: {}", rank(), key,
                    region.status().to_string());
   }
+  if (dtype == DType::kF32 && options_.mode == ServerMode::kSum &&
+      options_.sync == SyncMode::kBsp && k.out_region) {
+    auto acc = transport().register_memory(k.acc.get(), bytes, transport::MemoryKind::kHost);
+    if (acc.ok()) k.acc_region = *acc;  // else: apply copies, as for other keys
+  }
   if (g) request_state(k, g->first, g->second);
   return k;
 }
@@ -920,7 +928,14 @@ void ServerService::apply_round(Shard& shard, KeyState& k) {
   const bool bsp = options_.sync == SyncMode::kBsp;
   if (sum_mode) {
     if (bsp) {
-      std::memcpy(k.param.get(), k.acc.get(), k.n * sizeof(float));  // the round's sum
+      // The round's sum. No pull write reads param now (apply waits for
+      // them), and the next round's first push overwrites acc whole.
+      if (k.acc_region) {
+        std::swap(k.param, k.acc);
+        std::swap(k.out_region, k.acc_region);
+      } else {
+        std::memcpy(k.param.get(), k.acc.get(), k.n * sizeof(float));
+      }
     } else {
       kn::reduce_f32(k.param.get(), k.acc.get(), k.n);  // the running total
     }
