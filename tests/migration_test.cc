@@ -4,6 +4,8 @@
 
 #include <atomic>
 #include <bit>
+#include <functional>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -145,20 +147,33 @@ TEST_P(Migration, BspSumsStayExactThroughTwentyForcedMigrations) {
   EXPECT_GE(c.coordinator->switches(), 20u);
 }
 
-// Runs BSP push_pull rounds of integer-valued gradients through Adam on 4
-// workers x 3 servers and returns worker 0's final parameters. With
-// migrations > 0, forced switches run meanwhile and the workers go on until
-// they are done (`rounds` receives the rounds run); else it runs `rounds`.
-std::vector<std::vector<float>> adam_run(const std::string& backend, int& rounds, int migrations) {
+// A job of 4 workers x 3 servers (+ standby) training three tensors with Adam
+// on integer-valued gradients, so every sum is exact whatever the order and
+// two runs differ only in where the keys live.
+struct AdamJob {
+  std::vector<std::vector<float>> params;  // worker 0's at the end
+  uint64_t rounds = 0;
+  uint64_t switches = 0;
+  std::optional<Placement> placement;  // the committed one at the end
+};
+
+using Mover = std::function<void(Cluster&, const std::vector<std::pair<TensorId, uint32_t>>&,
+                                 const std::atomic<bool>& stop)>;
+
+// Runs `rounds` rounds; with rounds == 0, until `mover` is done and 5 more.
+AdamJob adam_job(const std::string& backend, uint32_t standby, uint64_t rounds,
+                 const Mover& mover) {
   Cluster c(
       4, 3,
-      [](RuntimeOptions& o) {
+      [standby](RuntimeOptions& o) {
+        o.num_standby = standby;
         o.mode = ServerMode::kOptimizer;
         o.optimizer.kind = OptimizerKind::kAdam;
         o.optimizer.lr = 0.01f;
         o.stats_interval = 20ms;
       },
       backend);
+  AdamJob job;
   EXPECT_TRUE(c.start().ok());
   const std::vector<size_t> elems = {5, 20000, 40001};
   std::vector<std::pair<TensorId, uint32_t>> chunks;
@@ -167,18 +182,17 @@ std::vector<std::vector<float>> adam_run(const std::string& backend, int& rounds
     for (uint64_t k = 0; k < n; ++k)
       chunks.emplace_back(static_cast<TensorId>(t + 1), static_cast<uint32_t>(k));
   }
-  std::vector<std::vector<float>> result;
   std::atomic<bool> stop{false};
   std::atomic<int> started{0};
-  std::atomic<uint64_t> target{migrations > 0 ? UINT64_MAX : static_cast<uint64_t>(rounds)};
+  std::atomic<uint64_t> target{rounds > 0 ? rounds : UINT64_MAX};
   std::atomic<uint64_t> furthest{0};
-  std::thread mover;
-  if (migrations > 0) {
-    mover = std::thread([&] {
+  std::thread moving;
+  if (mover) {
+    moving = std::thread([&] {
       while (started.load() < 4)
         std::this_thread::sleep_for(1ms);
-      EXPECT_EQ(migrate(c, chunks, migrations, 11, stop), migrations);
-      target = furthest.load() + 5;
+      mover(c, chunks, stop);
+      if (rounds == 0) target = furthest.load() + 5;
     });
   }
   Status s = on_all(c, [&](size_t wi) -> Status {
@@ -212,34 +226,39 @@ std::vector<std::vector<float>> adam_run(const std::string& backend, int& rounds
         PSLD_RETURN_IF_ERROR(req->wait(20s).with_context("round " + std::to_string(r)));
       }
     }
-    if (w.rank() == 0) result = data;
+    if (w.rank() == 0) job.params = data;
     return Status::Ok();
   });
   stop = true;
-  if (mover.joinable()) mover.join();
+  if (moving.joinable()) moving.join();
   EXPECT_TRUE(s.ok()) << s.to_string();
-  if (migrations > 0) {
-    EXPECT_GE(c.coordinator->switches(), static_cast<uint64_t>(migrations));
-    rounds = static_cast<int>(target.load());
+  job.rounds = target.load();
+  job.switches = c.coordinator->switches();
+  job.placement = c.coordinator->current_placement();
+  return job;
+}
+
+void expect_bit_identical(const std::vector<std::vector<float>>& a,
+                          const std::vector<std::vector<float>>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  ASSERT_FALSE(a.empty());
+  for (size_t t = 0; t < a.size(); ++t) {
+    ASSERT_EQ(a[t].size(), b[t].size());
+    for (size_t i = 0; i < a[t].size(); ++i) {
+      ASSERT_EQ(std::bit_cast<uint32_t>(a[t][i]), std::bit_cast<uint32_t>(b[t][i]))
+          << "tensor " << t << " element " << i << ": " << a[t][i] << " vs " << b[t][i];
+    }
   }
-  return result;
 }
 
 TEST_P(Migration, AdamParametersAndMomentsMoveBitExactly) {
-  // Integer-valued gradients: every sum is exact whatever the order, so the
-  // runs differ only in where the keys live.
-  int rounds = 0;
-  const auto with = adam_run(GetParam(), rounds, 12);
-  const auto without = adam_run(GetParam(), rounds, 0);
-  ASSERT_EQ(without.size(), with.size());
-  ASSERT_FALSE(without.empty());
-  for (size_t t = 0; t < without.size(); ++t) {
-    ASSERT_EQ(without[t].size(), with[t].size());
-    for (size_t i = 0; i < without[t].size(); ++i) {
-      ASSERT_EQ(std::bit_cast<uint32_t>(without[t][i]), std::bit_cast<uint32_t>(with[t][i]))
-          << "tensor " << t << " element " << i << ": " << without[t][i] << " vs " << with[t][i];
-    }
-  }
+  const AdamJob with =
+      adam_job(GetParam(), 0, 0, [](Cluster& c, const auto& chunks, const std::atomic<bool>& stop) {
+        EXPECT_EQ(migrate(c, chunks, 12, 11, stop), 12);
+      });
+  EXPECT_GE(with.switches, 12u);
+  const AdamJob without = adam_job(GetParam(), 0, with.rounds, nullptr);
+  expect_bit_identical(with.params, without.params);
 }
 
 TEST_P(Migration, AsyncModeConservesEveryPushAcrossMigrations) {
@@ -317,107 +336,36 @@ TEST_P(Migration, AsyncModeConservesEveryPushAcrossMigrations) {
     ASSERT_EQ(x[i], want) << "element " << i << " (" << last.to_string() << ")";
 }
 
-// The long run: 4 workers, 3 servers + 1 standby, 1000 BSP rounds of
-// Adam on integer-valued gradients, with 20 forced migrations, a scale-out to
-// the standby and a scale-in while it runs; the final parameters are
-// bit-identical to a run without any of it.
+// The long run: 4 workers, 3 servers + 1 standby, 1000 BSP rounds with
+// 20 forced migrations, a scale-out to the standby and a scale-in while it
+// runs; the final parameters are bit-identical to a run without any of it.
 TEST(MigrationLong, ThousandRoundsWithScaleOutAndScaleInAreBitIdentical) {
-  constexpr int kRounds = 1000;
-  auto run = [&](bool migrate_too) -> std::vector<std::vector<float>> {
-    Cluster c(4, 3, [](RuntimeOptions& o) {
-      o.num_standby = 1;
-      o.mode = ServerMode::kOptimizer;
-      o.optimizer.kind = OptimizerKind::kAdam;
-      o.optimizer.lr = 0.01f;
-      o.stats_interval = 20ms;
-    });
-    EXPECT_TRUE(c.start().ok());
-    const std::vector<size_t> elems = {3, 20000, 33333};
-    std::vector<std::pair<TensorId, uint32_t>> chunks;
-    for (size_t t = 0; t < elems.size(); ++t) {
-      const uint64_t n = (elems[t] * 4 + c.base.chunk_bytes - 1) / c.base.chunk_bytes;
-      for (uint64_t k = 0; k < n; ++k)
-        chunks.emplace_back(static_cast<TensorId>(t + 1), static_cast<uint32_t>(k));
-    }
-    std::atomic<bool> stop{false};
-    std::atomic<int> started{0};
-    std::thread mover;
-    if (migrate_too) {
-      mover = std::thread([&] {
-        while (started.load() < 4)
-          std::this_thread::sleep_for(1ms);
-        auto switch_to = [&](const char* what, auto&& make) {
-          while (c.coordinator->switching())
-            std::this_thread::sleep_for(1ms);
-          const Placement p = c.coordinator->current_placement();
-          auto change = make(p);
-          ASSERT_TRUE(change.ok()) << what << ": " << change.status().to_string();
-          const uint64_t before = c.coordinator->switches();
-          ASSERT_TRUE(c.coordinator->propose(change->delta).ok()) << what;
-          const auto deadline = std::chrono::steady_clock::now() + 10s;
-          while (c.coordinator->switches() == before && std::chrono::steady_clock::now() < deadline)
-            std::this_thread::sleep_for(1ms);
-          EXPECT_GT(c.coordinator->switches(), before) << what << " did not commit";
-        };
-        EXPECT_EQ(migrate(c, chunks, 10, 3, stop), 10);
-        switch_to("scale-out", [](const Placement& p) { return p.add_server({3, 1.0}); });
-        EXPECT_EQ(migrate(c, chunks, 10, 4, stop), 10);
-        switch_to("scale-in", [](const Placement& p) { return p.drain_server(1); });
-      });
-    }
-    std::vector<std::vector<float>> result;
-    Status s = on_all(c, [&](size_t wi) -> Status {
-      WorkerService& w = *c.workers[wi];
-      std::vector<std::vector<float>> data(elems.size());
-      std::vector<uint32_t> handles;
-      for (size_t t = 0; t < elems.size(); ++t) {
-        data[t].assign(elems[t], 0.0f);
-        std::vector<float> init(elems[t]);
-        for (size_t i = 0; i < elems[t]; ++i)
-          init[i] = static_cast<float>(i % 5) - 2.0f;
-        PSLD_ASSIGN_OR_RETURN(uint32_t h,
-                              w.register_tensor("p" + std::to_string(t), DType::kF32, elems[t] * 4,
-                                                data[t].data(), init.data()));
-        handles.push_back(h);
-      }
-      PSLD_RETURN_IF_ERROR(w.barrier(10s));
-      ++started;
-      for (int r = 1; r <= kRounds; ++r) {
-        std::vector<std::shared_ptr<RequestState>> reqs;
-        for (size_t t = 0; t < elems.size(); ++t) {
-          for (size_t i = 0; i < elems[t]; ++i)
-            data[t][i] = static_cast<float>((i * 3 + w.rank() + static_cast<size_t>(r)) % 7) - 3.0f;
-          PSLD_ASSIGN_OR_RETURN(auto req, w.submit(handles[t], RequestKind::kPushPull));
-          reqs.push_back(req);
-        }
-        for (auto& req : reqs) {
-          PSLD_RETURN_IF_ERROR(req->wait(20s).with_context("round " + std::to_string(r)));
-        }
-      }
-      if (w.rank() == 0) result = data;
-      return Status::Ok();
-    });
-    stop = true;
-    if (mover.joinable()) mover.join();
-    EXPECT_TRUE(s.ok()) << s.to_string();
-    if (migrate_too) {
-      EXPECT_GE(c.coordinator->switches(), 22u);
-      const Placement p = c.coordinator->current_placement();
-      EXPECT_GT(p.share_of(3), 0.0) << "the standby took no load";
-      EXPECT_EQ(p.share_of(1), 0.0) << "the drained server kept load";
-    }
-    return result;
+  // Waits for the previous switch, proposes the next one and for its commit.
+  auto switch_to = [](Cluster& c, const char* what, auto&& make) {
+    while (c.coordinator->switching())
+      std::this_thread::sleep_for(1ms);
+    auto change = make(c.coordinator->current_placement());
+    ASSERT_TRUE(change.ok()) << what << ": " << change.status().to_string();
+    const uint64_t before = c.coordinator->switches();
+    ASSERT_TRUE(c.coordinator->propose(change->delta).ok()) << what;
+    const auto deadline = std::chrono::steady_clock::now() + 10s;
+    while (c.coordinator->switches() == before && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(1ms);
+    EXPECT_GT(c.coordinator->switches(), before) << what << " did not commit";
   };
-  const auto with = run(true);
-  const auto without = run(false);
-  ASSERT_EQ(with.size(), without.size());
-  ASSERT_FALSE(with.empty());
-  for (size_t t = 0; t < with.size(); ++t) {
-    for (size_t i = 0; i < with[t].size(); ++i) {
-      ASSERT_EQ(std::bit_cast<uint32_t>(with[t][i]), std::bit_cast<uint32_t>(without[t][i]))
-          << "tensor " << t << " element " << i;
-    }
-  }
+  const AdamJob with = adam_job(
+      "loopback", 1, 1000, [&](Cluster& c, const auto& chunks, const std::atomic<bool>& stop) {
+        EXPECT_EQ(migrate(c, chunks, 10, 3, stop), 10);
+        switch_to(c, "scale-out", [](const Placement& p) { return p.add_server({3, 1.0}); });
+        EXPECT_EQ(migrate(c, chunks, 10, 4, stop), 10);
+        switch_to(c, "scale-in", [](const Placement& p) { return p.drain_server(1); });
+      });
+  EXPECT_GE(with.switches, 22u);
+  ASSERT_TRUE(with.placement.has_value());
+  EXPECT_GT(with.placement->share_of(3), 0.0) << "the standby took no load";
+  EXPECT_EQ(with.placement->share_of(1), 0.0) << "the drained server kept load";
+  const AdamJob without = adam_job("loopback", 1, 1000, nullptr);
+  expect_bit_identical(with.params, without.params);
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, Migration, ::testing::ValuesIn(test_backends()),
