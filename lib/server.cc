@@ -196,21 +196,29 @@ std::optional<std::pair<uint64_t, ServerId>> ServerService::gained(Key key, uint
   // Walk back from the epoch that serves `round` while this server owns the
   // key: where that run of epochs starts, the key arrived from the owner
   // before it.
+  // Runs on every request: no allocation, and nothing to walk before the
+  // first switch.
   std::lock_guard<std::mutex> lock(epoch_mu_);
-  std::vector<std::pair<uint64_t, const Placement*>> epochs;  // (switch round, placement)
-  for (size_t i = 0; i < epochs_->size(); ++i)
-    epochs.emplace_back(epochs_->entry(i).switch_round, epochs_->entry(i).placement.get());
-  if (prepared_) epochs.emplace_back(prepared_->switch_round, prepared_->placement.get());
-  size_t i = epochs.size();
-  while (i > 0 && epochs[i - 1].first > round)
+  const size_t committed = epochs_->size();
+  const size_t total = committed + (prepared_ ? 1 : 0);
+  if (total == 1) return std::nullopt;
+  auto switch_round = [&](size_t i) {
+    return i < committed ? epochs_->entry(i).switch_round : prepared_->switch_round;
+  };
+  auto owner = [&](size_t i) {
+    const Placement& p = i < committed ? *epochs_->entry(i).placement : *prepared_->placement;
+    return p.owner_of_key(key);
+  };
+  size_t i = total;
+  while (i > 0 && switch_round(i - 1) > round)
     --i;
   if (i == 0) return std::nullopt;
   --i;  // the epoch that serves `round`
   const ServerId me = rank();
-  while (i > 0 && epochs[i - 1].second->owner_of_key(key) == me)
+  while (i > 0 && owner(i - 1) == me)
     --i;
-  if (i == 0 || epochs[i].first == 0) return std::nullopt;
-  return std::make_pair(epochs[i].first, epochs[i - 1].second->owner_of_key(key));
+  if (i == 0 || switch_round(i) == 0) return std::nullopt;
+  return std::make_pair(switch_round(i), owner(i - 1));
 }
 
 ConnectionPtr ServerService::worker_connection(uint64_t conn_id) const {
