@@ -335,6 +335,11 @@ Placement CoordinatorService::current_placement() const {
 
 Status CoordinatorService::start_switch(const PlacementDelta& delta) {
   std::lock_guard<std::mutex> lock(mu_);
+  return start_switch_locked(delta);
+}
+
+// mu_ held. The one way an epoch switch starts (propose() and the balancer).
+Status CoordinatorService::start_switch_locked(const PlacementDelta& delta) {
   if (!job_started_ || job_over_) return FailedPrecondition("the job is not running");
   if (switch_) return FailedPrecondition("an epoch switch is in flight");
   if (delta.from_epoch != placement_->epoch()) {
@@ -458,14 +463,8 @@ void CoordinatorService::balance() {
   if (plan->steps.empty()) return;
   const PlanStep& step = plan->steps.front();
   PSLD_LOG_INFO("balancer: {}", step.reason);
-  Switch sw{step.change.delta, step.change.delta.serialize(), step.change.next, 0, 4, {}};
-  if (sw.delta_bytes.size() > protocol::kMaxDeltaBytes) {
-    PSLD_LOG_WARN("balancer: a plan of {} bytes does not fit one epoch change; skipped",
-                  sw.delta_bytes.size());
-    return;
-  }
-  switch_ = std::move(sw);
-  send_prepare();
+  Status st = start_switch_locked(step.change.delta);
+  if (!st.ok()) PSLD_LOG_WARN("balancer: the plan was not published: {}", st.to_string());
 }
 
 uint64_t CoordinatorService::epoch() const {

@@ -98,6 +98,7 @@ class CoordinatorService final : public Endpoint {
   // One balancer decision over the load reported since the last (mu_ held).
   void balance();
   Status start_switch(const PlacementDelta& delta);
+  Status start_switch_locked(const PlacementDelta& delta);
   void maybe_start_job();
   void send_job_state(const Member& m);
   void fail_job(const std::string& reason);
