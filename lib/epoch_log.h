@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <span>
+#include <string>
 
 #include "lib/placement.h"
 
@@ -39,6 +41,23 @@ class EpochLog {
     return *entries_.front().placement;
   }
   ServerId owner(Key key, uint64_t round) const { return at(round).owner_of_key(key); }
+
+  // The epoch `epoch` that a serialized delta makes of the latest one; an
+  // error saying why when the bytes are not a delta, the delta does not
+  // start from the latest epoch or end at `epoch`, or it does not apply.
+  Result<std::shared_ptr<const Placement>> follow(uint64_t epoch,
+                                                  std::span<const uint8_t> delta_bytes) const {
+    PSLD_ASSIGN_OR_RETURN(PlacementDelta delta, PlacementDelta::deserialize(delta_bytes));
+    const uint64_t latest_epoch = latest().epoch();
+    if (delta.from_epoch != latest_epoch || delta.to_epoch != epoch) {
+      return FailedPrecondition("epoch " + std::to_string(epoch) + " (a delta from " +
+                                std::to_string(delta.from_epoch) + " to " +
+                                std::to_string(delta.to_epoch) + ") does not follow epoch " +
+                                std::to_string(latest_epoch));
+    }
+    PSLD_ASSIGN_OR_RETURN(Placement next, latest().apply(delta));
+    return std::make_shared<const Placement>(std::move(next));
+  }
 
   // Appends the next epoch. The caller checks that placement is the next
   // epoch and switch_round is not below the latest one.

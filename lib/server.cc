@@ -718,11 +718,9 @@ void ServerService::release_parked(Shard& shard, KeyState& k) {
 }
 
 void ServerService::on_epoch_change(const protocol::EpochChange& change) {
-  auto delta = PlacementDelta::deserialize(change.delta);
   protocol::EpochVote vote{change.epoch, change.switch_round, false, 0};
   {
     std::lock_guard<std::mutex> lock(epoch_mu_);
-    const Placement& latest = epochs_->latest();
     if (change.commit) {
       if (!prepared_ || prepared_->epoch != change.epoch) {
         PSLD_LOG_ERROR("server {}: commit of epoch {} that was not prepared", rank(), change.epoch);
@@ -733,16 +731,9 @@ void ServerService::on_epoch_change(const protocol::EpochChange& change) {
       PSLD_LOG_INFO("server {}: epoch {} from round {}", rank(), change.epoch, change.switch_round);
       return;
     }
-    if (!delta.ok() || delta->from_epoch != latest.epoch() || delta->to_epoch != change.epoch) {
-      PSLD_LOG_ERROR("server {}: a prepare of epoch {} that does not follow epoch {}: {}", rank(),
-                     change.epoch, latest.epoch(),
-                     delta.ok() ? "wrong epochs" : delta.status().to_string());
-      return;
-    }
-    auto next = latest.apply(*delta);
+    auto next = epochs_->follow(change.epoch, change.delta);
     if (!next.ok()) {
-      PSLD_LOG_ERROR("server {}: epoch {} does not apply: {}", rank(), change.epoch,
-                     next.status().to_string());
+      PSLD_LOG_ERROR("server {}: a prepare refused: {}", rank(), next.status().to_string());
       return;
     }
     // A round at or past the switch already seen here means the switch is
@@ -753,8 +744,7 @@ void ServerService::on_epoch_change(const protocol::EpochChange& change) {
     vote.max_round = max_round_seen_.load();
     vote.yes = vote.max_round < change.switch_round;
     if (vote.yes) {
-      prepared_ = Prepared{change.epoch, change.switch_round,
-                           std::make_shared<const Placement>(std::move(next).value())};
+      prepared_ = Prepared{change.epoch, change.switch_round, *next};
     }
   }
   (void)session_.send_to_coordinator(vote);

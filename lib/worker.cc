@@ -409,20 +409,12 @@ void WorkerService::on_epoch_change(const protocol::EpochChange& change) {
       early_epochs_.push_back(change);
       return;
     }
-    auto delta = PlacementDelta::deserialize(change.delta);
-    const Placement& latest = epochs_->latest();
-    if (!delta.ok() || delta->from_epoch != latest.epoch()) {
-      PSLD_LOG_ERROR("worker {}: epoch {} does not follow epoch {}", rank(), change.epoch,
-                     latest.epoch());
-      return;
-    }
-    auto next = latest.apply(*delta);
+    auto next = epochs_->follow(change.epoch, change.delta);
     if (!next.ok()) {
-      PSLD_LOG_ERROR("worker {}: epoch {} does not apply: {}", rank(), change.epoch,
-                     next.status().to_string());
+      PSLD_LOG_ERROR("worker {}: {}", rank(), next.status().to_string());
       return;
     }
-    epochs_->push(std::make_shared<const Placement>(std::move(next).value()), change.switch_round);
+    epochs_->push(*next, change.switch_round);
     PSLD_LOG_DEBUG("worker {}: epoch {} from round {}", rank(), change.epoch, change.switch_round);
     // What a server sent back for this epoch goes out again.
     std::vector<MovedOp> still;
