@@ -16,6 +16,25 @@ namespace {
 
 using protocol::DType;
 
+// Waits until no switch is in flight, proposes the change make(committed
+// placement) returns, and waits up to 10 s for its commit.
+template <typename Make>
+Status switch_to(Cluster& c, const char* what, Make&& make) {
+  while (c.coordinator->switching())
+    std::this_thread::sleep_for(1ms);
+  auto change = make(c.coordinator->current_placement());
+  if (!change.ok()) return change.status().with_context(what);
+  const uint64_t before = c.coordinator->switches();
+  PSLD_RETURN_IF_ERROR(c.coordinator->propose(change->delta).with_context(what));
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (c.coordinator->switches() == before && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(1ms);
+  if (c.coordinator->switches() == before) {
+    return Timeout(std::string(what) + " did not commit within 10 s");
+  }
+  return Status::Ok();
+}
+
 // Moves the arc of a random chunk of the job's tensors to another active
 // server, `count` times, each after the previous switch committed. Returns
 // the number of switches committed.
@@ -24,34 +43,18 @@ int migrate(Cluster& c, const std::vector<std::pair<TensorId, uint32_t>>& chunks
   std::mt19937 rng(seed);
   int done = 0;
   while (done < count && !stop.load()) {
-    if (c.coordinator->switching()) {
-      std::this_thread::sleep_for(1ms);
-      continue;
-    }
-    const Placement p = c.coordinator->current_placement();
-    const auto [tensor, chunk] = chunks[rng() % chunks.size()];
-    const Key key = make_key(tensor, chunk);
-    const ServerId from = p.owner_of_key(key);
-    std::vector<ServerId> targets;
-    for (const auto& s : p.servers()) {
-      if (s.state == ServerState::kActive && s.id != from) targets.push_back(s.id);
-    }
-    auto change = p.move_arc(p.arc_index_of_hash(hash_key(key)), targets[rng() % targets.size()]);
-    if (!change.ok()) {
-      ADD_FAILURE() << change.status().to_string();
-      return done;
-    }
-    const uint64_t before = c.coordinator->switches();
-    Status st = c.coordinator->propose(change->delta);
+    Status st = switch_to(c, "a forced migration", [&](const Placement& p) {
+      const auto [tensor, chunk] = chunks[rng() % chunks.size()];
+      const Key key = make_key(tensor, chunk);
+      const ServerId from = p.owner_of_key(key);
+      std::vector<ServerId> targets;
+      for (const auto& s : p.servers()) {
+        if (s.state == ServerState::kActive && s.id != from) targets.push_back(s.id);
+      }
+      return p.move_arc(p.arc_index_of_hash(hash_key(key)), targets[rng() % targets.size()]);
+    });
     if (!st.ok()) {
-      ADD_FAILURE() << st.to_string();
-      return done;
-    }
-    const auto deadline = std::chrono::steady_clock::now() + 10s;
-    while (c.coordinator->switches() == before && std::chrono::steady_clock::now() < deadline)
-      std::this_thread::sleep_for(1ms);
-    if (c.coordinator->switches() == before) {
-      ADD_FAILURE() << "epoch switch " << done + 1 << " did not commit within 10 s";
+      ADD_FAILURE() << "switch " << done + 1 << ": " << st.to_string();
       return done;
     }
     ++done;
@@ -340,25 +343,16 @@ TEST_P(Migration, AsyncModeConservesEveryPushAcrossMigrations) {
 // 20 forced migrations, a scale-out to the standby and a scale-in while it
 // runs; the final parameters are bit-identical to a run without any of it.
 TEST(MigrationLong, ThousandRoundsWithScaleOutAndScaleInAreBitIdentical) {
-  // Waits for the previous switch, proposes the next one and for its commit.
-  auto switch_to = [](Cluster& c, const char* what, auto&& make) {
-    while (c.coordinator->switching())
-      std::this_thread::sleep_for(1ms);
-    auto change = make(c.coordinator->current_placement());
-    ASSERT_TRUE(change.ok()) << what << ": " << change.status().to_string();
-    const uint64_t before = c.coordinator->switches();
-    ASSERT_TRUE(c.coordinator->propose(change->delta).ok()) << what;
-    const auto deadline = std::chrono::steady_clock::now() + 10s;
-    while (c.coordinator->switches() == before && std::chrono::steady_clock::now() < deadline)
-      std::this_thread::sleep_for(1ms);
-    EXPECT_GT(c.coordinator->switches(), before) << what << " did not commit";
-  };
   const AdamJob with = adam_job(
       "loopback", 1, 1000, [&](Cluster& c, const auto& chunks, const std::atomic<bool>& stop) {
         EXPECT_EQ(migrate(c, chunks, 10, 3, stop), 10);
-        switch_to(c, "scale-out", [](const Placement& p) { return p.add_server({3, 1.0}); });
+        Status out = switch_to(c, "scale-out", [](const Placement& p) {
+          return p.add_server({3, 1.0});
+        });
+        EXPECT_TRUE(out.ok()) << out.to_string();
         EXPECT_EQ(migrate(c, chunks, 10, 4, stop), 10);
-        switch_to(c, "scale-in", [](const Placement& p) { return p.drain_server(1); });
+        Status in = switch_to(c, "scale-in", [](const Placement& p) { return p.drain_server(1); });
+        EXPECT_TRUE(in.ok()) << in.to_string();
       });
   EXPECT_GE(with.switches, 22u);
   ASSERT_TRUE(with.placement.has_value());
