@@ -314,6 +314,29 @@ const std::vector<Field>& fields() {
       plain(PSLD_KEY(balancer.enabled), "move key ranges and scale servers while training runs"),
       integer(PSLD_KEY(balancer.interval_ms), 1, 86400000,
               "how often the balancer plans; at least stats.interval_ms"),
+      number(PSLD_KEY(balancer.straggler_threshold), 0, 10, false,
+             "a server is a straggler when its predicted time per round exceeds the others' by "
+             "this fraction (above 0) ..."),
+      integer(PSLD_KEY(balancer.straggler_windows), 1, 1000000,
+              "... for this many statistics windows in a row"),
+      number(PSLD_KEY(balancer.horizon_rounds), 1, 1e9, false,
+             "rounds over which a migration's cost is amortised: a move must gain more"),
+      number(PSLD_KEY(balancer.max_step_fraction), 0, 1, false,
+             "at most this fraction of a server's load moves per decision (above 0)"),
+      integer(PSLD_KEY(balancer.evaluation_windows), 1, 1000,
+              "windows measured at a new epoch before a move is judged (and rolled back)"),
+      number(PSLD_KEY(balancer.rollback_tolerance), 0, 10, false,
+             "a move is rolled back when the measured round grew by more than this fraction"),
+      plain(PSLD_KEY(balancer.scale_out),
+            "add standby servers when even a balanced placement keeps the servers busy"),
+      plain(PSLD_KEY(balancer.scale_in), "drain a server that is idle or persistently slow"),
+      number(PSLD_KEY(balancer.scale_out_utilisation), 0, 1, false,
+             "scale out when balanced servers would be busy this fraction of a round (above 0)"),
+      number(PSLD_KEY(balancer.scale_in_utilisation), 0, 1, false,
+             "scale in when the others would be busy at most this fraction of a round without "
+             "the server; below balancer.scale_out_utilisation"),
+      integer(PSLD_KEY(balancer.min_active_servers), 1, 65536,
+              "scale-in never leaves fewer active servers"),
 
       string_field(PSLD_KEY(ucx.tls), check_ucx_tls,
                    "a UCX_TLS list such as tcp or rc,sm,self, or empty",
@@ -1201,6 +1224,20 @@ Status validate(const Config& c) {
         "balancer.interval_ms: {} must be at least stats.interval_ms ({}): the balancer needs "
         "a new load report each time it plans",
         shown("balancer.interval_ms"), shown("stats.interval_ms")));
+  }
+  const std::pair<const char*, double> above_zero[] = {
+      {"balancer.straggler_threshold", c.balancer.straggler_threshold},
+      {"balancer.max_step_fraction", c.balancer.max_step_fraction},
+      {"balancer.scale_out_utilisation", c.balancer.scale_out_utilisation},
+  };
+  for (const auto& [key, value] : above_zero) {
+    if (value <= 0) errors.push_back(fmt::format("{}: {} must be above 0", key, shown(key)));
+  }
+  if (c.balancer.scale_in_utilisation >= c.balancer.scale_out_utilisation) {
+    errors.push_back(fmt::format(
+        "balancer.scale_in_utilisation: {} must be below balancer.scale_out_utilisation ({}), or "
+        "the balancer would scale out and back in forever",
+        shown("balancer.scale_in_utilisation"), shown("balancer.scale_out_utilisation")));
   }
   if (c.optimizer.nesterov && (c.optimizer.momentum <= 0 || c.optimizer.dampening != 0)) {
     errors.push_back(fmt::format(

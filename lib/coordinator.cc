@@ -43,10 +43,20 @@ Result<std::unique_ptr<CoordinatorService>> CoordinatorService::start(
   if (options.endpoint.options.common.listen_address.empty()) {
     return InvalidArgument("the coordinator needs a listen address");
   }
+  if (const auto& p = options.initial_placement) {
+    bool members_ok = p->epoch() == 0 && p->servers().size() == options.num_servers;
+    for (uint32_t r = 0; members_ok && r < options.num_servers; ++r)
+      members_ok = p->find_server(r) != nullptr;
+    if (!members_ok) {
+      return InvalidArgument(
+          fmt::format("the initial placement must be epoch 0 with exactly servers 0..{} as members",
+                      options.num_servers - 1));
+    }
+  }
   std::unique_ptr<CoordinatorService> c(new CoordinatorService(options));
   PSLD_RETURN_IF_ERROR(c->Endpoint::start(options.endpoint));
   if (options.balancer_enabled) {
-    PSLD_ASSIGN_OR_RETURN(auto b, Balancer::make());
+    PSLD_ASSIGN_OR_RETURN(auto b, Balancer::make(options.balancer));
     c->balancer_.emplace(std::move(b));
   }
   c->monitor_ = std::thread([raw = c.get()] { raw->monitor(); });
@@ -251,12 +261,16 @@ void CoordinatorService::maybe_start_job() {
   for (uint32_t r = 0; r < options_.num_servers + options_.num_standby; ++r) {
     if (!servers_.count(r)) return;
   }
-  std::vector<ServerSpec> specs;
-  for (uint32_t r = 0; r < options_.num_servers; ++r)
-    specs.push_back({r, 1.0});
-  auto p = Placement::initial(std::move(specs));
-  if (!p.ok()) return fail_job("cannot build the initial placement: " + p.status().to_string());
-  placement_ = std::move(p).value();
+  if (options_.initial_placement) {
+    placement_ = *options_.initial_placement;
+  } else {
+    std::vector<ServerSpec> specs;
+    for (uint32_t r = 0; r < options_.num_servers; ++r)
+      specs.push_back({r, 1.0});
+    auto p = Placement::initial(std::move(specs));
+    if (!p.ok()) return fail_job("cannot build the initial placement: " + p.status().to_string());
+    placement_ = std::move(p).value();
+  }
   job_started_ = true;
   PSLD_LOG_INFO("coordinator: all {} workers and {} servers joined; job starts",
                 options_.num_workers, options_.num_servers);

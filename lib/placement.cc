@@ -645,6 +645,33 @@ Status Placement::check_receiver(ServerId to) const {
 
 // ---- apply ----------------------------------------------------------------------
 
+Result<Placement> Placement::initial_with_keys(std::vector<ServerSpec> servers,
+                                               std::span<const KeyOwner> keys,
+                                               uint32_t vnodes_per_unit_weight) {
+  PSLD_ASSIGN_OR_RETURN(Placement base, initial(std::move(servers), vnodes_per_unit_weight));
+  PlacementDelta delta;
+  delta.from_epoch = 0;
+  delta.to_epoch = 1;
+  for (const KeyOwner& k : keys) {
+    if (base.find_server(k.owner) == nullptr) {
+      return InvalidArgument(
+          fmt::format("key {:#x} is given to server {}, which is not a member", k.key, k.owner));
+    }
+    const uint64_t h = hash_key(k.key);
+    delta.assignments.push_back({h, h, k.owner});
+  }
+  std::sort(delta.assignments.begin(), delta.assignments.end(),
+            [](const RangeAssignment& a, const RangeAssignment& b) { return a.lo < b.lo; });
+  for (size_t i = 1; i < delta.assignments.size(); ++i) {
+    if (delta.assignments[i].lo == delta.assignments[i - 1].lo) {
+      return InvalidArgument("a key is listed twice");
+    }
+  }
+  PSLD_ASSIGN_OR_RETURN(Placement out, base.apply(delta));
+  out.epoch_ = 0;  // the job's first epoch, not a change of one
+  return out;
+}
+
 Result<Placement> Placement::apply(const PlacementDelta& delta) const {
   if (delta.from_epoch != epoch_) {
     return FailedPrecondition(fmt::format(

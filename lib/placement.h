@@ -127,6 +127,19 @@ class Placement {
   static Result<Placement> initial(std::vector<ServerSpec> servers,
                                    uint32_t vnodes_per_unit_weight = kDefaultVnodesPerUnitWeight);
 
+  // Epoch 0 as initial() makes it, except that each listed key is an arc of
+  // its own, owned by the given server: a static key-to-server map (MXNet's,
+  // BytePS's) expressed on the ring, to start a job from. Keys not listed
+  // fall where initial() puts them. InvalidArgument as initial(), for a key
+  // listed twice, or for an owner that is not among `servers`.
+  struct KeyOwner {
+    Key key = 0;
+    ServerId owner = 0;
+  };
+  static Result<Placement> initial_with_keys(
+      std::vector<ServerSpec> servers, std::span<const KeyOwner> keys,
+      uint32_t vnodes_per_unit_weight = kDefaultVnodesPerUnitWeight);
+
   // The bytes of this epoch: stable across processes and builds.
   std::vector<uint8_t> serialize() const;
   // DataLoss for a buffer that is not a valid placement (bad magic, version,

@@ -47,6 +47,18 @@ RuntimeOptions runtime_options_from_config(const Config& c) {
   o.stats_interval = std::chrono::milliseconds(c.stats.interval_ms);
   o.balancer_enabled = c.balancer.enabled;
   o.balancer_interval = std::chrono::milliseconds(c.balancer.interval_ms);
+  const BalancerConfig& b = c.balancer;
+  o.balancer.straggler_threshold = b.straggler_threshold;
+  o.balancer.straggler_windows = b.straggler_windows;
+  o.balancer.horizon_rounds = b.horizon_rounds;
+  o.balancer.max_step_fraction = b.max_step_fraction;
+  o.balancer.evaluation_windows = b.evaluation_windows;
+  o.balancer.rollback_tolerance = b.rollback_tolerance;
+  o.balancer.scale_out = b.scale_out;
+  o.balancer.scale_in = b.scale_in;
+  o.balancer.scale_out_utilisation = b.scale_out_utilisation;
+  o.balancer.scale_in_utilisation = b.scale_in_utilisation;
+  o.balancer.min_active_servers = b.min_active_servers;
   return o;
 }
 

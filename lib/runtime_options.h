@@ -5,10 +5,13 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "kernels/cpu/cpu_kernels.h"
+#include "lib/balancer.h"
 #include "lib/endpoint.h"
+#include "lib/placement.h"
 #include "psld/config.h"
 #include "psld/keys.h"
 
@@ -49,6 +52,18 @@ struct RuntimeOptions {
   // The coordinator's balancer (lib/balancer.h): plans every interval.
   bool balancer_enabled = false;
   std::chrono::milliseconds balancer_interval{1000};
+  BalancerOptions balancer;
+
+  // In-process jobs only (benchmarks, tests), never from a Config:
+  // The coordinator's epoch 0 instead of Placement::initial over servers
+  // 0..num_servers-1 (a static placement to compare against). It must be
+  // epoch 0 and its members exactly those servers.
+  std::shared_ptr<const Placement> initial_placement;
+  // A server's emulated compute capacity: its reduce runs no faster than
+  // this many bytes/s (0: unlimited). It makes one server a compute
+  // straggler on a machine whose cores all run at the same speed; the
+  // server's set_compute_rate() changes it while the job runs.
+  double compute_bytes_per_second = 0;
 };
 
 // Resolves a validated Config into the runtime's options.

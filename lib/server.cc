@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <thread>
 #include <unordered_map>
 
 #include "transports/log.h"
@@ -124,7 +125,28 @@ Result<std::unique_ptr<ServerService>> ServerService::start(const RuntimeOptions
 }
 
 ServerService::ServerService(const RuntimeOptions& options)
-    : options_(options), session_(*this, protocol::Role::kServer, options) {}
+    : options_(options),
+      session_(*this, protocol::Role::kServer, options),
+      compute_rate_(options.compute_bytes_per_second) {}
+
+void ServerService::set_compute_rate(double bytes_per_second) {
+  std::lock_guard<std::mutex> lock(compute_mu_);
+  compute_rate_ = bytes_per_second;
+}
+
+void ServerService::pace_compute(uint64_t bytes) {
+  transport::Clock::time_point until;
+  {
+    std::lock_guard<std::mutex> lock(compute_mu_);
+    if (compute_rate_ <= 0) return;
+    const auto now = transport::Clock::now();
+    const auto cost = std::chrono::duration_cast<transport::Clock::duration>(
+        std::chrono::duration<double>(static_cast<double>(bytes) / compute_rate_));
+    compute_free_ = std::max(compute_free_, now) + cost;
+    until = compute_free_;
+  }
+  std::this_thread::sleep_until(until);
+}
 
 ServerService::~ServerService() {
   shutdown();
@@ -803,6 +825,7 @@ void ServerService::reduce_push(KeyState& k, const PushWork& w) {
       break;
   }
   ++k.pushes;
+  pace_compute(k.bytes);
 }
 
 void ServerService::process_push(Shard& shard, PushWork& w) {

@@ -45,6 +45,9 @@ class ServerService final : public Endpoint {
   Status wait(std::chrono::milliseconds timeout) { return session_.wait_for_shutdown(timeout); }
   void shutdown();
   ServerStats stats() const;
+  // The emulated compute capacity (RuntimeOptions::compute_bytes_per_second),
+  // changed while the job runs; 0: unlimited.
+  void set_compute_rate(double bytes_per_second);
 
  private:
   explicit ServerService(const RuntimeOptions& options);
@@ -98,6 +101,9 @@ class ServerService final : public Endpoint {
   // request that creates it (a key gained by migration waits for its state).
   KeyState& key_state(Shard& shard, Key key, protocol::DType dtype, uint64_t bytes, uint64_t round);
   void reduce_push(KeyState& k, const PushWork& w);
+  // Holds the calling shard thread as long as a server of the emulated
+  // compute capacity would take to reduce `bytes`.
+  void pace_compute(uint64_t bytes);
   void try_apply(Shard& shard, KeyState& k);
   void apply_round(Shard& shard, KeyState& k);
   bool pull_ready(const KeyState& k, const protocol::PullRequest& req) const;
@@ -157,6 +163,11 @@ class ServerService final : public Endpoint {
 
   mutable std::mutex stats_mu_;
   ServerStats stats_;
+  // Emulated compute: reduces are serialised through one virtual processor
+  // that frees up at compute_free_ (shared by every shard).
+  std::mutex compute_mu_;
+  double compute_rate_ = 0;
+  transport::Clock::time_point compute_free_{};
   std::unique_ptr<LoadRecorder> load_;
 };
 

@@ -16,6 +16,9 @@
 #include <string>
 #include <vector>
 
+#include "lib/balancer.h"
+#include "lib/runtime_options.h"
+
 namespace psld {
 namespace {
 
@@ -189,6 +192,17 @@ TEST(Config, EveryKeyCanBeSetFromEachSource) {
       {"stats.interval_ms", "50"},
       {"balancer.enabled", "false"},
       {"balancer.interval_ms", "500"},
+      {"balancer.straggler_threshold", "0.25"},
+      {"balancer.straggler_windows", "4"},
+      {"balancer.horizon_rounds", "200"},
+      {"balancer.max_step_fraction", "0.5"},
+      {"balancer.evaluation_windows", "3"},
+      {"balancer.rollback_tolerance", "0.125"},
+      {"balancer.scale_out", "false"},
+      {"balancer.scale_in", "false"},
+      {"balancer.scale_out_utilisation", "0.75"},
+      {"balancer.scale_in_utilisation", "0.25"},
+      {"balancer.min_active_servers", "2"},
       {"ucx.tls", "tcp,self"},
       {"ucx.write_path", "am"},
       {"verbs.device", "mlx5_1"},
@@ -641,6 +655,32 @@ TEST(Config, EveryValidationRuleNamesItsKey) {
          c.optimizer.dampening = 0.1;
        },
        "optimizer.nesterov", "optimizer.dampening = 0"},
+      {"straggler threshold 0", [](Config& c) { c.balancer.straggler_threshold = 0; },
+       "balancer.straggler_threshold", "must be above 0"},
+      {"straggler threshold big", [](Config& c) { c.balancer.straggler_threshold = 11; },
+       "balancer.straggler_threshold", "[0, 10]"},
+      {"straggler windows 0", [](Config& c) { c.balancer.straggler_windows = 0; },
+       "balancer.straggler_windows", "1..1000000"},
+      {"horizon 0", [](Config& c) { c.balancer.horizon_rounds = 0.5; }, "balancer.horizon_rounds",
+       "[1, 1000000000]"},
+      {"step 0", [](Config& c) { c.balancer.max_step_fraction = 0; }, "balancer.max_step_fraction",
+       "must be above 0"},
+      {"step 2", [](Config& c) { c.balancer.max_step_fraction = 2; }, "balancer.max_step_fraction",
+       "[0, 1]"},
+      {"evaluation 0", [](Config& c) { c.balancer.evaluation_windows = 0; },
+       "balancer.evaluation_windows", "1..1000"},
+      {"rollback nan", [](Config& c) { c.balancer.rollback_tolerance = -1; },
+       "balancer.rollback_tolerance", "[0, 10]"},
+      {"scale out 0", [](Config& c) { c.balancer.scale_out_utilisation = 0; },
+       "balancer.scale_out_utilisation", "must be above 0"},
+      {"scale in >= out",
+       [](Config& c) {
+         c.balancer.scale_in_utilisation = 0.9;
+         c.balancer.scale_out_utilisation = 0.8;
+       },
+       "balancer.scale_in_utilisation", "must be below balancer.scale_out_utilisation"},
+      {"min active 0", [](Config& c) { c.balancer.min_active_servers = 0; },
+       "balancer.min_active_servers", "1..65536"},
   };
   for (const Rule& rule : rules) {
     SCOPED_TRACE(rule.name);
@@ -957,6 +997,34 @@ TEST(Config, SecretIsNeverPrinted) {
   Config expected = *r;
   expected.job.secret.clear();
   EXPECT_EQ(*back, expected);
+}
+
+// The [balancer] keys default to the balancer's own defaults and reach it.
+TEST(Config, BalancerKeysDefaultToTheBalancersOptionsAndReachThem) {
+  const BalancerOptions want;
+  const BalancerOptions got = runtime_options_from_config(Config{}).balancer;
+  EXPECT_EQ(got.straggler_threshold, want.straggler_threshold);
+  EXPECT_EQ(got.straggler_windows, want.straggler_windows);
+  EXPECT_EQ(got.horizon_rounds, want.horizon_rounds);
+  EXPECT_EQ(got.max_step_fraction, want.max_step_fraction);
+  EXPECT_EQ(got.evaluation_windows, want.evaluation_windows);
+  EXPECT_EQ(got.rollback_tolerance, want.rollback_tolerance);
+  EXPECT_EQ(got.scale_out, want.scale_out);
+  EXPECT_EQ(got.scale_in, want.scale_in);
+  EXPECT_EQ(got.scale_out_utilisation, want.scale_out_utilisation);
+  EXPECT_EQ(got.scale_in_utilisation, want.scale_in_utilisation);
+  EXPECT_EQ(got.min_active_servers, want.min_active_servers);
+
+  auto c =
+      load(FakeEnv{{"PSLD_BALANCER_SCALE_IN", "false"}, {"PSLD_BALANCER_STRAGGLER_WINDOWS", "5"}},
+           {"--balancer.max_step_fraction=0.5", "--balancer.horizon_rounds", "400"});
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  const BalancerOptions set = runtime_options_from_config(*c).balancer;
+  EXPECT_FALSE(set.scale_in);
+  EXPECT_EQ(set.straggler_windows, 5u);
+  EXPECT_EQ(set.max_step_fraction, 0.5);
+  EXPECT_EQ(set.horizon_rounds, 400);
+  EXPECT_TRUE(set.validate().ok());
 }
 
 TEST(Config, ConfigKeysDescribeTheDefaults) {

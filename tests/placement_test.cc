@@ -199,6 +199,40 @@ void expect_shares_follow_weights(const std::vector<ServerSpec>& specs) {
   }
 }
 
+// A static key-to-server map on the ring (psld bench stragglers starts jobs
+// from MXNet's and BytePS's placements this way).
+TEST(PlacementInitial, WithKeysPutsEachListedKeyOnItsOwnerAtEpochZero) {
+  std::vector<Placement::KeyOwner> keys;
+  for (uint32_t t = 1; t <= 50; ++t) {
+    for (uint32_t c = 0; c < 3; ++c)
+      keys.push_back({make_key(t, c), (t * 7 + c) % 4});
+  }
+  auto p = Placement::initial_with_keys({{0, 1}, {1, 1}, {2, 1}, {3, 1}}, keys);
+  ASSERT_TRUE(p.ok()) << p.status().to_string();
+  EXPECT_EQ(p->epoch(), 0u);
+  for (const auto& k : keys)
+    EXPECT_EQ(p->owner_of_key(k.key), k.owner);
+  // Keys not listed stay where initial() puts them.
+  auto plain = Placement::initial({{0, 1}, {1, 1}, {2, 1}, {3, 1}});
+  ASSERT_TRUE(plain.ok());
+  for (uint32_t t = 100; t < 200; ++t)
+    EXPECT_EQ(p->owner_of_key(make_key(t, 0)), plain->owner_of_key(make_key(t, 0)));
+  // It survives the wire, and the next change is epoch 1.
+  auto back = Placement::deserialize(p->serialize());
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(*back, *p);
+  auto next = p->move_arc(0, 1);
+  ASSERT_TRUE(next.ok());
+  EXPECT_EQ(next->next.epoch(), 1u);
+  // An owner that is not a member, or a key listed twice, is an error.
+  std::vector<Placement::KeyOwner> stranger{{make_key(1, 0), 9}};
+  EXPECT_EQ(Placement::initial_with_keys({{0, 1}}, stranger).status().code(),
+            StatusCode::kInvalidArgument);
+  std::vector<Placement::KeyOwner> twice{{make_key(1, 0), 0}, {make_key(1, 0), 1}};
+  EXPECT_EQ(Placement::initial_with_keys({{0, 1}, {1, 1}}, twice).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
 TEST(PlacementInitial, KeySharesFollowWeights) {
   expect_shares_follow_weights({{1, 1.0}, {2, 2.0}, {3, 3.0}, {4, 4.0}});
   std::mt19937_64 rng(7);
