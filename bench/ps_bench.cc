@@ -57,6 +57,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "lib/coordinator.h"
 #include "lib/server.h"
 #include "lib/worker.h"
@@ -64,6 +65,9 @@
 
 namespace psld {
 namespace {
+
+using bench::on_threads;
+using bench::Watchdog;
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
@@ -304,58 +308,6 @@ Result<Options> parse_args(int argc, char** argv) {
   o.raw_threads = static_cast<uint32_t>(raw_threads.value_or(0));
   return o;
 }
-
-// ---- never hang
-
-// Ends the process with a message when the phase it watches overruns: a
-// stuck transfer or shutdown must not leave a CI job waiting forever.
-class Watchdog {
- public:
-  Watchdog() : thread_([this] { run(); }) {}
-  ~Watchdog() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-  void arm(std::chrono::milliseconds limit, std::string what) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      deadline_ = Clock::now() + limit;
-      limit_ = limit;
-      what_ = std::move(what);
-    }
-    cv_.notify_all();
-  }
-
- private:
-  void run() {
-    std::unique_lock<std::mutex> lock(mu_);
-    while (!stop_) {
-      if (deadline_ && Clock::now() >= *deadline_) {
-        std::fprintf(stderr, "ps_bench: %s did not finish within %.0f s; giving up\n",
-                     what_.c_str(), std::chrono::duration<double>(limit_).count());
-        std::fflush(stderr);
-        std::_Exit(3);
-      }
-      if (deadline_) {
-        cv_.wait_until(lock, *deadline_);
-      } else {
-        cv_.wait(lock);
-      }
-    }
-  }
-
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;
-  std::optional<Clock::time_point> deadline_;
-  std::chrono::milliseconds limit_{0};
-  std::string what_;
-  std::thread thread_;
-};
 
 struct FreeDeleter {
   void operator()(void* p) const { std::free(p); }
@@ -630,21 +582,6 @@ class RawRig {
 };
 
 // ---- the parameter server
-
-// Runs fn(i) for i in [0, n) on n threads and returns the first error.
-Status on_threads(uint32_t n, const std::function<Status(uint32_t)>& fn) {
-  std::vector<Status> results(n);
-  std::vector<std::thread> threads;
-  for (uint32_t i = 0; i < n; ++i) {
-    threads.emplace_back([&, i] { results[i] = fn(i); });
-  }
-  for (auto& t : threads)
-    t.join();
-  for (auto& s : results) {
-    if (!s.ok()) return s;
-  }
-  return Status::Ok();
-}
 
 class Cluster {
  public:
@@ -958,20 +895,7 @@ Status run(const Options& o, Watchdog& watchdog, std::vector<Row>& rows) {
 }  // namespace psld
 
 int main(int argc, char** argv) {
-  // Registration is explicit, so UCX's malloc hooks and memory events only
-  // cost time. UCX reads these when its libraries load, before main runs:
-  // set what the environment leaves unset and start again (the environment
-  // still wins; if the exec fails, carry on with UCX's defaults).
-  const char* const kUcxEnv[][2] = {
-      {"UCX_MEM_MALLOC_HOOKS", "no"}, {"UCX_MEM_EVENTS", "no"}, {"UCX_WARN_UNUSED_ENV_VARS", "n"}};
-  bool missing = false;
-  for (const auto& [name, value] : kUcxEnv) {
-    if (std::getenv(name) == nullptr) {
-      missing = true;
-      setenv(name, value, 0);
-    }
-  }
-  if (missing) execv("/proc/self/exe", argv);
+  psld::bench::reexec_with_ucx_defaults(argv);
   auto opts = psld::parse_args(argc, argv);
   if (!opts.ok()) {
     std::fprintf(stderr, "ps_bench: %s\n", opts.status().message().c_str());
@@ -982,7 +906,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "ps_bench: this build has no ucx transport\n");
     return 2;
   }
-  psld::Watchdog watchdog;
+  psld::bench::Watchdog watchdog("ps_bench");
   std::vector<psld::Row> rows;
   const auto t0 = psld::Clock::now();
   psld::Status s = psld::run(*opts, watchdog, rows);

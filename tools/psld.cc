@@ -4,6 +4,7 @@
 //   psld coordinator [--key=value ...]
 //   psld server [--key=value ...]
 //   psld config [--key=value ...]
+//   psld bench stragglers [flags]
 //
 // Every subcommand but launch reads the configuration the same way a worker
 // does (PSLD_CONFIG file, launcher environment, PSLD_* variables, flags).
@@ -28,6 +29,8 @@
 #include <thread>
 #include <vector>
 
+#include "bench/bench_util.h"
+#include "bench/stragglers.h"
 #include "psld/config.h"
 #include "psld/coordinator.h"
 #include "psld/server.h"
@@ -50,6 +53,9 @@ constexpr const char* kUsage = R"(usage:
   psld coordinator [--key=value ...]   run the coordinator of a job
   psld server [--key=value ...]        run one parameter server
   psld config [--key=value ...]        print the effective configuration
+  psld bench stragglers [flags]        the straggler scenarios S1-S5 under
+                                       every placement policy (--help for
+                                       flags; docs/stragglers.md)
 Configuration keys and their PSLD_* variables: docs/configuration.md.
 )";
 
@@ -402,6 +408,14 @@ int main(int argc, char** argv) {
   if (cmd == "coordinator") return cmd_coordinator(argc, argv);
   if (cmd == "server") return cmd_server(argc, argv);
   if (cmd == "config") return cmd_config(argc, argv);
+  if (cmd == "bench") {
+    if (argc < 3 || std::string(argv[2]) != "stragglers") {
+      std::fputs(kUsage, stderr);
+      return fail("psld bench: the benchmark to run is `stragglers`");
+    }
+    psld::bench::reexec_with_ucx_defaults(argv);
+    return psld::bench::run_stragglers(argc - 2, argv + 2);
+  }
   if (cmd == "-h" || cmd == "--help" || cmd == "help") {
     std::fputs(kUsage, stdout);
     return 0;
