@@ -1,0 +1,123 @@
+// The CUDA runtime around the kernels: is there a device, is a pointer
+// device memory, and the few memory and stream calls callers without CUDA
+// headers need.
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "kernels/cuda/cuda_error.h"
+#include "kernels/cuda/cuda_kernels.h"
+
+namespace psld::kernels::cuda {
+namespace {
+
+std::string driver_hint(cudaError_t e) {
+  switch (e) {
+    case cudaErrorInsufficientDriver:
+      return "; the NVIDIA driver (libcuda.so.1) is missing or older than this CUDA runtime";
+    case cudaErrorNoDevice:
+      return "; no GPU is visible to this process (check the driver and CUDA_VISIBLE_DEVICES)";
+    default:
+      return "";
+  }
+}
+
+KernelStatus probe_devices() {
+  int count = 0;
+  // Without a driver this fails cleanly (cudaErrorInsufficientDriver), it
+  // does not abort: the runtime loads libcuda.so.1 lazily, here.
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) {
+    KernelStatus s = cuda_failure("cudaGetDeviceCount", e);
+    return {KernelError::kNoDevice, s.message + driver_hint(e)};
+  }
+  if (count <= 0) return {KernelError::kNoDevice, "the CUDA driver reports no devices"};
+  return {};
+}
+
+}  // namespace
+
+bool built() {
+  return true;
+}
+
+KernelStatus device_status() {
+  // Once per process: a GPU does not come or go under a running trainer, and
+  // the kernels ask on every launch.
+  static const KernelStatus probed = probe_devices();
+  return probed;
+}
+
+bool is_device_pointer(const void* p) {
+  if (p == nullptr || !device_status().ok()) return false;
+  cudaPointerAttributes attributes{};
+  // Since CUDA 11 a plain host pointer is not an error but
+  // cudaMemoryTypeUnregistered.
+  const cudaError_t e = cudaPointerGetAttributes(&attributes, p);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged;
+}
+
+KernelStatus device_alloc(size_t bytes, void** out) {
+  *out = nullptr;
+  KernelStatus s = device_status();
+  if (!s.ok()) return s;
+  const cudaError_t e = cudaMalloc(out, bytes);
+  if (e != cudaSuccess) {
+    *out = nullptr;
+    return cuda_failure("cudaMalloc(" + std::to_string(bytes) + " bytes)", e);
+  }
+  return {};
+}
+
+KernelStatus device_free(void* p) {
+  if (p == nullptr) return {};
+  KernelStatus s = device_status();
+  if (!s.ok()) return s;
+  const cudaError_t e = cudaFree(p);
+  if (e != cudaSuccess) return cuda_failure("cudaFree", e);
+  return {};
+}
+
+KernelStatus copy(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return {};
+  KernelStatus s = device_status();
+  if (!s.ok()) return s;
+  const cudaError_t e = cudaMemcpy(dst, src, bytes, cudaMemcpyDefault);
+  if (e != cudaSuccess) return cuda_failure("cudaMemcpy(" + std::to_string(bytes) + " bytes)", e);
+  return {};
+}
+
+KernelStatus stream_create(void** out) {
+  *out = nullptr;
+  KernelStatus s = device_status();
+  if (!s.ok()) return s;
+  cudaStream_t stream = nullptr;
+  const cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  if (e != cudaSuccess) return cuda_failure("cudaStreamCreateWithFlags", e);
+  *out = stream;
+  return {};
+}
+
+KernelStatus stream_destroy(void* stream) {
+  if (stream == nullptr) return {};
+  KernelStatus s = device_status();
+  if (!s.ok()) return s;
+  const cudaError_t e = cudaStreamDestroy(static_cast<cudaStream_t>(stream));
+  if (e != cudaSuccess) return cuda_failure("cudaStreamDestroy", e);
+  return {};
+}
+
+KernelStatus stream_synchronize(void* stream) {
+  KernelStatus s = device_status();
+  if (!s.ok()) return s;
+  const cudaError_t e = cudaStreamSynchronize(static_cast<cudaStream_t>(stream));
+  if (e != cudaSuccess) return cuda_failure("cudaStreamSynchronize", e);
+  return {};
+}
+
+}  // namespace psld::kernels::cuda

@@ -1,0 +1,85 @@
+// CUDA kernels for the server's data path: the operations of
+// kernels/cpu/cpu_kernels.h on arrays in GPU memory, with the same results.
+//
+// No CUDA header is needed to use this one: a stream is an opaque void* (a
+// cudaStream_t; nullptr is the legacy default stream), so code that is built
+// the same way with and without CUDA can call it. In a build without nvcc the
+// same functions exist and return KernelError::kBuiltWithoutCuda
+// (cuda_stub.cc); kernels/dispatch.h is the usual way in.
+//
+// Contract, beyond cpu_kernels.h's (any n, 0 included; natural alignment;
+// only [0, n) touched; an input may be the very same array as an output):
+//  - Every array must be reachable by the current device of the calling
+//    thread (cudaMalloc'd on it, managed, or mapped), and the stream must
+//    belong to that device.
+//  - Launches are asynchronous: an ok status means the kernel was queued on
+//    the stream. A fault while it runs shows up in a later call on the
+//    stream (stream_synchronize, or any other CUDA call that syncs).
+//  - With n == 0 nothing is launched and no pointer is looked at. A null or
+//    misaligned pointer with n > 0 is kInvalidArgument, checked before launch.
+//  - Results are bit-identical to the CPU kernels: every operation is one
+//    correctly-rounded fp32 add, mul, div or sqrt (__fadd_rn, __fmul_rn,
+//    __fdiv_rn, __fsqrt_rn, which are never fused into an FMA), in the CPU
+//    kernels' order, with the per-call constants computed on the host by the
+//    very functions the CPU kernels use; subnormals are kept (no
+//    flush-to-zero). The conversions are the CPU kernels' integer code.
+//    The one difference: a NaN produced by arithmetic is the GPU's canonical
+//    NaN (0x7fffffff), whatever the payload of the NaN that went in;
+//    conversions keep payloads exactly as the CPU does.
+//  - Arrays are read with 16-byte loads where every array of the call has
+//    the same alignment modulo 16 bytes after a short scalar head, and with
+//    plain element loads otherwise; results do not depend on which.
+#ifndef PSLD_KERNELS_CUDA_CUDA_KERNELS_H_
+#define PSLD_KERNELS_CUDA_CUDA_KERNELS_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/cpu/cpu_kernels.h"
+#include "kernels/kernel_status.h"
+
+namespace psld::kernels::cuda {
+
+// True if this build has the CUDA kernels (nvcc was found at configure time).
+bool built();
+
+// Ok if the kernels can run here: the build has them, the NVIDIA driver
+// loads, and it reports at least one device. Otherwise kBuiltWithoutCuda or
+// kNoDevice, with the reason. Probed once per process (the first call loads
+// the driver); never aborts, with or without a driver.
+KernelStatus device_status();
+
+// True for memory the GPU owns (cudaMalloc, cudaMallocManaged, pointers into
+// such allocations); false for pageable or pinned host memory, for nullptr,
+// and when there is no device (nothing can be device memory then).
+bool is_device_pointer(const void* p);
+
+// The kernels. Each is the operation of the same name in cpu_kernels.h.
+KernelStatus reduce_f32(float* acc, const float* x, size_t n, void* stream);
+KernelStatus reduce_f16(float* acc, const uint16_t* x, size_t n, void* stream);
+KernelStatus reduce_bf16(float* acc, const uint16_t* x, size_t n, void* stream);
+KernelStatus scale_f32(float* x, float a, size_t n, void* stream);
+KernelStatus sgd_f32(float* w, const float* g, size_t n, const SgdParams& p, void* stream);
+KernelStatus momentum_f32(float* w, float* buf, const float* g, size_t n, const MomentumParams& p,
+                          void* stream);
+KernelStatus adam_f32(float* w, float* m, float* v, const float* g, size_t n, const AdamParams& p,
+                      void* stream);
+KernelStatus f32_to_f16(uint16_t* out, const float* in, size_t n, void* stream);
+KernelStatus f16_to_f32(float* out, const uint16_t* in, size_t n, void* stream);
+KernelStatus f32_to_bf16(uint16_t* out, const float* in, size_t n, void* stream);
+KernelStatus bf16_to_f32(float* out, const uint16_t* in, size_t n, void* stream);
+
+// Thin wrappers over the runtime, so that tests, benchmarks and callers
+// without CUDA headers can place data on the device.
+KernelStatus device_alloc(size_t bytes, void** out);  // cudaMalloc; *out = nullptr on error
+KernelStatus device_free(void* p);                    // cudaFree; nullptr is fine
+// cudaMemcpy with the direction taken from the pointers; synchronous.
+KernelStatus copy(void* dst, const void* src, size_t bytes);
+KernelStatus stream_create(void** out);  // a non-blocking stream; *out = nullptr on error
+KernelStatus stream_destroy(void* stream);
+// Waits for the stream's work; reports an error raised by a kernel on it.
+KernelStatus stream_synchronize(void* stream);
+
+}  // namespace psld::kernels::cuda
+
+#endif  // PSLD_KERNELS_CUDA_CUDA_KERNELS_H_
