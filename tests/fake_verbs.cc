@@ -3,6 +3,7 @@
 #include "tests/fake_verbs.h"
 
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <infiniband/verbs.h>
@@ -113,6 +114,7 @@ constexpr int kGidTableLen = 4;
 std::mutex g_mu;
 std::atomic<bool> g_enabled{false};
 bool g_roce = true;
+bool g_dmabuf = true;
 Stats g_stats;
 std::map<uint32_t, QpImpl*> g_qps;
 std::map<uint32_t, MrImpl*> g_mrs;  // lkey == rkey
@@ -482,6 +484,7 @@ int fake_post_srq_recv(ibv_srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
 
 ibv_mr* fake_reg_mr(ibv_pd* pd, void* addr, size_t length, int access) {
   std::lock_guard<std::mutex> lock(g_mu);
+  ++g_stats.reg_mr_calls;
   if ((access & IBV_ACCESS_REMOTE_WRITE) != 0 && (access & IBV_ACCESS_LOCAL_WRITE) == 0) {
     errno = EINVAL;  // the verbs rule: remote write needs local write
     return nullptr;
@@ -511,6 +514,10 @@ bool enabled() {
 void set_roce(bool roce) {
   std::lock_guard<std::mutex> lock(g_mu);
   g_roce = roce;
+}
+void set_dmabuf_supported(bool supported) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_dmabuf = supported;
 }
 Stats stats() {
   std::lock_guard<std::mutex> lock(g_mu);
@@ -687,6 +694,29 @@ ibv_mr* ibv_reg_mr_iova2(ibv_pd* pd, void* addr, size_t length, uint64_t iova,
                          unsigned int access) {
   if (!is_fake(pd->context)) FORWARD(ibv_reg_mr_iova2, pd, addr, length, iova, access);
   return fake_reg_mr(pd, addr, length, static_cast<int>(access));
+}
+
+// The fake has no device memory: the tests' fake CUDA driver hands out host
+// memory as "device" memory, so the MR addresses it by its iova, which the
+// transport sets to the pointer itself.
+ibv_mr* ibv_reg_dmabuf_mr(ibv_pd* pd, uint64_t offset, size_t length, uint64_t iova, int fd,
+                          int access) {
+  if (!is_fake(pd->context)) FORWARD(ibv_reg_dmabuf_mr, pd, offset, length, iova, fd, access);
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_stats.dmabuf_calls.push_back({offset, length, iova, fd >= 0 && fcntl(fd, F_GETFD) != -1});
+    if (!g_dmabuf) {
+      errno = EOPNOTSUPP;
+      return nullptr;
+    }
+  }
+  ibv_mr* mr =
+      fake_reg_mr(pd, reinterpret_cast<void*>(static_cast<uintptr_t>(iova)), length, access);
+  if (mr != nullptr) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    --g_stats.reg_mr_calls;  // counted as a dma-buf registration only
+  }
+  return mr;
 }
 
 int ibv_dereg_mr(ibv_mr* mr) {

@@ -24,6 +24,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -36,11 +37,25 @@ bool enabled();
 // entries) or InfiniBand (LID 0x11).
 void set_roce(bool roce);
 
+// Whether ibv_reg_dmabuf_mr succeeds (default) or fails with EOPNOTSUPP, as
+// on a kernel or NIC driver without dma-buf support.
+void set_dmabuf_supported(bool supported);
+
+// One ibv_reg_dmabuf_mr call as the fake saw it.
+struct DmabufRegistration {
+  uint64_t offset = 0;
+  size_t length = 0;
+  uint64_t iova = 0;
+  bool fd_was_open = false;  // the fd was a live descriptor during the call
+};
+
 struct Stats {
   size_t live_objects = 0;   // contexts, PDs, MRs, channels, CQs, SRQs, QPs
   int last_sgid_index = -1;  // of the last QP moved to RTR with a GRH (-1: none)
   bool last_used_grh = false;
-  size_t rnr_waits = 0;  // sends that found the target SRQ empty
+  size_t rnr_waits = 0;                          // sends that found the target SRQ empty
+  size_t reg_mr_calls = 0;                       // ibv_reg_mr / ibv_reg_mr_iova2 on the fake device
+  std::vector<DmabufRegistration> dmabuf_calls;  // ibv_reg_dmabuf_mr, failed ones included
   std::vector<std::string> violations;
 };
 Stats stats();

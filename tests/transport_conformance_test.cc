@@ -4,10 +4,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <numeric>
 #include <set>
 
+#include "kernels/cuda/cuda_kernels.h"
 #include "tests/transport_test_util.h"
 #include "transports/emulated_link.h"
 
@@ -234,6 +236,69 @@ TEST_P(Conformance, WritesOfEverySizeArriveIntactAtOddOffsets) {
                              << "-byte write were not all visible at notification";
   }
   EXPECT_EQ(server_rec_.num_writes(), cases.size());
+}
+
+// GPU memory: a backend either registers device memory, and then a write
+// from device memory into the peer's device memory lands intact, or refuses
+// it with Unimplemented and the reason memory_support() gives, so that the
+// runtime can stage device tensors through host memory instead.
+TEST_P(Conformance, CudaMemoryIsSupportedOrRefusedWithTheReason) {
+  EXPECT_TRUE(server_->supports(MemoryKind::kHost));
+  const MemorySupport cuda = server_->memory_support(MemoryKind::kCuda);
+  EXPECT_FALSE(cuda.detail.empty());
+  if (!cuda.supported) {
+    std::vector<uint8_t> buf(4096);
+    auto reg = server_->register_memory(buf.data(), buf.size(), MemoryKind::kCuda);
+    ASSERT_FALSE(reg.ok());
+    EXPECT_EQ(reg.status().code(), StatusCode::kUnimplemented) << reg.status().to_string();
+    EXPECT_NE(reg.status().message().find(cuda.detail), std::string::npos)
+        << reg.status().message() << " does not give the reason: " << cuda.detail;
+    auto alloc = server_->allocate_memory(4096, MemoryKind::kCuda);
+    ASSERT_FALSE(alloc.ok());
+    EXPECT_EQ(alloc.status().code(), StatusCode::kUnimplemented) << alloc.status().to_string();
+    GTEST_SKIP() << GetParam().label << " cannot reach CUDA memory here: " << cuda.detail;
+  }
+  const kernels::KernelStatus device = kernels::cuda::device_status();
+  if (!device.ok()) GTEST_SKIP() << "no CUDA device: " << device.message;
+
+  constexpr size_t kBytes = (size_t{8} << 20) + 12345;
+  ConnectionPtr conn = connect();
+  ASSERT_NE(conn, nullptr);
+  void* src_dev = nullptr;
+  void* dst_dev = nullptr;
+  ASSERT_TRUE(kernels::cuda::device_alloc(kBytes, &src_dev).ok());
+  ASSERT_TRUE(kernels::cuda::device_alloc(kBytes, &dst_dev).ok());
+  std::vector<uint8_t> pattern(kBytes), back(kBytes, 0);
+  fill(pattern.data(), kBytes, 7);
+  ASSERT_TRUE(kernels::cuda::copy(src_dev, pattern.data(), kBytes).ok());
+  ASSERT_TRUE(kernels::cuda::copy(dst_dev, back.data(), kBytes).ok());
+  {
+    auto src = client_->register_memory(src_dev, kBytes, MemoryKind::kCuda);
+    ASSERT_TRUE(src.ok()) << src.status().to_string();
+    auto dst = server_->register_memory(dst_dev, kBytes, MemoryKind::kCuda);
+    ASSERT_TRUE(dst.ok()) << dst.status().to_string();
+    std::printf("[ info ] %s CUDA registration: %s\n", GetParam().label.c_str(),
+                (*dst)->registration().c_str());
+    auto remote = conn->import_region((*dst)->remote_key());
+    ASSERT_TRUE(remote.ok()) << remote.status().to_string();
+    bool done = false;
+    Status result;
+    ASSERT_TRUE(conn->write({src->get(), 0, remote->get(), 0, kBytes, 5},
+                            [&](Status s) {
+                              result = s;
+                              done = true;
+                            })
+                    .ok());
+    ASSERT_TRUE(pump(both(), [&] { return done && server_rec_.num_writes() == 1; }));
+    EXPECT_TRUE(result.ok()) << result.to_string();
+    ASSERT_TRUE(kernels::cuda::copy(back.data(), dst_dev, kBytes).ok());
+    EXPECT_EQ(checksum(back.data(), kBytes), checksum(pattern.data(), kBytes))
+        << "device-to-device write did not land intact";
+    EXPECT_TRUE(client_->invalidate(src_dev, kBytes).ok());
+    EXPECT_TRUE(server_->invalidate(dst_dev, kBytes).ok());
+  }
+  EXPECT_TRUE(kernels::cuda::device_free(src_dev).ok());
+  EXPECT_TRUE(kernels::cuda::device_free(dst_dev).ok());
 }
 
 TEST_P(Conformance, TenThousandWritesAcrossEightConnectionsEachNotifiedOnce) {

@@ -6,8 +6,10 @@
 // device (or Soft-RoCE) and skips with "no RDMA device" without one; the
 // conformance suite (transport_conformance_test.cc) covers the rest of the
 // contract on the same device.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -21,6 +23,7 @@
 
 #include "tests/fake_verbs.h"
 #include "tests/transport_test_util.h"
+#include "transports/cuda_driver.h"
 #include "transports/verbs/send_queue.h"
 #include "transports/verbs/side_channel.h"
 #include "transports/verbs/verbs_protocol.h"
@@ -675,8 +678,11 @@ TEST_P(VerbsDevice, HandshakeAndOneWriteWithImmediate) {
   EXPECT_EQ(server_rec_.writes[0].notify, 0xfeedbeefu) << "immediate must survive byte order";
   EXPECT_EQ(server_rec_.writes[0].length, 4096u);
   EXPECT_EQ(std::memcmp((*dst)->data(), src.data(), 4096), 0);
+  // Host memory is not CUDA memory: refused, either because this process
+  // cannot reach CUDA memory at all or because the driver says it is host.
   EXPECT_EQ(client_->register_memory(src.data(), 16, MemoryKind::kCuda).status().code(),
-            StatusCode::kUnimplemented);
+            client_->supports(MemoryKind::kCuda) ? StatusCode::kInvalidArgument
+                                                 : StatusCode::kUnimplemented);
 }
 
 TEST_P(VerbsDevice, WritesBeyondMaxInflightQueueAndArriveInOrder) {
@@ -1125,6 +1131,266 @@ TEST_F(VerbsFake, ManyThreadsWriteSendAndCloseWhileAnotherProgresses) {
   EXPECT_EQ(completed.load(), kThreads * kPerThread);
   EXPECT_EQ(failed.load(), 0u);
   EXPECT_EQ(rb_.num_writes() + rb_.num_messages(), kThreads * kPerThread);
+}
+
+// GPU memory through a fake CUDA driver: one "device allocation" that is
+// really host memory, so the fake NIC can move its bytes. What it proves: the
+// registration path (dma-buf export of the whole, page-aligned allocation,
+// ibv_reg_dmabuf_mr at the right offset with iova = the pointer, the fd closed
+// afterwards, contexts pushed and popped in pairs), the fallback to ibv_reg_mr,
+// the errors, and that writes from and into such a region work.
+namespace fake_cuda {
+
+constexpr size_t kAllocBytes = 256 * 1024;
+constexpr int kErrorInvalidValue = 1;  // CUDA_ERROR_INVALID_VALUE
+
+uint8_t* g_base = nullptr;
+int g_context_tag = 0;  // its address is the fake CUcontext
+int g_push_depth = 0;
+int g_pushes = 0;
+bool g_export_fails = false;
+std::vector<CudaDriver::Allocation> g_exports;
+std::vector<int> g_fds;
+
+bool inside(uint64_t p) {
+  const auto base = reinterpret_cast<uintptr_t>(g_base);
+  return p >= base && p < base + kAllocBytes;
+}
+int init(unsigned) {
+  return 0;
+}
+int pointer_get_attribute(void* data, int attribute, uint64_t ptr) {
+  if (!inside(ptr)) return kErrorInvalidValue;  // what the driver says for plain host memory
+  if (attribute == CudaDriver::kPointerAttributeContext) {
+    *static_cast<void**>(data) = &g_context_tag;
+  } else if (attribute == CudaDriver::kPointerAttributeMemoryType) {
+    *static_cast<unsigned*>(data) = CudaDriver::kMemoryTypeDevice;
+  } else {
+    return kErrorInvalidValue;
+  }
+  return 0;
+}
+int ctx_push_current(void* ctx) {
+  if (ctx != &g_context_tag) return kErrorInvalidValue;
+  ++g_push_depth;
+  ++g_pushes;
+  return 0;
+}
+int ctx_pop_current(void** ctx) {
+  --g_push_depth;
+  if (ctx != nullptr) *ctx = &g_context_tag;
+  return 0;
+}
+int mem_get_address_range(uint64_t* base, size_t* size, uint64_t ptr) {
+  if (!inside(ptr) || g_push_depth == 0) return kErrorInvalidValue;  // needs a current context
+  *base = reinterpret_cast<uintptr_t>(g_base);
+  *size = kAllocBytes;
+  return 0;
+}
+int mem_get_handle_for_address_range(void* handle, uint64_t ptr, size_t size, int type,
+                                     unsigned long long flags) {
+  if (g_export_fails) return 801;  // CUDA_ERROR_NOT_SUPPORTED
+  if (type != CudaDriver::kRangeHandleDmaBufFd || flags != 0 || g_push_depth == 0) {
+    return kErrorInvalidValue;
+  }
+  g_exports.push_back({ptr, size});
+  const int fd = eventfd(0, EFD_CLOEXEC);
+  g_fds.push_back(fd);
+  *static_cast<int*>(handle) = fd;
+  return 0;
+}
+int memset_d8(uint64_t ptr, unsigned char value, size_t n) {
+  std::memset(reinterpret_cast<void*>(static_cast<uintptr_t>(ptr)), value, n);
+  return 0;
+}
+int ctx_synchronize() {
+  return 0;
+}
+
+CudaDriverApi api() {
+  CudaDriverApi a;
+  a.init = init;
+  a.pointer_get_attribute = pointer_get_attribute;
+  a.ctx_push_current = ctx_push_current;
+  a.ctx_pop_current = ctx_pop_current;
+  a.mem_get_address_range = mem_get_address_range;
+  a.memset_d8 = memset_d8;
+  a.ctx_synchronize = ctx_synchronize;
+  a.mem_get_handle_for_address_range = mem_get_handle_for_address_range;
+  return a;
+}
+
+}  // namespace fake_cuda
+
+class VerbsFakeCuda : public VerbsFake {
+ protected:
+  void SetUp() override {
+    fake_cuda::g_base = static_cast<uint8_t*>(std::aligned_alloc(4096, fake_cuda::kAllocBytes));
+    std::memset(fake_cuda::g_base, 0, fake_cuda::kAllocBytes);
+    fake_cuda::g_push_depth = fake_cuda::g_pushes = 0;
+    fake_cuda::g_export_fails = false;
+    fake_cuda::g_exports.clear();
+    fake_cuda::g_fds.clear();
+    fake_verbs::set_dmabuf_supported(true);
+    CudaDriver::set_for_testing(&driver_);
+  }
+  void TearDown() override {
+    VerbsFake::TearDown();
+    CudaDriver::set_for_testing(nullptr);
+    fake_verbs::set_dmabuf_supported(true);
+    EXPECT_EQ(fake_cuda::g_push_depth, 0) << "a CUDA context was pushed and never popped";
+    for (int fd : fake_cuda::g_fds)
+      EXPECT_EQ(fcntl(fd, F_GETFD), -1) << "the dma-buf fd " << fd << " was left open";
+    std::free(fake_cuda::g_base);
+  }
+  // Connects a_ -> b_ and returns a_'s end.
+  ConnectionPtr connect_pair() {
+    a_ = make(&ra_);
+    b_ = make(&rb_);
+    if (!a_ || !b_) return nullptr;
+    auto conn = a_->connect(b_->address());
+    EXPECT_TRUE(conn.ok()) << conn.status().to_string();
+    if (!conn.ok()) return nullptr;
+    EXPECT_TRUE(pump({a_.get(), b_.get()}, [&] { return rb_.num_accepted() == 1; }));
+    return *conn;
+  }
+  // Writes `length` bytes from `src` to `dst` on `conn` and waits for it.
+  void write_and_wait(const ConnectionPtr& conn, const MemoryRegion& src, const RemoteRegion& dst,
+                      size_t length, Recorder& receiver) {
+    const size_t before = receiver.num_writes();
+    bool done = false;
+    ASSERT_TRUE(conn->write({&src, 0, &dst, 0, length, 7},
+                            [&](Status s) {
+                              EXPECT_TRUE(s.ok()) << s.to_string();
+                              done = true;
+                            })
+                    .ok());
+    ASSERT_TRUE(
+        pump({a_.get(), b_.get()}, [&] { return done && receiver.num_writes() == before + 1; }));
+  }
+  CudaDriver driver_{fake_cuda::api(), "fake CUDA driver"};
+};
+
+TEST_F(VerbsFakeCuda, DeviceMemoryIsRegisteredWithDmabufAndCarriesWritesBothWays) {
+  ConnectionPtr conn = connect_pair();
+  ASSERT_NE(conn, nullptr);
+  const MemorySupport support = a_->memory_support(MemoryKind::kCuda);
+  EXPECT_TRUE(support.supported);
+  EXPECT_NE(support.detail.find("ibv_reg_dmabuf_mr"), std::string::npos) << support.detail;
+
+  // A range inside the allocation, not page aligned at either end.
+  uint8_t* dev = fake_cuda::g_base + 4096 + 100;
+  constexpr size_t kLen = 3 * 4096 + 7;
+  fake_verbs::reset_stats();
+  auto region = a_->register_memory(dev, kLen, MemoryKind::kCuda);
+  ASSERT_TRUE(region.ok()) << region.status().to_string();
+  EXPECT_EQ((*region)->registration(), "ibv_reg_dmabuf_mr");
+  EXPECT_EQ((*region)->kind(), MemoryKind::kCuda);
+  const fake_verbs::Stats st = fake_verbs::stats();
+  ASSERT_EQ(st.dmabuf_calls.size(), 1u);
+  EXPECT_EQ(st.reg_mr_calls, 0u);
+  // The dma-buf is the whole allocation; the MR is the range inside it.
+  ASSERT_EQ(fake_cuda::g_exports.size(), 1u);
+  EXPECT_EQ(fake_cuda::g_exports[0].base, reinterpret_cast<uintptr_t>(fake_cuda::g_base));
+  EXPECT_EQ(fake_cuda::g_exports[0].size, fake_cuda::kAllocBytes);
+  EXPECT_EQ(st.dmabuf_calls[0].offset, 4096u + 100u);
+  EXPECT_EQ(st.dmabuf_calls[0].length, kLen);
+  EXPECT_EQ(st.dmabuf_calls[0].iova, reinterpret_cast<uintptr_t>(dev));
+  EXPECT_TRUE(st.dmabuf_calls[0].fd_was_open);
+  EXPECT_GT(fake_cuda::g_pushes, 0);
+  // Cached like host memory.
+  auto again = a_->register_memory(dev, kLen, MemoryKind::kCuda);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->get(), region->get());
+  EXPECT_EQ(fake_verbs::stats().dmabuf_calls.size(), 1u);
+
+  // Device -> host.
+  for (size_t i = 0; i < kLen; ++i)
+    dev[i] = static_cast<uint8_t>(i * 13 + 1);
+  auto host = b_->allocate_memory(kLen, MemoryKind::kHost);
+  ASSERT_TRUE(host.ok());
+  auto host_remote = conn->import_region((*host)->remote_key());
+  ASSERT_TRUE(host_remote.ok());
+  write_and_wait(conn, **region, **host_remote, kLen, rb_);
+  EXPECT_EQ(std::memcmp((*host)->data(), dev, kLen), 0);
+
+  // Host -> device, on the other side's connection.
+  ConnectionPtr back = rb_.accepted.at(0);
+  auto dev_remote = back->import_region((*region)->remote_key());
+  ASSERT_TRUE(dev_remote.ok()) << dev_remote.status().to_string();
+  std::memset((*host)->data(), 0x5a, kLen);
+  write_and_wait(back, **host, **dev_remote, kLen, ra_);
+  EXPECT_EQ(dev[0], 0x5a);
+  EXPECT_EQ(dev[kLen - 1], 0x5a);
+  EXPECT_TRUE(a_->invalidate(dev, kLen).ok());
+}
+
+TEST_F(VerbsFakeCuda, WithoutDmabufSupportFallsBackToIbvRegMr) {
+  a_ = make(&ra_);
+  ASSERT_TRUE(a_);
+  fake_verbs::set_dmabuf_supported(false);
+  fake_verbs::reset_stats();
+  auto region = a_->register_memory(fake_cuda::g_base, 8192, MemoryKind::kCuda);
+  ASSERT_TRUE(region.ok()) << region.status().to_string();
+  EXPECT_EQ((*region)->registration(), "ibv_reg_mr (nvidia-peermem)");
+  const fake_verbs::Stats st = fake_verbs::stats();
+  EXPECT_EQ(st.dmabuf_calls.size(), 1u) << "dma-buf is tried first";
+  EXPECT_EQ(st.reg_mr_calls, 1u);
+}
+
+TEST_F(VerbsFakeCuda, ADriverThatCannotExportFallsBackToIbvRegMr) {
+  a_ = make(&ra_);
+  ASSERT_TRUE(a_);
+  fake_cuda::g_export_fails = true;
+  fake_verbs::reset_stats();
+  auto region = a_->register_memory(fake_cuda::g_base + 64, 100, MemoryKind::kCuda);
+  ASSERT_TRUE(region.ok()) << region.status().to_string();
+  EXPECT_EQ((*region)->registration(), "ibv_reg_mr (nvidia-peermem)");
+  EXPECT_TRUE(fake_verbs::stats().dmabuf_calls.empty());
+}
+
+TEST_F(VerbsFakeCuda, HostMemoryOrARangePastTheAllocationIsRefused) {
+  a_ = make(&ra_);
+  ASSERT_TRUE(a_);
+  std::vector<uint8_t> host(4096);
+  auto r = a_->register_memory(host.data(), host.size(), MemoryKind::kCuda);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().to_string();
+  EXPECT_NE(r.status().message().find("not CUDA device memory"), std::string::npos);
+  r = a_->register_memory(fake_cuda::g_base + 4096, fake_cuda::kAllocBytes, MemoryKind::kCuda);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().to_string();
+  EXPECT_NE(r.status().message().find("runs past its CUDA allocation"), std::string::npos);
+  auto a = a_->allocate_memory(4096, MemoryKind::kCuda);
+  EXPECT_EQ(a.status().code(), StatusCode::kUnimplemented) << a.status().to_string();
+  EXPECT_TRUE(fake_verbs::stats().dmabuf_calls.empty());
+}
+
+TEST_F(VerbsFake, WithoutACudaDriverCudaMemoryIsUnimplementedNamingTheReason) {
+  CudaDriver::set_for_testing(nullptr);
+  if (CudaDriver::get().ok()) GTEST_SKIP() << "this machine has a CUDA driver";
+  a_ = make(&ra_);
+  ASSERT_TRUE(a_);
+  const MemorySupport support = a_->memory_support(MemoryKind::kCuda);
+  EXPECT_FALSE(support.supported);
+  EXPECT_NE(support.detail.find("no CUDA driver"), std::string::npos) << support.detail;
+  std::vector<uint8_t> buf(64);
+  auto r = a_->register_memory(buf.data(), buf.size(), MemoryKind::kCuda);
+  EXPECT_EQ(r.status().code(), StatusCode::kUnimplemented);
+  EXPECT_NE(r.status().message().find(support.detail), std::string::npos);
+}
+
+// On a machine with both an RDMA device and a GPU: cudaMalloc'd memory
+// registered for real. Skips saying which of the two is missing.
+TEST(VerbsRealCuda, DeviceMemoryRegistersWithDmabufOrPeermem) {
+  CudaDriver::set_for_testing(nullptr);
+  Result<const CudaDriver*> driver = CudaDriver::get();
+  if (!driver.ok()) GTEST_SKIP() << "no CUDA device: " << driver.status().message();
+  Recorder rec;
+  auto t = create_transport("verbs", TransportOptions{}, &rec);
+  if (!t.ok()) GTEST_SKIP() << t.status().message();
+  const MemorySupport support = (*t)->memory_support(MemoryKind::kCuda);
+  // Moving data through such a region is the conformance suite's CudaMemory
+  // case, which allocates device memory through the CUDA runtime.
+  EXPECT_TRUE(support.supported) << support.detail;
 }
 
 }  // namespace

@@ -106,6 +106,9 @@ class LinkTransport final : public Transport, public Handler {
 
   std::string_view name() const override { return name_; }
   std::vector<uint8_t> address() const override { return inner_->address(); }
+  MemorySupport memory_support(MemoryKind kind) const override {
+    return inner_->memory_support(kind);
+  }
 
   Result<ConnectionPtr> connect(std::span<const uint8_t> peer_address) override {
     PSLD_ASSIGN_OR_RETURN(ConnectionPtr inner, inner_->connect(peer_address));

@@ -25,6 +25,14 @@ std::string_view memory_kind_name(MemoryKind kind) {
   return "unknown";
 }
 
+MemorySupport Transport::memory_support(MemoryKind kind) const {
+  if (kind == MemoryKind::kHost) return {true, "host memory"};
+  return {false,
+          fmt::format("the {} transport registers host memory only; psld stages {} "
+                      "tensors through host memory",
+                      name(), kind == MemoryKind::kCuda ? "device" : memory_kind_name(kind))};
+}
+
 std::vector<std::string> available_transports() {
   std::vector<std::string> names{"loopback"};
 #if PSLD_HAVE_UCX

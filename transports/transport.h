@@ -58,11 +58,16 @@ class MemoryRegion {
   // What a peer passes to Connection::import_region to write into this
   // region. It grants access to [data(), data() + length()) and nothing else.
   std::span<const uint8_t> remote_key() const { return remote_key_; }
+  // How the backend registered it, e.g. "ibv_reg_mr", "ibv_reg_dmabuf_mr",
+  // "ucp_mem_map (cuda)": for logs and for tests that must know which path a
+  // GPU registration took.
+  const std::string& registration() const { return registration_; }
 
  protected:
   MemoryRegion(uint8_t* data, size_t length, MemoryKind kind, uint64_t id)
       : data_(data), length_(length), kind_(kind), id_(id) {}
   std::vector<uint8_t> remote_key_;
+  std::string registration_;
 
  private:
   uint8_t* data_;
@@ -168,11 +173,27 @@ struct CommonOptions {
   std::string listen_address = "127.0.0.1:0";
 };
 
+// Whether a transport can register memory of one kind, and how or why not.
+// The runtime uses it to choose between writing device tensors directly and
+// staging them through host memory (transports/stager.h), and prints it.
+struct MemorySupport {
+  bool supported = false;
+  // How ("ibv_reg_dmabuf_mr on a dma-buf of the allocation, else ibv_reg_mr
+  // through nvidia-peermem"), or why not ("this UCX build has no CUDA
+  // support ...").
+  std::string detail;
+};
+
 class Transport {
  public:
   virtual ~Transport() = default;
 
   virtual std::string_view name() const = 0;
+
+  // What register_memory/allocate_memory do with `kind` in this process,
+  // decided when the transport started. The default: host memory only.
+  virtual MemorySupport memory_support(MemoryKind kind) const;
+  bool supports(MemoryKind kind) const { return memory_support(kind).supported; }
 
   // The blob peers pass to connect(); empty when not listening.
   virtual std::vector<uint8_t> address() const = 0;

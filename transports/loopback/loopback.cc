@@ -419,7 +419,7 @@ class LoopbackTransport final : public Transport {
       return InvalidArgument("register_memory needs a non-null pointer and a non-zero length");
     }
     if (kind != MemoryKind::kHost) {
-      return Unimplemented("the loopback transport only registers host memory");
+      return Unimplemented(memory_support(kind).detail);
     }
     if (auto hit = node_->cache.find(data, length, kind)) return std::shared_ptr<MemoryRegion>(hit);
     auto region = make_region(static_cast<uint8_t*>(data), length, kind, {nullptr, std::free});
@@ -429,7 +429,7 @@ class LoopbackTransport final : public Transport {
   Result<std::shared_ptr<MemoryRegion>> allocate_memory(size_t length, MemoryKind kind) override {
     if (length == 0) return InvalidArgument("allocate_memory needs a non-zero length");
     if (kind != MemoryKind::kHost) {
-      return Unimplemented("the loopback transport only allocates host memory");
+      return Unimplemented(memory_support(kind).detail);
     }
     const size_t rounded = (length + 63) / 64 * 64;
     auto* p = static_cast<uint8_t*>(std::aligned_alloc(64, rounded));

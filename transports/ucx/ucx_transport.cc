@@ -40,6 +40,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "transports/cuda_driver.h"
 #include "transports/log.h"
 #include "transports/pending_ops.h"
 #include "transports/registration_cache.h"
@@ -343,6 +344,8 @@ class UcxRegion final : public MemoryRegion, public std::enable_shared_from_this
         owner_(owner),
         secret_(secret) {
     remote_key_ = std::move(key);
+    registration_ =
+        kind == MemoryKind::kCuda ? "ucp_mem_map (UCS_MEMORY_TYPE_CUDA)" : "ucp_mem_map";
   }
   ~UcxRegion() override { ucp_mem_unmap(context_->handle, memh_); }
 
@@ -360,10 +363,11 @@ class UcxRegion final : public MemoryRegion, public std::enable_shared_from_this
 class UcxRemoteRegion final : public RemoteRegion,
                               public std::enable_shared_from_this<UcxRemoteRegion> {
  public:
-  UcxRemoteRegion(size_t length, uint64_t region_id, uint64_t connection_id, uint64_t owner,
-                  uint64_t base, uint64_t secret, uint8_t* mapped, ucp_rkey_h rkey,
+  UcxRemoteRegion(size_t length, uint64_t region_id, MemoryKind kind, uint64_t connection_id,
+                  uint64_t owner, uint64_t base, uint64_t secret, uint8_t* mapped, ucp_rkey_h rkey,
                   std::weak_ptr<UcxCore> core)
       : RemoteRegion(length, region_id),
+        kind_(kind),
         connection_id_(connection_id),
         owner_(owner),
         base_(base),
@@ -375,6 +379,9 @@ class UcxRemoteRegion final : public RemoteRegion,
   ~UcxRemoteRegion() override;
 
   uint64_t connection_id() const { return connection_id_; }
+  // Where the exporter's memory is: device memory is never copied into by
+  // this process's CPU, and is written by rendezvous, never eagerly.
+  MemoryKind kind() const { return kind_; }
   // The instance of the transport that exported the region.
   uint64_t owner() const { return owner_; }
   uint64_t base() const { return base_; }
@@ -385,6 +392,7 @@ class UcxRemoteRegion final : public RemoteRegion,
 
  private:
   friend class UcxCore;
+  MemoryKind kind_;
   uint64_t connection_id_;
   uint64_t owner_;
   uint64_t base_;
@@ -532,6 +540,7 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   }
 
   Status init(const sockaddr_storage* listen, socklen_t listen_len);
+  void detect_cuda_support();
 
   // Transport
   std::vector<uint8_t> address() const { return address_; }
@@ -546,6 +555,10 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
     [[maybe_unused]] ssize_t n = ::write(wake_fd_, &one, sizeof(one));
   }
   void shutdown();
+  MemorySupport memory_support(MemoryKind kind) const {
+    if (kind == MemoryKind::kHost) return {true, "host memory (ucp_mem_map)"};
+    return {cuda_supported_, cuda_detail_};
+  }
   UcxCounters counters() const {
     UcxCounters c;
     c.writes_put = writes_put_.load();
@@ -623,8 +636,11 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   // completes them.
   void announce(UcxConnection& conn, const UcxConnection::Unflushed* writes, size_t n);
   // Whether a write to `remote` is a memcpy into the peer's mapped memory.
-  bool copies_into_mapping(const UcxConnection& conn, const UcxRemoteRegion& remote) const {
-    return forced_ != WritePath::kAm && conn.path_.load() == WritePath::kPut && remote.mapped();
+  // Never from device memory: the CPU cannot read it.
+  bool copies_into_mapping(const UcxConnection& conn, const UcxRegion& src,
+                           const UcxRemoteRegion& remote) const {
+    return forced_ != WritePath::kAm && conn.path_.load() == WritePath::kPut && remote.mapped() &&
+           src.kind() == MemoryKind::kHost;
   }
   void start_send(UcxConnection& conn, UserOp u, std::span<const uint8_t> message);
   // The notification of one write whose bytes are already in place.
@@ -664,6 +680,10 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   const size_t am_eager_max_ = std::getenv("UCX_RNDV_THRESH") != nullptr ? 0 : kAmEagerMax;
 
   std::shared_ptr<UcxContext> context_;
+  // Whether this UCX build and configuration handle CUDA memory, found once
+  // in init() from the context's memory types; the detail says how or why not.
+  bool cuda_supported_ = false;
+  std::string cuda_detail_ = "UCX not started";
   int efd_ = -1;
   int wake_fd_ = -1;
   std::vector<uint8_t> address_;
@@ -807,6 +827,7 @@ Status UcxCore::init(const sockaddr_storage* listen, socklen_t listen_len) {
                     "transports this machine has",
                     ucs_status_string(st), ucx.tls.empty() ? "(default)" : ucx.tls));
   }
+  detect_cuda_support();
 
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
@@ -866,6 +887,45 @@ Status UcxCore::init(const sockaddr_storage* listen, socklen_t listen_len) {
                   ucx.tls.empty() ? std::string("from the environment") : ucx.tls);
   }
   return Status::Ok();
+}
+
+// Whether UCX handles CUDA memory here. ucp_context_query's memory_types
+// holds a type when one of the context's memory domains with transport
+// resources can detect it: for CUDA that is cuda_copy, which exists only in a
+// UCX built --with-cuda (Debian's and Ubuntu's packages are not) and is left
+// out when UCX_TLS excludes it (e.g. "tcp"). With cuda_copy UCX moves device
+// memory correctly on every lane: zero-copy where the NIC can reach GPU
+// memory (GPUDirect RDMA: the ib transports with nvidia-peermem or dma-buf),
+// else pipelined through its own host buffers.
+void UcxCore::detect_cuda_support() {
+  ucp_context_attr_t attr{};
+  attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  const ucs_status_t st = ucp_context_query(context_->handle, &attr);
+  if (st != UCS_OK) {
+    cuda_supported_ = false;
+    cuda_detail_ = fmt::format(
+        "ucp_context_query failed ({}); psld stages device tensors "
+        "through host memory",
+        ucs_status_string(st));
+  } else if ((attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) == 0) {
+    cuda_supported_ = false;
+    cuda_detail_ =
+        options_.ucx.tls.empty()
+            ? "this UCX build has no CUDA support (Debian's UCX does not); psld stages device "
+              "tensors through host memory"
+            : fmt::format(
+                  "this UCX build has no CUDA support (Debian's UCX does not), or "
+                  "ucx.tls '{}' leaves out cuda_copy; psld stages device tensors "
+                  "through host memory",
+                  options_.ucx.tls);
+  } else {
+    cuda_supported_ = true;
+    cuda_detail_ =
+        "UCX memory type cuda (ucp_mem_map with UCS_MEMORY_TYPE_CUDA; zero-copy where the "
+        "NIC reaches GPU memory, else UCX pipelines through host buffers)";
+  }
+  PSLD_LOG_INFO("ucx: CUDA memory {}: {}", cuda_supported_ ? "supported" : "not supported",
+                cuda_detail_);
 }
 
 // ---------------------------------------------------------------------------
@@ -1194,12 +1254,11 @@ Result<std::shared_ptr<RemoteRegion>> UcxCore::import_region(UcxConnection& conn
   if (length == 0 || base + length < base || packed.empty()) {
     return DataLoss("UCX remote key describes an impossible region");
   }
-  if (kind == static_cast<uint8_t>(MemoryKind::kCuda)) {
-    return Unimplemented("the UCX backend does not write to CUDA memory yet");
-  }
-  if (kind != static_cast<uint8_t>(MemoryKind::kHost)) {
+  if (kind != static_cast<uint8_t>(MemoryKind::kHost) &&
+      kind != static_cast<uint8_t>(MemoryKind::kCuda)) {
     return DataLoss("UCX remote key names an unknown memory kind");
   }
+  const auto remote_kind = static_cast<MemoryKind>(kind);
   std::vector<uint8_t> padded(packed.size() + kRkeyPad, 0);
   std::memcpy(padded.data(), packed.data(), packed.size());
 
@@ -1219,10 +1278,12 @@ Result<std::shared_ptr<RemoteRegion>> UcxCore::import_region(UcxConnection& conn
   }
   // Shared memory the peer allocated (UCP_MEM_MAP_ALLOCATE) is attached by
   // the unpack; ucp_rkey_ptr says where.
+  // Device memory is never mapped for the CPU.
   void* mapped_at = nullptr;
-  const bool mapped = ucp_rkey_ptr(rkey, base, &mapped_at) == UCS_OK && mapped_at != nullptr;
+  const bool mapped = remote_kind == MemoryKind::kHost &&
+                      ucp_rkey_ptr(rkey, base, &mapped_at) == UCS_OK && mapped_at != nullptr;
   auto remote = std::make_shared<UcxRemoteRegion>(
-      length, region, conn.id(), owner, base, secret,
+      length, region, remote_kind, conn.id(), owner, base, secret,
       mapped ? static_cast<uint8_t*>(mapped_at) : nullptr, rkey, weak_from_this());
   {
     std::lock_guard<std::mutex> rlock(rkey_mu_);
@@ -1290,7 +1351,7 @@ Status UcxCore::write(UcxConnection& conn, const WriteRequest& req, Completion d
                     ->weak_from_this()
                     .lock();
   if (!src || !remote) return InvalidArgument("write region is being destroyed");
-  if (copies_into_mapping(conn, *remote)) {
+  if (copies_into_mapping(conn, *src, *remote)) {
     // Shared memory: the put is this memcpy. It runs outside mu_ so that a
     // large copy does not stall the thread progressing the worker; the
     // notification goes out after it, so the peer cannot see it early.
@@ -1346,7 +1407,7 @@ void UcxCore::start_write(UcxConnection& conn, UserOp u, const std::shared_ptr<U
                           const std::shared_ptr<UcxRemoteRegion>& remote, uint64_t local_offset,
                           uint64_t remote_offset, uint64_t length, uint32_t notify) {
   const WriteHeader h{remote->peer_region_id(), remote->secret(), remote_offset, length, notify};
-  if (copies_into_mapping(conn, *remote)) {
+  if (copies_into_mapping(conn, *src, *remote)) {
     // Under mu_, so shutdown cannot unmap meanwhile.
     ++writes_put_;
     if (length > 0) {
@@ -1402,7 +1463,15 @@ void UcxCore::start_write(UcxConnection& conn, UserOp u, const std::shared_ptr<U
   p.cb.send = send_cb;
   p.user_data = op;
   p.flags = UCP_AM_SEND_FLAG_REPLY;
-  if (length <= am_eager_max_) p.flags |= UCP_AM_SEND_FLAG_EAGER;
+  // Into device memory always by rendezvous: the receiver then has UCX fetch
+  // the bytes straight into the region (ucp_am_recv_data_nbx, which knows the
+  // memory type from the region's memh); an eager payload would need a CPU
+  // copy into GPU memory, which this transport cannot do.
+  if (remote->kind() == MemoryKind::kCuda) {
+    p.flags |= UCP_AM_SEND_FLAG_RNDV;
+  } else if (length <= am_eager_max_) {
+    p.flags |= UCP_AM_SEND_FLAG_EAGER;
+  }
   p.memh = src->memh();
   finish_user(u, op,
               ucp_am_send_nbx(conn.ep_, kAmWrite, op->header, kWriteHeaderBytes,
@@ -1719,7 +1788,12 @@ ucs_status_t UcxCore::on_am_write(const ConnPtr& conn, const void* header, size_
     finish_request(op, ucp_am_recv_data_nbx(worker_, data, dst, length, &p));
     return UCS_OK;
   }
-  // Eager: UCX already holds the bytes; one copy puts them in place.
+  // Eager: UCX already holds the bytes; one copy puts them in place. Our
+  // writers send to device memory by rendezvous only.
+  if (region->kind() != MemoryKind::kHost) {
+    reject_write(conn.get(), "eager write into device memory (the writer must use rendezvous)");
+    return UCS_OK;
+  }
   if (length > 0) std::memcpy(dst, data, length);
   Event e;
   e.kind = Event::kWrite;
@@ -1983,10 +2057,11 @@ Result<std::shared_ptr<MemoryRegion>> UcxCore::register_memory(void* data, size_
   if (data == nullptr || length == 0) {
     return InvalidArgument("register_memory needs a non-null pointer and a non-zero length");
   }
-  if (kind != MemoryKind::kHost) {
-    return Unimplemented(
-        "the UCX backend registers host memory only (CUDA memory comes with "
-        "the GPU backend work)");
+  if (kind != MemoryKind::kHost && kind != MemoryKind::kCuda) {
+    return InvalidArgument("unknown memory kind");
+  }
+  if (kind == MemoryKind::kCuda && !cuda_supported_) {
+    return Unimplemented(fmt::format("ucx cannot register CUDA memory: {}", cuda_detail_));
   }
   if (shut_) return Unavailable("UCX transport is shut down");
   if (auto hit = cache_.find(data, length, kind)) return std::shared_ptr<MemoryRegion>(hit);
@@ -1994,6 +2069,12 @@ Result<std::shared_ptr<MemoryRegion>> UcxCore::register_memory(void* data, size_
   mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
   mp.address = data;
   mp.length = length;
+  if (kind == MemoryKind::kCuda) {
+    // Named rather than detected: detection needs UCX's memory hooks, which
+    // psld's tests turn off, or a driver query per call.
+    mp.field_mask |= UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+    mp.memory_type = UCS_MEMORY_TYPE_CUDA;
+  }
   ucp_mem_h memh = nullptr;
   ucs_status_t st = ucp_mem_map(context_->handle, &mp, &memh);
   if (st != UCS_OK) return ucs_to_status(st, fmt::format("ucp_mem_map of {} bytes", length));
@@ -2003,10 +2084,16 @@ Result<std::shared_ptr<MemoryRegion>> UcxCore::register_memory(void* data, size_
 
 Result<std::shared_ptr<MemoryRegion>> UcxCore::allocate_memory(size_t length, MemoryKind kind) {
   if (length == 0) return InvalidArgument("allocate_memory needs a non-zero length");
-  if (kind != MemoryKind::kHost) {
-    return Unimplemented(
-        "the UCX backend allocates host memory only (CUDA memory comes with "
-        "the GPU backend work)");
+  if (kind != MemoryKind::kHost && kind != MemoryKind::kCuda) {
+    return InvalidArgument("unknown memory kind");
+  }
+  if (kind == MemoryKind::kCuda && !cuda_supported_) {
+    return Unimplemented(fmt::format("ucx cannot allocate CUDA memory: {}", cuda_detail_));
+  }
+  const CudaDriver* driver = nullptr;
+  if (kind == MemoryKind::kCuda) {
+    // UCX allocates device memory uninitialised; the driver zeroes it.
+    PSLD_ASSIGN_OR_RETURN(driver, CudaDriver::get());
   }
   if (shut_) return Unavailable("UCX transport is shut down");
   // UCP_MEM_MAP_ALLOCATE lets UCX pick the allocator (UCX_ALLOC_PRIO: sysv,
@@ -2018,6 +2105,11 @@ Result<std::shared_ptr<MemoryRegion>> UcxCore::allocate_memory(size_t length, Me
   mp.address = nullptr;
   mp.length = length;
   mp.flags = UCP_MEM_MAP_ALLOCATE;
+  if (kind == MemoryKind::kCuda) {
+    // On the calling thread's current device (UCX's cuda_copy allocator).
+    mp.field_mask |= UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+    mp.memory_type = UCS_MEMORY_TYPE_CUDA;
+  }
   ucp_mem_h memh = nullptr;
   ucs_status_t st = ucp_mem_map(context_->handle, &mp, &memh);
   if (st != UCS_OK) {
@@ -2031,7 +2123,14 @@ Result<std::shared_ptr<MemoryRegion>> UcxCore::allocate_memory(size_t length, Me
     ucp_mem_unmap(context_->handle, memh);
     return Internal("ucp_mem_query failed on memory UCX just allocated");
   }
-  std::memset(attr.address, 0, length);
+  if (driver != nullptr) {
+    if (Status z = driver->zero(attr.address, length); !z.ok()) {
+      ucp_mem_unmap(context_->handle, memh);
+      return z.with_context("zeroing CUDA memory UCX allocated");
+    }
+  } else {
+    std::memset(attr.address, 0, length);
+  }
   PSLD_ASSIGN_OR_RETURN(auto region,
                         make_region(static_cast<uint8_t*>(attr.address), length, kind, memh));
   return std::shared_ptr<MemoryRegion>(std::move(region));
@@ -2226,6 +2325,9 @@ class UcxTransport final : public Transport {
   ~UcxTransport() override { core_->shutdown(); }
 
   std::string_view name() const override { return "ucx"; }
+  MemorySupport memory_support(MemoryKind kind) const override {
+    return core_->memory_support(kind);
+  }
   std::vector<uint8_t> address() const override { return core_->address(); }
   Result<ConnectionPtr> connect(std::span<const uint8_t> peer_address) override {
     return core_->connect(peer_address);

@@ -34,6 +34,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "transports/cuda_driver.h"
 #include "transports/log.h"
 #include "transports/pending_ops.h"
 #include "transports/registration_cache.h"
@@ -166,12 +167,14 @@ class VerbsRegion final : public MemoryRegion, public std::enable_shared_from_th
  public:
   using Owned = std::unique_ptr<uint8_t, void (*)(void*)>;
   VerbsRegion(uint8_t* data, size_t length, MemoryKind kind, uint64_t id, uint64_t transport_id,
-              uint32_t lkey, uint32_t rkey, std::weak_ptr<Core> core, Owned owned)
+              uint32_t lkey, uint32_t rkey, std::weak_ptr<Core> core, Owned owned,
+              std::string registration)
       : MemoryRegion(data, length, kind, id),
         transport_id_(transport_id),
         lkey_(lkey),
         core_(std::move(core)),
         owned_(std::move(owned)) {
+    registration_ = std::move(registration);
     RemoteKey key;
     key.transport_id = transport_id;
     key.region_id = id;
@@ -307,6 +310,10 @@ class Core : public std::enable_shared_from_this<Core> {
   Result<std::shared_ptr<MemoryRegion>> register_memory(void* data, size_t length, MemoryKind kind);
   Result<std::shared_ptr<MemoryRegion>> allocate_memory(size_t length, MemoryKind kind);
   Status invalidate(void* data, size_t length) { return cache_.invalidate(data, length); }
+  MemorySupport memory_support(MemoryKind kind) const {
+    if (kind == MemoryKind::kHost) return {true, "host memory (ibv_reg_mr)"};
+    return cuda_support_;
+  }
   size_t progress();
   void wait(std::chrono::milliseconds timeout);
   void wake();
@@ -371,6 +378,10 @@ class Core : public std::enable_shared_from_this<Core> {
 
   Result<std::shared_ptr<VerbsRegion>> make_region(uint8_t* data, size_t length, MemoryKind kind,
                                                    VerbsRegion::Owned owned);
+  // Registers GPU memory (pd_mu_ held shared); *how names the call that did.
+  Result<ibv_mr*> register_device_memory_locked(uint8_t* data, size_t length, int access,
+                                                std::string* how);
+  void detect_cuda_support();
 
   // Connection setup (mu_ held).
   ConnPtr make_connection_locked(SideChannel chan, bool outbound, std::string peer);
@@ -430,6 +441,9 @@ class Core : public std::enable_shared_from_this<Core> {
   ibv_device_attr dev_attr_{};
   ibv_port_attr port_attr_{};
   std::string device_name_;
+  // Set once in init(): whether kCuda registration can work in this process.
+  MemorySupport cuda_support_;
+  std::atomic<bool> peermem_fallback_logged_{false};
   uint8_t port_ = 1;
   LinkLayer link_ = LinkLayer::kInfiniBand;
   bool use_grh_ = false;
@@ -496,6 +510,7 @@ Status Core::init() {
   PSLD_RETURN_IF_ERROR(epoll_add(channel_->fd, kTagChannel, EPOLLIN));
   PSLD_RETURN_IF_ERROR(epoll_add(ctx_->async_fd, kTagAsync, EPOLLIN));
   PSLD_RETURN_IF_ERROR(start_listening());
+  detect_cuda_support();
   PSLD_LOG_INFO("verbs: {} port {} ({}, {}), path MTU {}, {} send WRs per QP, SRQ of {}",
                 device_name_, port_, link_ == LinkLayer::kEthernet ? "RoCE" : "InfiniBand",
                 use_grh_ ? fmt::format("GID index {} {}", gid_index_, gid_.to_string())
@@ -747,7 +762,14 @@ Result<std::shared_ptr<VerbsRegion>> Core::make_region(uint8_t* data, size_t len
   // pulled tensors both are). Which peers can write is decided by who gets
   // the key; the NIC enforces its bounds. No REMOTE_READ or atomics: psld
   // never issues them, so a key cannot be used to read our memory.
-  ibv_mr* mr = ibv_reg_mr(pd_, data, length, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+  const int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
+  std::string how = "ibv_reg_mr";
+  ibv_mr* mr = nullptr;
+  if (kind == MemoryKind::kCuda) {
+    PSLD_ASSIGN_OR_RETURN(mr, register_device_memory_locked(data, length, access, &how));
+  } else {
+    mr = ibv_reg_mr(pd_, data, length, access);
+  }
   if (mr == nullptr) {
     const int err = errno;
     if (err == ENOMEM || err == EAGAIN) {
@@ -764,7 +786,81 @@ Result<std::shared_ptr<VerbsRegion>> Core::make_region(uint8_t* data, size_t len
     mrs_[id] = mr;
   }
   return std::make_shared<VerbsRegion>(data, length, kind, id, transport_id_, mr->lkey, mr->rkey,
-                                       weak_from_this(), std::move(owned));
+                                       weak_from_this(), std::move(owned), std::move(how));
+}
+
+// GPU memory: the CUDA driver exports the allocation as a dma-buf fd and the
+// NIC registers that (ibv_reg_dmabuf_mr: the upstream kernel path since Linux
+// 5.12, no out-of-tree module). Where that fails (older kernel or driver, a
+// NIC driver without dma-buf support), ibv_reg_mr on the device pointer works
+// when nvidia-peermem is loaded. The NIC addresses the MR by the pointer
+// (iova = data), so the remote key's address is the same as for host memory.
+void Core::detect_cuda_support() {
+  Result<const CudaDriver*> driver = CudaDriver::get();
+  if (!driver.ok()) {
+    cuda_support_ = {false, fmt::format("{}; psld stages device tensors through host memory",
+                                        driver.status().message())};
+  } else {
+#if PSLD_VERBS_HAVE_DMABUF
+    const bool dmabuf = (*driver)->can_export_dmabuf();
+#else
+    const bool dmabuf = false;
+#endif
+    cuda_support_ = {true, dmabuf ? "ibv_reg_dmabuf_mr on a dma-buf of the allocation "
+                                    "(cuMemGetHandleForAddressRange), else ibv_reg_mr through "
+                                    "nvidia-peermem"
+                                  : "ibv_reg_mr through nvidia-peermem (no dma-buf export: "
+                                    "rdma-core or CUDA driver too old)"};
+  }
+  PSLD_LOG_INFO("verbs: CUDA memory {}: {}",
+                cuda_support_.supported ? "supported" : "not supported", cuda_support_.detail);
+}
+
+Result<ibv_mr*> Core::register_device_memory_locked(uint8_t* data, size_t length, int access,
+                                                    std::string* how) {
+  if (!cuda_support_.supported) {
+    return Unimplemented(
+        fmt::format("verbs cannot register CUDA memory: {}", cuda_support_.detail));
+  }
+  PSLD_ASSIGN_OR_RETURN(const CudaDriver* driver, CudaDriver::get());
+  PSLD_ASSIGN_OR_RETURN(const CudaDriver::Allocation range, driver->allocation_of(data, length));
+  std::string dmabuf_failure;
+#if PSLD_VERBS_HAVE_DMABUF
+  if (Result<int> fd = driver->export_dmabuf(range); fd.ok()) {
+    const uint64_t offset = reinterpret_cast<uintptr_t>(data) - range.base;
+    ibv_mr* mr =
+        ibv_reg_dmabuf_mr(pd_, offset, length, reinterpret_cast<uintptr_t>(data), *fd, access);
+    const int err = errno;
+    // The MR holds its own reference to the dma-buf.
+    ::close(*fd);
+    if (mr != nullptr) {
+      *how = "ibv_reg_dmabuf_mr";
+      return mr;
+    }
+    dmabuf_failure = fmt::format("ibv_reg_dmabuf_mr: {}", errno_text(err));
+  } else {
+    dmabuf_failure = fd.status().message();
+  }
+#else
+  dmabuf_failure = "this rdma-core has no ibv_reg_dmabuf_mr (rdma-core >= 34 has)";
+#endif
+  ibv_mr* mr = ibv_reg_mr(pd_, data, length, access);
+  if (mr == nullptr) {
+    const int err = errno;
+    return Unavailable(fmt::format(
+        "cannot register CUDA memory [{}, +{}) with {}: the dma-buf path failed ({}), and "
+        "ibv_reg_mr on the device pointer failed too ({}; it needs the nvidia-peermem module: "
+        "modprobe nvidia-peermem); psld can stage device tensors through host memory instead",
+        static_cast<void*>(data), length, device_name_, dmabuf_failure, errno_text(err)));
+  }
+  if (!peermem_fallback_logged_.exchange(true)) {
+    PSLD_LOG_INFO(
+        "verbs: CUDA memory registered with ibv_reg_mr (nvidia-peermem) because the "
+        "dma-buf path failed: {}",
+        dmabuf_failure);
+  }
+  *how = "ibv_reg_mr (nvidia-peermem)";
+  return mr;
 }
 
 void Core::deregister(uint64_t region_id) {
@@ -787,17 +883,18 @@ Result<std::shared_ptr<MemoryRegion>> Core::register_memory(void* data, size_t l
   if (data == nullptr || length == 0) {
     return InvalidArgument("register_memory needs a non-null pointer and a non-zero length");
   }
-  if (kind == MemoryKind::kCuda) {
-    // GPU memory plugs in here: export the allocation as a dma-buf
-    // (cuMemGetHandleForAddressRange, CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD) and
-    // register it with ibv_reg_dmabuf_mr(pd_, offset, length, iova=address,
-    // fd, same access flags), falling back to ibv_reg_mr on the device
-    // pointer where nvidia-peermem is loaded. A write's notification then
-    // also needs the data to be visible to the GPU (a flush read or the
-    // NIC's PCIe ordering guarantee), which the GPU issue settles.
-    return Unimplemented("the verbs transport does not register CUDA memory yet (host only)");
+  // CUDA memory: see register_device_memory_locked. Not settled here: whether
+  // the bytes of a write into GPU memory are visible to a CUDA kernel as soon
+  // as its WRITE_WITH_IMM completion arrives. NCCL flushes first (an RDMA
+  // READ of the buffer, or cuFlushGPUDirectRDMAWrites); a server that reduces
+  // landed GPU data may need the same (docs/transports.md, "GPU memory").
+  if (kind != MemoryKind::kHost && kind != MemoryKind::kCuda) {
+    return InvalidArgument("unknown memory kind");
   }
-  if (kind != MemoryKind::kHost) return InvalidArgument("unknown memory kind");
+  if (kind == MemoryKind::kCuda && !cuda_support_.supported) {
+    return Unimplemented(
+        fmt::format("verbs cannot register CUDA memory: {}", cuda_support_.detail));
+  }
   if (auto hit = cache_.find(data, length, kind)) return std::shared_ptr<MemoryRegion>(hit);
   PSLD_ASSIGN_OR_RETURN(auto region, make_region(static_cast<uint8_t*>(data), length, kind,
                                                  VerbsRegion::Owned(nullptr, std::free)));
@@ -807,7 +904,9 @@ Result<std::shared_ptr<MemoryRegion>> Core::register_memory(void* data, size_t l
 Result<std::shared_ptr<MemoryRegion>> Core::allocate_memory(size_t length, MemoryKind kind) {
   if (length == 0) return InvalidArgument("allocate_memory needs a non-zero length");
   if (kind == MemoryKind::kCuda) {
-    return Unimplemented("the verbs transport does not allocate CUDA memory yet (host only)");
+    return Unimplemented(
+        "the verbs transport allocates host memory only; allocate device memory with "
+        "cudaMalloc and register_memory it as kCuda");
   }
   if (kind != MemoryKind::kHost) return InvalidArgument("unknown memory kind");
   if (length > SIZE_MAX - 4095) return ResourceExhausted("allocation size overflows");
@@ -2075,6 +2174,9 @@ class VerbsTransport final : public Transport {
   ~VerbsTransport() override { shutdown(); }
 
   std::string_view name() const override { return "verbs"; }
+  MemorySupport memory_support(MemoryKind kind) const override {
+    return core_->memory_support(kind);
+  }
   std::vector<uint8_t> address() const override { return core_->address(); }
   Result<ConnectionPtr> connect(std::span<const uint8_t> peer_address) override {
     return core_->connect(peer_address);
