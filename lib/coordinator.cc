@@ -4,6 +4,7 @@
 
 #include <random>
 
+#include "lib/epoch_log.h"
 #include "transports/log.h"
 
 namespace psld {
@@ -13,6 +14,14 @@ using transport::Clock;
 using transport::ConnectionPtr;
 
 namespace {
+
+// The servers that own at least one arc of `p`.
+std::set<uint32_t> owners_of(const Placement& p) {
+  std::set<uint32_t> out;
+  for (size_t i = 0; i < p.num_arcs(); ++i)
+    out.insert(p.arc(i).owner);
+  return out;
+}
 
 uint64_t random_nonce() {
   std::random_device rd;
@@ -131,7 +140,12 @@ void CoordinatorService::on_disconnect(const ConnectionPtr& conn, const Status& 
     if (!m.welcomed) return;
     (m.role == MemberRole::kWorker ? workers_ : servers_).erase(m.rank);
     if (!m.said_goodbye && !job_over_ && !stopping_) {
-      fail_job(fmt::format("{} disconnected: {}", describe(m), why.message()));
+      const std::string what = fmt::format("{} disconnected: {}", describe(m), why.message());
+      if (m.role == MemberRole::kServer) {
+        server_lost(m, what);
+      } else {
+        fail_job(what);
+      }
     }
   }
   flush();
@@ -175,6 +189,8 @@ void CoordinatorService::handle_control(const ConnectionPtr& conn, protocol::Mes
     handle_load_report(m, *report);
   } else if (auto* vote = std::get_if<protocol::EpochVote>(&message)) {
     handle_vote(m, *vote);
+  } else if (auto* done = std::get_if<protocol::TransferDone>(&message)) {
+    handle_transfer_done(m, *done);
   } else if (std::holds_alternative<protocol::Shutdown>(message)) {
     m.said_goodbye = true;
     // The acknowledgement lets the member close knowing its goodbye arrived:
@@ -226,8 +242,13 @@ void CoordinatorService::handle_hello(Member& m, const protocol::Hello& hello) {
       return reject(
           fmt::format("{} rank {} is already taken", protocol::role_name(hello.role), rank));
     }
+    if (hello.role == MemberRole::kServer && lost_servers_.count(rank)) {
+      // Workers dropped their connections to it for good.
+      return reject(fmt::format("server rank {} was lost and removed from this job", rank));
+    }
   } else {
-    while (rank < capacity && ranks->count(rank))
+    while (rank < capacity &&
+           (ranks->count(rank) || (hello.role == MemberRole::kServer && lost_servers_.count(rank))))
       ++rank;
     if (rank == capacity) {
       return reject(fmt::format("the job already has all its {} {}s", capacity,
@@ -272,6 +293,7 @@ void CoordinatorService::maybe_start_job() {
     placement_ = std::move(p).value();
   }
   job_started_ = true;
+  ever_owned_ = owners_of(*placement_);
   PSLD_LOG_INFO("coordinator: all {} workers and {} servers joined; job starts",
                 options_.num_workers, options_.num_servers);
   for (const auto& [id, m] : members_) {
@@ -356,6 +378,10 @@ Status CoordinatorService::start_switch(const PlacementDelta& delta) {
 Status CoordinatorService::start_switch_locked(const PlacementDelta& delta) {
   if (!job_started_ || job_over_) return FailedPrecondition("the job is not running");
   if (switch_) return FailedPrecondition("an epoch switch is in flight");
+  if (transfer_) {
+    return FailedPrecondition(
+        fmt::format("the transfer of epoch {} is not final yet", placement_->epoch()));
+  }
   if (delta.from_epoch != placement_->epoch()) {
     return FailedPrecondition(fmt::format("the delta starts from epoch {}, the job is at {}",
                                           delta.from_epoch, placement_->epoch()));
@@ -380,8 +406,8 @@ void CoordinatorService::send_prepare() {
   sw.switch_round = std::max(max_round_ + sw.margin, last_switch_round_ + 1);
   sw.yes.clear();
   for (const auto& [rank, id] : servers_) {
-    post(members_.at(id).conn,
-         protocol::EpochChange{false, sw.next.epoch(), sw.switch_round, sw.delta_bytes});
+    post(members_.at(id).conn, protocol::EpochChange{protocol::EpochStep::kPrepare, sw.next.epoch(),
+                                                     sw.switch_round, sw.delta_bytes, 0});
   }
 }
 
@@ -399,20 +425,170 @@ void CoordinatorService::handle_vote(const Member& m, const protocol::EpochVote&
     return;
   }
   sw.yes.insert(m.rank);
-  if (sw.yes.size() < servers_.size()) return;
-  // Everyone agreed: commit, servers first.
-  const protocol::EpochChange commit{true, sw.next.epoch(), sw.switch_round, sw.delta_bytes};
+  maybe_commit();
+}
+
+// mu_ held.
+void CoordinatorService::maybe_commit() {
+  if (!switch_) return;
+  for (const auto& [rank, id] : servers_) {
+    if (!switch_->yes.count(rank)) return;
+  }
+  commit_switch();
+}
+
+// mu_ held. Everyone agreed: commit, servers first.
+void CoordinatorService::commit_switch() {
+  Switch& sw = *switch_;
+  const protocol::EpochChange commit{protocol::EpochStep::kCommit, sw.next.epoch(), sw.switch_round,
+                                     sw.delta_bytes, 0};
   for (const auto& [rank, id] : servers_)
     post(members_.at(id).conn, commit);
   for (const auto& [rank, id] : workers_)
     post(members_.at(id).conn, commit);
   PSLD_LOG_INFO("coordinator: epoch {} from round {} ({} ranges move)", sw.next.epoch(),
                 sw.switch_round, sw.delta.assignments.size());
+  Placement before = std::move(*placement_);
   placement_ = std::move(sw.next);
   last_switch_round_ = sw.switch_round;
   switch_.reset();
   ++switches_;
+  begin_transfer(std::move(before));
+  // Servers lost while this switch was voted on held nothing then: what it
+  // gave them goes back now.
+  for (uint32_t rank : std::exchange(pending_losses_, {}))
+    publish_abort(rank);
   cv_.notify_all();
+}
+
+// mu_ held. A transfer is tracked (and blocks the next switch until final)
+// only when a server that never owned anything gains keys in it: only such a
+// server can die without losing state, and only its transfer can be
+// aborted. Other switches end as they always did, in the background.
+void CoordinatorService::begin_transfer(Placement before) {
+  bool abortable = false;
+  for (uint32_t s : owners_of(*placement_))
+    abortable = abortable || !ever_owned_.count(s);
+  if (!abortable) {
+    ever_owned_.merge(owners_of(*placement_));
+    return;
+  }
+  Transfer t{last_switch_round_, std::move(before), {}, {}};
+  for_each_overlap(t.before, *placement_, [&](uint64_t, uint64_t, ServerId was, ServerId now) {
+    if (was != now) t.waiting.insert(was);
+  });
+  transfer_.emplace(std::move(t));
+  finish_transfer_if_done();
+}
+
+// mu_ held.
+void CoordinatorService::finish_transfer_if_done() {
+  if (!transfer_ || !transfer_->waiting.empty()) return;
+  // From now on the new owners hold state like any other owner.
+  ever_owned_.merge(owners_of(*placement_));
+  const protocol::EpochFinal final{placement_->epoch(), transfer_->switch_round};
+  for (const auto& [rank, id] : servers_)
+    post(members_.at(id).conn, final);
+  PSLD_LOG_DEBUG("coordinator: the transfer of epoch {} at round {} is final", final.epoch,
+                 final.switch_round);
+  transfer_.reset();
+  cv_.notify_all();
+}
+
+void CoordinatorService::handle_transfer_done(const Member& m, const protocol::TransferDone& done) {
+  if (m.role != protocol::Role::kServer || !transfer_) return;
+  // By switch round, not epoch: an abort changes the epoch of the same
+  // transfer, and what a server shipped for the first still counts.
+  if (done.switch_round != transfer_->switch_round) return;
+  if (done.late_keys > 0) {
+    PSLD_LOG_WARN(
+        "coordinator: server {} reports the transfer at round {} done with {} keys that have not "
+        "reached the switch; they move when they do",
+        m.rank, done.switch_round, done.late_keys);
+  }
+  transfer_->reported.insert(m.rank);
+  transfer_->waiting.erase(m.rank);
+  finish_transfer_if_done();
+}
+
+// mu_ held. A server that never owned an arc outside an open transfer holds
+// no state: nothing it gained was applied, answered or accepted before
+// EpochFinal (protocol.h), so it can go without losing anything. Any other
+// server may hold parameters nobody else has (also one that owns nothing
+// now: it may still be shipping what it owned).
+void CoordinatorService::server_lost(const Member& m, const std::string& what) {
+  if (!job_started_) return fail_job(what);
+  if (ever_owned_.count(m.rank)) {
+    const size_t arcs = placement_->arcs_of(m.rank).size();
+    return fail_job(fmt::format(
+        "{}; it held parameters ({}) that exist nowhere else, so the job cannot go on", what,
+        arcs > 0 ? fmt::format("{} ranges of epoch {}", arcs, placement_->epoch())
+                 : std::string("ranges it owned before, maybe not all shipped")));
+  }
+  lost_servers_.insert(m.rank);
+  PSLD_LOG_WARN(
+      "coordinator: {}; it held nothing but keys in transfer, so the job goes on without it", what);
+  if (switch_) {
+    // No vote is awaited from it; once the others agreed, the switch
+    // commits and what it gave this server goes back.
+    switch_->yes.erase(m.rank);
+    pending_losses_.insert(m.rank);
+    maybe_commit();
+    return;
+  }
+  publish_abort(m.rank);
+  cv_.notify_all();
+}
+
+// mu_ held.
+void CoordinatorService::publish_abort(uint32_t rank) {
+  const Placement& now = *placement_;
+  if (now.find_server(rank) == nullptr) return;  // an idle standby: nothing to take back
+  const Placement& before = transfer_ ? transfer_->before : now;
+  PlacementDelta delta;
+  delta.from_epoch = now.epoch();
+  delta.to_epoch = now.epoch() + 1;
+  delta.membership.push_back(MembershipChange::remove(rank));
+  for_each_overlap(before, now, [&](uint64_t lo, uint64_t hi, ServerId was, ServerId owner) {
+    if (owner != rank) return;
+    auto& as = delta.assignments;
+    if (!as.empty() && as.back().owner == was && as.back().hi + 1 == lo) {
+      as.back().hi = hi;  // one range where neighbours go back to the same server
+    } else {
+      as.push_back({lo, hi, was});
+    }
+  });
+  auto next = now.apply(delta);
+  std::vector<uint8_t> bytes = delta.serialize();
+  if (!next.ok() || bytes.size() > protocol::kMaxDeltaBytes) {
+    return fail_job(fmt::format(
+        "server {} was lost during a transfer, and giving its ranges back failed: {}", rank,
+        next.ok() ? fmt::format("the delta has {} bytes, more than one message holds", bytes.size())
+                  : next.status().to_string()));
+  }
+  const uint64_t round = transfer_ ? transfer_->switch_round : last_switch_round_;
+  const protocol::EpochChange abort{protocol::EpochStep::kAbort, next->epoch(), round, bytes, rank};
+  for (const auto& [r, id] : servers_)
+    post(members_.at(id).conn, abort);
+  for (const auto& [r, id] : workers_)
+    post(members_.at(id).conn, abort);
+  PSLD_LOG_INFO(
+      "coordinator: epoch {} from round {}: server {} removed, {} ranges back to their "
+      "owners",
+      next->epoch(), round, rank, delta.assignments.size());
+  placement_ = std::move(next).value();
+  ++aborts_;
+  if (transfer_) {
+    // The rest of the transfer goes on; old owners that lost only to the
+    // lost server have nothing left to ship.
+    transfer_->waiting.clear();
+    for_each_overlap(transfer_->before, *placement_,
+                     [&](uint64_t, uint64_t, ServerId was, ServerId owner) {
+                       if (was != owner && !transfer_->reported.count(was))
+                         transfer_->waiting.insert(was);
+                     });
+    finish_transfer_if_done();
+  }
 }
 
 // mu_ held. The balancer sees one window per server per decision: what the
@@ -428,7 +604,14 @@ void CoordinatorService::balance() {
   const uint64_t window_epoch = decision_epoch_;
   last_decision_ = now;
   decision_round_ = max_round_;
-  decision_epoch_ = placement_->epoch();
+  // The window beginning now counts for the newest epoch only once that
+  // epoch serves every round: its switch round passed and its state
+  // transfer final. Until then it holds rounds of the previous epoch and the
+  // migration itself (a scale-out of 3 MiB per round was rolled back in
+  // psld bench stragglers S5 on such a window).
+  const bool serving = placement_->epoch() == 0 ||
+                       (!transfer_ && max_round_ > last_switch_round_);
+  decision_epoch_ = serving ? placement_->epoch() : placement_->epoch() - 1;
   if (first || rounds == 0) return;  // nothing measured yet
   const uint64_t seq = balancer_->decisions() + 1;
   BalancerInput input;
@@ -488,7 +671,17 @@ uint64_t CoordinatorService::epoch() const {
 
 bool CoordinatorService::switching() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return switch_.has_value();
+  return switch_.has_value() || transfer_.has_value();
+}
+
+bool CoordinatorService::transferring() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return transfer_.has_value();
+}
+
+uint64_t CoordinatorService::aborts() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return aborts_;
 }
 
 uint64_t CoordinatorService::switches() const {
@@ -529,20 +722,35 @@ void CoordinatorService::monitor() {
     cv_.wait_for(lock, options_.heartbeat_interval / 2);
     if (stopping_ || job_over_) continue;
     const auto now = Clock::now();
-    for (const auto& [id, m] : members_) {
-      if (!m.welcomed || m.said_goodbye) continue;
-      if (now - m.last_seen > options_.heartbeat_timeout) {
-        fail_job(fmt::format("{} sent no heartbeat for {} ms", describe(m),
-                             options_.heartbeat_timeout.count()));
+    std::vector<ConnectionPtr> silent_servers;
+    for (auto it = members_.begin(); it != members_.end();) {
+      const Member m = it->second;
+      if (!m.welcomed || m.said_goodbye || now - m.last_seen <= options_.heartbeat_timeout) {
+        ++it;
+        continue;
+      }
+      const std::string what = fmt::format("{} sent no heartbeat for {} ms", describe(m),
+                                           options_.heartbeat_timeout.count());
+      if (m.role != MemberRole::kServer) {
+        fail_job(what);
         break;
       }
+      // Out of the job for good: its connection is closed (below, without
+      // our lock) so that a server that only hung learns it.
+      it = members_.erase(it);
+      servers_.erase(m.rank);
+      silent_servers.push_back(m.conn);
+      server_lost(m, what);
+      if (job_over_) break;
     }
-    if (balancer_ && job_started_ && !job_over_ && !switch_ &&
+    if (balancer_ && job_started_ && !job_over_ && !switch_ && !transfer_ &&
         now - last_decision_ >= options_.balancer_interval) {
       balance();
     }
     lock.unlock();
     flush();
+    for (auto& conn : silent_servers)
+      conn->close();
     lock.lock();
   }
 }

@@ -2,7 +2,10 @@
 // §2). Admits members (challenge-response with the job secret), assigns
 // ranks, hands out the server list and the epoch-0 placement, agrees tensor
 // ids, runs barriers, and watches heartbeats: a member that disconnects or
-// falls silent fails the job with a message naming it, on every member.
+// falls silent fails the job with a message naming it, on every member,
+// except a server that held nothing but keys of a transfer that is not final:
+// that transfer is aborted and the job goes on without it
+// (docs/migration.md, "Abort").
 #pragma once
 
 #include <chrono>
@@ -42,17 +45,22 @@ class CoordinatorService final : public Endpoint {
 
   // Starts a placement epoch switch (DESIGN.md §7): the servers prepare it at
   // a switch round ahead of every worker, vote, and once all agree everyone
-  // commits it. FailedPrecondition while another switch is in flight or when
-  // delta does not start from the current epoch; InvalidArgument when it does
-  // not apply or is too large for one message.
+  // commits it; its transfer is final once every old owner shipped what it
+  // loses. FailedPrecondition while another switch or its transfer is in
+  // flight or when delta does not start from the current epoch;
+  // InvalidArgument when it does not apply or is too large for one message.
   Status propose(const PlacementDelta& delta);
   // A copy of the committed placement.
   Placement current_placement() const;
-  // The last committed epoch, and whether a switch is in flight.
+  // The last committed epoch, and whether a switch (or the transfer of the
+  // last one) is in flight: propose() waits for that to end.
   uint64_t epoch() const;
   bool switching() const;
-  // Epoch switches committed so far, and prepares sent (retries included).
+  bool transferring() const;
+  // Epoch switches committed so far (aborts not counted).
   uint64_t switches() const;
+  // Transfers aborted because a server gaining keys died.
+  uint64_t aborts() const;
   const Placement* placement() const { return placement_ ? &*placement_ : nullptr; }
 
  private:
@@ -94,7 +102,20 @@ class CoordinatorService final : public Endpoint {
   void handle_register(Member& m, const protocol::RegisterTensor& reg);
   void handle_load_report(const Member& m, const protocol::LoadReport& report);
   void handle_vote(const Member& m, const protocol::EpochVote& vote);
+  void handle_transfer_done(const Member& m, const protocol::TransferDone& done);
   void send_prepare();
+  // Commits the switch once every live server voted yes.
+  void maybe_commit();
+  void commit_switch();
+  // Tracks the committed switch's transfer (from `before`) when it can be
+  // aborted; final at once when nothing moves.
+  void begin_transfer(Placement before);
+  void finish_transfer_if_done();
+  // A server is gone (`what` says how). Fails the job when it held state;
+  // else removes it and aborts its part of the transfer.
+  void server_lost(const Member& m, const std::string& what);
+  // Publishes the epoch that takes the lost server out (EpochStep::kAbort).
+  void publish_abort(uint32_t rank);
   // One balancer decision over the load reported since the last (mu_ held).
   void balance();
   Status start_switch(const PlacementDelta& delta);
@@ -128,6 +149,24 @@ class CoordinatorService final : public Endpoint {
     std::set<uint32_t> yes;
   };
   std::optional<Switch> switch_;
+  // The transfer of the last committed switch when a server that never
+  // owned anything gains keys in it, until every old owner said TransferDone
+  // and EpochFinal went out. No switch starts meanwhile, so an abort always
+  // concerns the newest epoch. Other switches are not tracked.
+  struct Transfer {
+    uint64_t switch_round = 0;
+    Placement before;            // the committed placement it started from
+    std::set<uint32_t> waiting;  // old owners that have not reported yet
+    std::set<uint32_t> reported;
+  };
+  std::optional<Transfer> transfer_;
+  std::set<uint32_t> lost_servers_;    // removed after they died; their ranks stay taken
+  std::set<uint32_t> pending_losses_;  // lost while a switch was being voted on
+  // Servers that owned arcs in a placement that is final (every committed
+  // one but that of an open transfer): they may hold parameters nobody else
+  // has, so their death fails the job.
+  std::set<uint32_t> ever_owned_;
+  uint64_t aborts_ = 0;
   uint64_t max_round_ = 0;  // the highest round any member reported
   // The balancer, when enabled, and what its last decision had seen.
   std::optional<Balancer> balancer_;

@@ -6,8 +6,14 @@
 // it does not own in the same way, so both sides agree without a barrier.
 // The log keeps the last kMaxEpochs epochs: a round older than the oldest
 // switch kept is routed by the oldest epoch kept.
+//
+// Two neighbouring epochs may share a switch round: an abort epoch takes the
+// newest one's place for every round it would have served (docs/migration.md,
+// "Abort"), so the earlier of the two serves no round at all. The log stays
+// append-only and epoch numbers monotonic.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -60,7 +66,7 @@ class EpochLog {
   }
 
   // Appends the next epoch. The caller checks that placement is the next
-  // epoch and switch_round is not below the latest one.
+  // epoch and switch_round is not below the latest one (equal: an abort).
   void push(std::shared_ptr<const Placement> placement, uint64_t switch_round) {
     entries_.push_back({std::move(placement), switch_round});
     while (entries_.size() > kMaxEpochs)
@@ -73,5 +79,21 @@ class EpochLog {
  private:
   std::deque<Entry> entries_;
 };
+
+// Calls fn(lo, hi, owner in a, owner in b) for every piece [lo, hi] of the
+// hash space that lies inside one arc of each placement, in hash order: what
+// going from `a` to `b` moves, range by range. O(arcs of a + arcs of b).
+template <typename Fn>
+void for_each_overlap(const Placement& a, const Placement& b, Fn&& fn) {
+  size_t i = 0, j = 0;
+  while (i < a.num_arcs() && j < b.num_arcs()) {
+    const Arc x = a.arc(i), y = b.arc(j);
+    const uint64_t hi = std::min(x.hi, y.hi);
+    fn(std::max(x.lo, y.lo), hi, x.owner, y.owner);
+    // Both rings end at UINT64_MAX, so both indexes run out together.
+    if (x.hi == hi) ++i;
+    if (y.hi == hi) ++j;
+  }
+}
 
 }  // namespace psld

@@ -156,6 +156,15 @@ bool MemberSession::handle(const ConnectionPtr& conn, protocol::Message& message
     }
     return true;
   }
+  if (auto* f = std::get_if<protocol::EpochFinal>(&message)) {
+    FinalFn fn;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      fn = on_final_;
+    }
+    if (fn) fn(*f);
+    return true;
+  }
   std::lock_guard<std::mutex> lock(mu_);
   if (auto* w = std::get_if<protocol::Welcome>(&message)) {
     welcome_ = *w;
@@ -373,6 +382,11 @@ void MemberSession::report_failure(const std::string& reason) {
   if (conn) (void)endpoint_.send(conn, protocol::JobFailed{reason});
 }
 
+void MemberSession::on_tick(TickFn fn) {
+  std::lock_guard<std::mutex> lock(tick_mu_);
+  tick_ = std::move(fn);
+}
+
 void MemberSession::heartbeat_loop() {
   uint64_t seq = 0;
   std::unique_lock<std::mutex> lock(mu_);
@@ -386,6 +400,10 @@ void MemberSession::heartbeat_loop() {
     ConnectionPtr conn = coordinator_;
     lock.unlock();
     if (conn && conn->is_open()) (void)endpoint_.send(conn, protocol::Heartbeat{++seq});
+    {
+      std::lock_guard<std::mutex> tick(tick_mu_);
+      if (tick_) tick_();
+    }
     lock.lock();
   }
 }

@@ -72,6 +72,19 @@ class MemberSession {
     std::lock_guard<std::mutex> lock(mu_);
     on_epoch_ = std::move(fn);
   }
+  // The end of a transfer (EpochFinal, servers) goes to `fn`, like on_epoch.
+  using FinalFn = std::function<void(const protocol::EpochFinal&)>;
+  void on_final(FinalFn fn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    on_final_ = std::move(fn);
+  }
+  // `fn` runs on the heartbeat thread once per heartbeat interval, from
+  // join() until it is replaced: the owner's clock for deadlines that no
+  // message may ever come to check (a transfer's fallback, a lost server's
+  // grace period). Replacing it (with nullptr before the owner goes away)
+  // waits for a call in progress; `fn` must not call on_tick itself.
+  using TickFn = std::function<void()>;
+  void on_tick(TickFn fn);
   // Sends a message to the coordinator (Unavailable when not connected).
   Status send_to_coordinator(const protocol::Message& message);
   void start_reports(std::chrono::milliseconds interval, ReportFn make);
@@ -114,6 +127,9 @@ class MemberSession {
   std::thread heartbeat_;
   std::thread reporter_;
   EpochFn on_epoch_;           // guarded by mu_
+  FinalFn on_final_;           // guarded by mu_
+  std::mutex tick_mu_;         // held while tick_ runs
+  TickFn tick_;                // guarded by tick_mu_
   bool reports_stop_ = false;  // guarded by mu_
 };
 

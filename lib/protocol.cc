@@ -342,14 +342,18 @@ bool get(WireReader& r, Error* m) {
 }
 
 void put(WireWriter& w, const EpochChange& m) {
-  w.u8(m.commit ? 1 : 0);
+  w.u8(static_cast<uint8_t>(m.step));
   w.u64(m.epoch);
   w.u64(m.switch_round);
   w.blob(m.delta);
+  w.u32(m.lost_server);
 }
 bool get(WireReader& r, EpochChange* m) {
-  return read_bool(r, &m->commit) && r.u64(&m->epoch) && r.u64(&m->switch_round) &&
-         read_bytes(r, &m->delta, kMaxDeltaBytes);
+  uint8_t step = 0;
+  if (!r.u8(&step) || step > static_cast<uint8_t>(EpochStep::kAbort)) return false;
+  m->step = static_cast<EpochStep>(step);
+  return r.u64(&m->epoch) && r.u64(&m->switch_round) && read_bytes(r, &m->delta, kMaxDeltaBytes) &&
+         r.u32(&m->lost_server);
 }
 
 void put(WireWriter& w, const EpochVote& m) {
@@ -376,6 +380,34 @@ bool get(WireReader& r, StateRequest* m) {
          read_dtype(r, &m->dtype) && r.u64(&m->bytes) && read_bytes(r, &m->region, kMaxBlobBytes);
 }
 
+void put(WireWriter& w, const StateOffer& m) {
+  w.u64(m.key);
+  w.u64(m.switch_round);
+  w.u8(static_cast<uint8_t>(m.dtype));
+  w.u64(m.bytes);
+}
+bool get(WireReader& r, StateOffer* m) {
+  return r.u64(&m->key) && r.u64(&m->switch_round) && m->switch_round > 0 &&
+         read_dtype(r, &m->dtype) && r.u64(&m->bytes);
+}
+
+void put(WireWriter& w, const TransferDone& m) {
+  w.u64(m.epoch);
+  w.u64(m.switch_round);
+  w.u64(m.late_keys);
+}
+bool get(WireReader& r, TransferDone* m) {
+  return r.u64(&m->epoch) && r.u64(&m->switch_round) && r.u64(&m->late_keys);
+}
+
+void put(WireWriter& w, const EpochFinal& m) {
+  w.u64(m.epoch);
+  w.u64(m.switch_round);
+}
+bool get(WireReader& r, EpochFinal* m) {
+  return r.u64(&m->epoch) && r.u64(&m->switch_round);
+}
+
 // The wire type of each alternative of Message, in variant order.
 constexpr Type kTypes[] = {
     Type::kChallenge,      Type::kHello,        Type::kWelcome,
@@ -386,7 +418,8 @@ constexpr Type kTypes[] = {
     Type::kGrant,          Type::kTensorKey,    Type::kPushMeta,
     Type::kPullRequest,    Type::kCredit,       Type::kMoved,
     Type::kError,          Type::kAck,          Type::kEpochChange,
-    Type::kEpochVote,      Type::kStateRequest,
+    Type::kEpochVote,      Type::kStateRequest, Type::kStateOffer,
+    Type::kTransferDone,   Type::kEpochFinal,
 };
 static_assert(std::size(kTypes) == std::variant_size_v<Message>);
 
@@ -395,7 +428,7 @@ constexpr const char* kNames[] = {
     "RegisterTensor", "TensorInfo",   "BarrierEnter", "BarrierRelease", "Heartbeat",  "JobFailed",
     "Shutdown",       "LoadReport",   "WorkerHello",  "Grant",          "TensorKey",  "PushMeta",
     "PullRequest",    "Credit",       "Moved",        "Error",          "Ack",        "EpochChange",
-    "EpochVote",      "StateRequest",
+    "EpochVote",      "StateRequest", "StateOffer",   "TransferDone",   "EpochFinal",
 };
 static_assert(std::size(kNames) == std::variant_size_v<Message>);
 
@@ -477,6 +510,18 @@ std::string_view dtype_name(DType dtype) {
       return "fp16";
     case DType::kBF16:
       return "bf16";
+  }
+  return "unknown";
+}
+
+std::string_view epoch_step_name(EpochStep step) {
+  switch (step) {
+    case EpochStep::kPrepare:
+      return "prepare";
+    case EpochStep::kCommit:
+      return "commit";
+    case EpochStep::kAbort:
+      return "abort";
   }
   return "unknown";
 }

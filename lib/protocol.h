@@ -22,8 +22,16 @@
 //                           tensor, notify = tag
 //   coordinator -> servers: EpochChange(prepare) -> EpochVote; then
 //                           EpochChange(commit) to every member (DESIGN.md §7)
+//   old owner -> new owner: StateOffer (a key reached the switch and nobody
+//                           asked for it yet)
 //   new owner -> old owner: StateRequest -> a write of the key's state into
 //                           the new owner's region, notify = tag
+//   old owner -> coordinator: TransferDone, once every key it loses shipped;
+//                           coordinator -> servers: EpochFinal once every old
+//                           owner said so (the transfer can no longer be undone)
+//   coordinator -> all    : EpochChange(abort) when a server that was only
+//                           gaining keys died before EpochFinal
+//                           (docs/migration.md)
 #pragma once
 
 #include <cstdint>
@@ -37,7 +45,9 @@
 
 namespace psld::protocol {
 
-inline constexpr uint16_t kVersion = 1;
+// 2: EpochChange carries a step and a lost server; TransferDone, EpochFinal
+// and StateOffer.
+inline constexpr uint16_t kVersion = 2;
 
 enum class Role : uint8_t { kWorker = 1, kServer = 2, kCoordinator = 3 };
 std::string_view role_name(Role role);
@@ -79,6 +89,9 @@ enum class Type : uint16_t {
   kEpochChange = 29,
   kEpochVote = 30,
   kStateRequest = 31,
+  kStateOffer = 32,
+  kTransferDone = 33,
+  kEpochFinal = 34,
 };
 
 struct Challenge {
@@ -270,12 +283,23 @@ struct Ack {
 // applied), earlier rounds under the epochs before. `prepare` goes to the
 // servers, which from then on refuse rounds >= switch_round of keys they
 // lose and vote; `commit` goes to everyone once every server voted yes.
+//
+// `abort` is committed without a vote, servers first: server `lost_server`,
+// which never owned keys outside a transfer that is not final, died; this
+// epoch (same switch_round as the newest) gives every range it was gaining
+// back to the owner it had before that transfer and removes it.
+// Nothing moves between live servers, so no server can have taken a round
+// this epoch takes away. Every member drops its connections to the lost
+// server for good; workers send what it never answered to the owners again.
 inline constexpr size_t kMaxDeltaBytes = 7168;
+enum class EpochStep : uint8_t { kPrepare = 0, kCommit = 1, kAbort = 2 };
+std::string_view epoch_step_name(EpochStep step);
 struct EpochChange {
-  bool commit = false;
+  EpochStep step = EpochStep::kPrepare;
   uint64_t epoch = 0;
   uint64_t switch_round = 0;
   std::vector<uint8_t> delta;  // PlacementDelta::serialize()
+  uint32_t lost_server = 0;    // abort only
 };
 // A server's answer to a prepare: no when it already took a round >=
 // switch_round of a key it would lose; max_round is the highest round it has
@@ -299,11 +323,43 @@ struct StateRequest {
   std::vector<uint8_t> region;
 };
 
-using Message =
-    std::variant<Challenge, Hello, Welcome, Reject, ServerList, PlacementChunk, RegisterTensor,
-                 TensorInfo, BarrierEnter, BarrierRelease, Heartbeat, JobFailed, Shutdown,
-                 LoadReport, WorkerHello, Grant, TensorKey, PushMeta, PullRequest, Credit, Moved,
-                 Error, Ack, EpochChange, EpochVote, StateRequest>;
+// An old owner tells a key's new owner that the key reached the switch
+// (round switch_round - 1 is applied) and nobody asked for its state yet:
+// the new owner answers with a StateRequest as if a request of the key had
+// arrived. Without it a key that no worker touches after the switch (or one
+// a worker touches only after another gated key moved on) would never ship,
+// and the transfer would never end.
+struct StateOffer {
+  Key key = 0;
+  uint64_t switch_round = 0;
+  DType dtype = DType::kF32;
+  uint64_t bytes = 0;  // of the chunk, in dtype
+};
+// An old owner to the coordinator: every key it holds that leaves it at
+// switch_round has been shipped (the one-sided write completed), or, with
+// late_keys > 0, the switch arrived here two heartbeat timeouts ago and that
+// many keys have not reached it yet: they ship when they do. The coordinator
+// waits for these only where the transfer can be aborted.
+struct TransferDone {
+  uint64_t epoch = 0;
+  uint64_t switch_round = 0;
+  uint64_t late_keys = 0;
+};
+// The coordinator to every server: every old owner reported TransferDone for
+// the transfer at switch_round, in which a server that had never owned keys
+// gained some. That server held their rounds >= switch_round (no update, no
+// pull answered, no plain push accepted) so that the transfer could still be
+// aborted; from now on it serves them, and its death fails the job.
+struct EpochFinal {
+  uint64_t epoch = 0;
+  uint64_t switch_round = 0;
+};
+
+using Message = std::variant<Challenge, Hello, Welcome, Reject, ServerList, PlacementChunk,
+                             RegisterTensor, TensorInfo, BarrierEnter, BarrierRelease, Heartbeat,
+                             JobFailed, Shutdown, LoadReport, WorkerHello, Grant, TensorKey,
+                             PushMeta, PullRequest, Credit, Moved, Error, Ack, EpochChange,
+                             EpochVote, StateRequest, StateOffer, TransferDone, EpochFinal>;
 
 std::vector<uint8_t> encode(const Message& message);
 // DataLoss with what was wrong for anything malformed.

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <set>
 #include <thread>
 #include <unordered_map>
 
@@ -63,9 +64,19 @@ struct ServerService::KeyState {
   uint64_t owned_from = 0;
   std::shared_ptr<transport::MemoryRegion> incoming;
   std::vector<StateWork> successors;  // state requests waiting for their round
+  // Gained at a switch while this server owned nothing before: rounds >= the
+  // switch are held (not applied, no pull answered, no plain push accepted)
+  // until the transfer is final, so an abort can still give the key back.
+  bool awaiting_final = false;
+  // As an old owner, the switch round this run last offered its state at,
+  // started shipping it at, and shipped it at (the write completed).
+  uint64_t offered_round = 0;
+  uint64_t shipping_round = 0;
+  uint64_t shipped_round = 0;
 };
 
 struct ServerService::Shard {
+  size_t index = 0;
   std::mutex mu;
   std::condition_variable cv;
   std::deque<Work> queue;
@@ -74,6 +85,10 @@ struct ServerService::Shard {
   std::unordered_map<Key, std::vector<std::unique_ptr<KeyState>>> keys;
   std::map<uint64_t, std::vector<uint32_t>> credits;   // connection -> freed slots
   std::map<uint64_t, std::vector<uint32_t>> accepted;  // connection -> plain push tags taken
+  // The keys (runs) this shard still has to ship for the transfer at
+  // out_round (0: none scanned yet).
+  uint64_t out_round = 0;
+  std::set<std::pair<Key, uint64_t>> outgoing;
   std::thread thread;
 };
 
@@ -102,6 +117,7 @@ Result<std::unique_ptr<ServerService>> ServerService::start(const RuntimeOptions
   PSLD_RETURN_IF_ERROR(s->Endpoint::start(options.endpoint));
   for (uint32_t i = 0; i < options.server_threads; ++i) {
     s->shards_.push_back(std::make_unique<Shard>());
+    s->shards_.back()->index = i;
   }
   for (auto& shard : s->shards_) {
     Shard* raw = shard.get();
@@ -109,10 +125,13 @@ Result<std::unique_ptr<ServerService>> ServerService::start(const RuntimeOptions
   }
   s->session_.on_epoch(
       [srv = s.get()](const protocol::EpochChange& e) { srv->on_epoch_change(e); });
+  s->session_.on_final([srv = s.get()](const protocol::EpochFinal& f) { srv->on_final(f); });
+  s->session_.on_tick([srv = s.get()] { srv->on_tick(); });
   PSLD_RETURN_IF_ERROR(s->session_.join(s->transport().address()));
   {
     std::lock_guard<std::mutex> lock(s->epoch_mu_);
     s->epochs_.emplace(s->session_.placement());
+    s->owned_ever_ = !s->epochs_->latest().arcs_of(s->rank()).empty();
   }
   s->session_.start_reports(options.stats_interval, [srv = s.get()](uint64_t window_ns) {
     std::vector<protocol::Message> out;
@@ -154,8 +173,12 @@ ServerService::~ServerService() {
 
 void ServerService::shutdown() {
   if (stopping_.exchange(true)) return;
+  session_.on_tick(nullptr);  // the tick reads what is torn down below
   session_.stop_reports();
-  stop();  // no more handler calls after this
+  // The shard threads first: they dial peers, register memory and write,
+  // none of which the transport may see after its shutdown (a server can be
+  // stopped in the middle of a transfer). Work the progress thread queues
+  // meanwhile stays queued.
   for (auto& shard : shards_) {
     {
       std::lock_guard<std::mutex> lock(shard->mu);
@@ -166,6 +189,7 @@ void ServerService::shutdown() {
   for (auto& shard : shards_) {
     if (shard->thread.joinable()) shard->thread.join();
   }
+  stop();  // no more handler calls after this
   std::lock_guard<std::mutex> lock(conns_mu_);
   conns_.clear();
 }
@@ -217,7 +241,9 @@ uint64_t ServerService::newest_epoch() const {
 std::optional<std::pair<uint64_t, ServerId>> ServerService::gained(Key key, uint64_t round) const {
   // Walk back from the epoch that serves `round` while this server owns the
   // key: where that run of epochs starts, the key arrived from the owner
-  // before it.
+  // before it. An epoch followed by one with the same switch round (an
+  // aborted transfer) served no round and is skipped, so an old owner that
+  // got its keys back continues its run.
   // Runs on every request: no allocation, and nothing to walk before the
   // first switch.
   std::lock_guard<std::mutex> lock(epoch_mu_);
@@ -237,10 +263,17 @@ std::optional<std::pair<uint64_t, ServerId>> ServerService::gained(Key key, uint
   if (i == 0) return std::nullopt;
   --i;  // the epoch that serves `round`
   const ServerId me = rank();
-  while (i > 0 && owner(i - 1) == me)
-    --i;
-  if (i == 0 || switch_round(i) == 0) return std::nullopt;
-  return std::make_pair(switch_round(i), owner(i - 1));
+  size_t start = i;  // the earliest epoch of this server's run found so far
+  for (size_t j = i; j > 0; --j) {
+    const size_t prev = j - 1;
+    if (switch_round(prev) == switch_round(j)) continue;  // served no round
+    if (owner(prev) != me) {
+      if (switch_round(start) == 0) return std::nullopt;
+      return std::make_pair(switch_round(start), owner(prev));
+    }
+    start = prev;
+  }
+  return std::nullopt;  // held since the oldest epoch kept
 }
 
 ConnectionPtr ServerService::worker_connection(uint64_t conn_id) const {
@@ -314,6 +347,17 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
       return;
     }
     dispatch(req->key, StateWork{conn->id(), *req, *region});
+    return;
+  }
+  if (auto* offer = std::get_if<protocol::StateOffer>(&message)) {
+    // An old owner says a key it loses to this server reached the switch.
+    if (offer->bytes == 0 || offer->bytes > session_.welcome().chunk_bytes ||
+        offer->bytes % protocol::dtype_bytes(offer->dtype) != 0) {
+      PSLD_LOG_WARN("server {}: a state offer for key {:#x} of an invalid size ignored", rank(),
+                    offer->key);
+      return;
+    }
+    dispatch(offer->key, Offered{*offer});
     return;
   }
   std::unique_lock<std::mutex> lock(conns_mu_);
@@ -436,6 +480,16 @@ void ServerService::dispatch(Key key, Work work) {
   shard.cv.notify_one();
 }
 
+void ServerService::dispatch_all(const Work& work) {
+  for (auto& shard : shards_) {
+    {
+      std::lock_guard<std::mutex> lock(shard->mu);
+      shard->queue.push_back(work);
+    }
+    shard->cv.notify_one();
+  }
+}
+
 // ---- Shard threads: all key state lives here.
 
 void ServerService::shard_loop(Shard& shard) {
@@ -456,13 +510,19 @@ void ServerService::shard_loop(Shard& shard) {
 
 void ServerService::process(Shard& shard, Work& work) {
   if (auto* push = std::get_if<PushWork>(&work)) {
+    if (push->requeued) {
+      process_push(shard, *push);  // its arrival was counted the first time
+      return;
+    }
     const uint64_t arc = arc_of(push->meta.key);
     load_->record(arc, LoadMetric::kBytesIn, static_cast<double>(push->meta.bytes));
     load_->record(arc, LoadMetric::kQueueNs, ns_since(push->arrived));
     process_push(shard, *push);
     load_->end_service();  // reduced, parked for a later round, or refused
   } else if (auto* pull = std::get_if<PullWork>(&work)) {
-    load_->record(arc_of(pull->req.key), LoadMetric::kQueueNs, ns_since(pull->arrived));
+    if (!pull->requeued) {
+      load_->record(arc_of(pull->req.key), LoadMetric::kQueueNs, ns_since(pull->arrived));
+    }
     process_pull(shard, *pull);
   } else if (auto* sw = std::get_if<StateWork>(&work)) {
     const protocol::StateRequest& req = sw->req;
@@ -473,15 +533,47 @@ void ServerService::process(Shard& shard, Work& work) {
           rank(), req.key, req.switch_round - 1);
       return;
     }
+    if (owner_for(req.key, req.switch_round) == rank()) {
+      // The key stays here after all: an abort gave it back before the
+      // request of the (lost) successor arrived.
+      PSLD_LOG_DEBUG("server {}: a state request for key {:#x} at round {} is void", rank(),
+                     req.key, req.switch_round);
+      return;
+    }
     KeyState& k = key_state(shard, req.key, req.dtype, req.bytes, req.switch_round - 1);
     k.successors.push_back(*sw);
-    maybe_ship(k);
+    maybe_ship(shard, k);
   } else if (auto* arrived = std::get_if<StateArrived>(&work)) {
     KeyState* k = find_run(shard, arrived->key, arrived->run);
     if (k != nullptr && k->awaiting_state) install_state(shard, *k);
+  } else if (auto* scan = std::get_if<TransferScan>(&work)) {
+    scan_outgoing(shard, scan->switch_round);
+  } else if (auto* done = std::get_if<ShipDone>(&work)) {
+    if (!done->ok) return;  // logged where it failed; the key stays to ship
+    {
+      std::lock_guard<std::mutex> lock(stats_mu_);
+      ++stats_.states_out;
+    }
+    if (KeyState* k = find_run(shard, done->key, done->run)) k->shipped_round = done->switch_round;
+    if (shard.out_round == done->switch_round && shard.outgoing.erase({done->key, done->run})) {
+      note_outgoing(shard);
+    }
+  } else if (auto* offered = std::get_if<Offered>(&work)) {
+    const protocol::StateOffer& o = offered->offer;
+    // Only a key this server gains at that very switch: anything else is a
+    // stale offer (the transfer was aborted, or the key moved on since).
+    if (owner_for(o.key, o.switch_round) != rank()) return;
+    const auto g = gained(o.key, o.switch_round);
+    if (!g || g->first != o.switch_round) return;
+    (void)key_state(shard, o.key, o.dtype, o.bytes, o.switch_round);  // asks for the state
+  } else if (auto* release = std::get_if<Release>(&work)) {
+    release_final(shard, release->switch_round);
+  } else if (auto* dial = std::get_if<Dial>(&work)) {
+    for (ServerId id : dial->servers)
+      (void)peer(id);
   } else {
-    const PullDone& done = std::get<PullDone>(work);
-    KeyState* found = find_run(shard, done.key, done.run);
+    const PullDone& pd = std::get<PullDone>(work);
+    KeyState* found = find_run(shard, pd.key, pd.run);
     if (found == nullptr) return;
     KeyState& k = *found;
     if (k.inflight > 0) --k.inflight;
@@ -490,12 +582,12 @@ void ServerService::process(Shard& shard, Work& work) {
         k.apply_pending = false;
         apply_round(shard, k);
       }
-      while (k.inflight == 0 && !k.deferred.empty() && !k.awaiting_state) {
+      while (k.inflight == 0 && !k.deferred.empty() && !k.awaiting_state && !k.awaiting_final) {
         PushWork next = std::move(k.deferred.front());
         k.deferred.pop_front();
         process_push(shard, next);
       }
-      maybe_ship(k);
+      maybe_ship(shard, k);
     }
   }
 }
@@ -538,7 +630,21 @@ ServerService::KeyState& ServerService::key_state(Shard& shard, Key key, DType d
     auto acc = transport().register_memory(k.acc.get(), bytes, transport::MemoryKind::kHost);
     if (acc.ok()) k.acc_region = *acc;  // else: apply copies, as for other keys
   }
-  if (g) request_state(k, g->first, g->second);
+  if (g) {
+    k.awaiting_final = hold_until_final(k.owned_from);
+    request_state(k, g->first, g->second);
+  }
+  // A run that holds round out_round - 1 of a key leaving at out_round,
+  // created after this shard looked for such keys: it ships too.
+  const uint64_t leaving_at = shard.out_round;
+  if (leaving_at > 0 && round < leaving_at && owner_for(key, leaving_at - 1) == rank() &&
+      owner_for(key, leaving_at) != rank()) {
+    const auto held = gained(key, leaving_at - 1);
+    if ((held ? held->first : 0) == k.owned_from) {
+      shard.outgoing.insert({key, k.owned_from});
+      note_outgoing(shard);
+    }
+  }
   return k;
 }
 
@@ -603,6 +709,10 @@ void ServerService::request_state(KeyState& k, uint64_t switch_round, ServerId f
     if (req.tag == 0) req.tag = next_state_tag_++;
     incoming_[{conn->id(), req.tag}] = {k.key, k.owned_from};
   }
+  {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    ++stats_.states_requested;
+  }
   PSLD_LOG_DEBUG("server {}: key {:#x} moves here at round {}; asking server {} for it", rank(),
                  k.key, switch_round, from);
   Status st = send(conn, req);
@@ -639,8 +749,16 @@ void ServerService::install_state(Shard& shard, KeyState& k) {
   std::fill(k.last_round.begin(), k.last_round.end(), k.state_round - 1);
   k.awaiting_state = false;
   k.incoming.reset();
+  {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    ++stats_.states_in;
+  }
   PSLD_LOG_DEBUG("server {}: key {:#x} arrived as of round {}", rank(), k.key, k.version);
-  // Serve what waited for it.
+  if (k.awaiting_final) return;  // served once the transfer is final
+  resume(shard, k);
+}
+
+void ServerService::resume(Shard& shard, KeyState& k) {
   serve_ready_pulls(shard, k);
   release_parked(shard, k);
   while (k.inflight == 0 && !k.deferred.empty()) {
@@ -648,11 +766,11 @@ void ServerService::install_state(Shard& shard, KeyState& k) {
     k.deferred.pop_front();
     process_push(shard, next);
   }
-  maybe_ship(k);
+  maybe_ship(shard, k);
 }
 
 bool ServerService::ready_to_ship(const KeyState& k, uint64_t switch_round) const {
-  if (k.awaiting_state) return false;
+  if (k.awaiting_state || k.awaiting_final) return false;
   if (options_.sync == SyncMode::kBsp) return k.version >= switch_round - 1;
   // Async and staleness: every worker's pushes of this run's rounds up to the
   // switch are applied (counted: pushes may be applied out of round order).
@@ -664,17 +782,19 @@ bool ServerService::ready_to_ship(const KeyState& k, uint64_t switch_round) cons
   return true;
 }
 
-void ServerService::maybe_ship(KeyState& k) {
-  if (k.successors.empty()) return;
-  std::vector<StateWork> still;
-  for (auto& w : k.successors) {
-    if (ready_to_ship(k, w.req.switch_round)) {
-      ship_state(k, w);
-    } else {
-      still.push_back(std::move(w));
+void ServerService::maybe_ship(Shard& shard, KeyState& k) {
+  if (!k.successors.empty()) {
+    std::vector<StateWork> still;
+    for (auto& w : k.successors) {
+      if (ready_to_ship(k, w.req.switch_round)) {
+        ship_state(k, w);
+      } else {
+        still.push_back(std::move(w));
+      }
     }
+    k.successors.swap(still);
   }
-  k.successors.swap(still);
+  maybe_offer(shard, k);
 }
 
 // Parameter, then the two moments (zeros when the optimizer keeps none),
@@ -706,12 +826,18 @@ void ServerService::ship_state(KeyState& k, const StateWork& w) {
   // Both regions must outlive the write (an emulated link queues it).
   auto region = *staging;
   auto target = w.region;
-  Status st =
-      conn->write({region.get(), 0, target.get(), 0, bytes, w.req.tag}, [region, target](Status s) {
-        if (!s.ok()) {
-          PSLD_LOG_ERROR("shipping a key's state failed: {}", s.to_string());
-        }
-      });
+  k.shipping_round = w.req.switch_round;
+  const Key key = k.key;
+  const uint64_t run = k.owned_from, round = w.req.switch_round;
+  Status st = conn->write({region.get(), 0, target.get(), 0, bytes, w.req.tag},
+                          [this, region, target, key, run, round](Status s) {
+                            if (!s.ok()) {
+                              PSLD_LOG_ERROR("shipping the state of key {:#x} failed: {}", key,
+                                             s.to_string());
+                            }
+                            // Completed: the transfer may be done (docs/migration.md).
+                            dispatch(key, ShipDone{key, run, round, s.ok()});
+                          });
   if (!st.ok()) {
     PSLD_LOG_ERROR("server {}: shipping key {:#x}: {}", rank(), k.key, st.to_string());
   }
@@ -740,36 +866,260 @@ void ServerService::release_parked(Shard& shard, KeyState& k) {
 }
 
 void ServerService::on_epoch_change(const protocol::EpochChange& change) {
+  using protocol::EpochStep;
   protocol::EpochVote vote{change.epoch, change.switch_round, false, 0};
+  bool scan = false;
+  Dial dial;  // the servers this switch brings keys from
+  std::vector<std::tuple<uint64_t, Key, Work>> wake;
   {
     std::lock_guard<std::mutex> lock(epoch_mu_);
-    if (change.commit) {
-      if (!prepared_ || prepared_->epoch != change.epoch) {
-        PSLD_LOG_ERROR("server {}: commit of epoch {} that was not prepared", rank(), change.epoch);
+    const ServerId me = rank();
+    if (change.step == EpochStep::kPrepare) {
+      auto next = epochs_->follow(change.epoch, change.delta);
+      if (!next.ok()) {
+        PSLD_LOG_ERROR("server {}: a prepare refused: {}", me, next.status().to_string());
         return;
       }
-      epochs_->push(prepared_->placement, change.switch_round);
+      // A round at or past the switch already seen here means the switch is
+      // too early: vote no and change nothing (a push this server took must
+      // never be refused later). Otherwise, from here on rounds >=
+      // switch_round of the keys this server loses are refused. Pushes arrive
+      // on this same thread, so none slips in between.
+      vote.max_round = max_round_seen_.load();
+      vote.yes = vote.max_round < change.switch_round;
+      if (vote.yes) {
+        // Gaining keys, never having owned any: all this server will hold
+        // is the transfer, which an abort can undo until it is final (the
+        // coordinator decides by the same rule).
+        if (!owned_ever_ && !(*next)->arcs_of(me).empty()) {
+          gate_round_ = change.switch_round;
+          gate_final_ = false;
+        }
+        prepared_ = Prepared{change.epoch, change.switch_round, *next};
+        for_each_overlap(
+            epochs_->latest(), **next, [&](uint64_t, uint64_t, ServerId was, ServerId now) {
+              if (now == me && was != me &&
+                  std::find(dial.servers.begin(), dial.servers.end(), was) == dial.servers.end())
+                dial.servers.push_back(was);
+            });
+      }
+    } else {
+      std::shared_ptr<const Placement> next;
+      if (change.step == EpochStep::kCommit) {
+        if (!prepared_ || prepared_->epoch != change.epoch) {
+          PSLD_LOG_ERROR("server {}: commit of epoch {} that was not prepared", me, change.epoch);
+          return;
+        }
+        next = prepared_->placement;
+      } else {
+        // An abort is committed without a prepare: it only takes keys away
+        // from the lost server (protocol.h).
+        auto n = epochs_->follow(change.epoch, change.delta);
+        if (!n.ok()) {
+          PSLD_LOG_ERROR("server {}: an abort refused: {}", me, n.status().to_string());
+          return;
+        }
+        next = *n;
+      }
       prepared_.reset();
-      PSLD_LOG_INFO("server {}: epoch {} from round {}", rank(), change.epoch, change.switch_round);
-      return;
-    }
-    auto next = epochs_->follow(change.epoch, change.delta);
-    if (!next.ok()) {
-      PSLD_LOG_ERROR("server {}: a prepare refused: {}", rank(), next.status().to_string());
-      return;
-    }
-    // A round at or past the switch already seen here means the switch is
-    // too early: vote no and change nothing (a push this server took must
-    // never be refused later). Otherwise, from here on rounds >=
-    // switch_round of the keys this server loses are refused. Pushes arrive
-    // on this same thread, so none slips in between.
-    vote.max_round = max_round_seen_.load();
-    vote.yes = vote.max_round < change.switch_round;
-    if (vote.yes) {
-      prepared_ = Prepared{change.epoch, change.switch_round, *next};
+      bool losing = false;
+      for_each_overlap(epochs_->latest(), *next, [&](uint64_t, uint64_t, ServerId a, ServerId b) {
+        losing = losing || (a == me && b != me);
+      });
+      epochs_->push(next, change.switch_round);
+      const bool held = !gate_final_ && gate_round_ == change.switch_round;
+      if (!held && !next->arcs_of(me).empty()) owned_ever_ = true;
+      if (change.step == EpochStep::kCommit) {
+        transfer_ = Transfer{change.epoch,
+                             change.switch_round,
+                             losing,
+                             /*reported=*/!losing,
+                             std::vector<int64_t>(shards_.size(), -1),
+                             {}};
+        scan = losing;
+      } else if (transfer_.switch_round == change.switch_round) {
+        // The same transfer without the lost server: what this server still
+        // has to ship is looked for again (keys given back no longer count).
+        transfer_.epoch = change.epoch;
+        std::fill(transfer_.pending.begin(), transfer_.pending.end(), -1);
+        scan = transfer_.losing;
+      }
+      PSLD_LOG_INFO("server {}: epoch {} from round {}{}", me, change.epoch, change.switch_round,
+                    change.step == EpochStep::kAbort
+                        ? fmt::format(" (server {} lost: its transfer aborted)", change.lost_server)
+                        : "");
+      // Requests that waited for this epoch are looked at again.
+      const uint64_t newest = change.epoch;
+      std::vector<std::tuple<uint64_t, Key, Work>> still;
+      for (auto& f : future_) {
+        (std::get<0>(f) <= newest ? wake : still).push_back(std::move(f));
+      }
+      future_.swap(still);
     }
   }
-  (void)session_.send_to_coordinator(vote);
+  if (change.step == EpochStep::kPrepare) {
+    (void)session_.send_to_coordinator(vote);
+    // Connected ahead (on a shard thread: a dial blocks), so that the first
+    // state request of the switch does not wait for a connection.
+    if (!dial.servers.empty()) dispatch(0, std::move(dial));
+    return;
+  }
+  if (change.step == EpochStep::kAbort) forget_peer(change.lost_server);
+  if (scan) dispatch_all(TransferScan{change.switch_round});
+  for (auto& [epoch, key, work] : wake)
+    dispatch(key, std::move(work));
+}
+
+void ServerService::on_final(const protocol::EpochFinal& final) {
+  {
+    std::lock_guard<std::mutex> lock(epoch_mu_);
+    if (gate_final_ || gate_round_ != final.switch_round) return;
+    gate_final_ = true;
+    owned_ever_ = true;
+  }
+  PSLD_LOG_INFO("server {}: the transfer at round {} is final; serving the keys it brought", rank(),
+                final.switch_round);
+  dispatch_all(Release{final.switch_round});
+}
+
+bool ServerService::hold_until_final(uint64_t run) const {
+  std::lock_guard<std::mutex> lock(epoch_mu_);
+  return run != 0 && run == gate_round_ && !gate_final_;
+}
+
+bool ServerService::wait_for_epoch(uint64_t epoch, Key key, Work work) {
+  std::lock_guard<std::mutex> lock(epoch_mu_);
+  const uint64_t newest = prepared_ ? prepared_->epoch : epochs_->latest().epoch();
+  if (epoch <= newest || future_.size() >= kMaxWaitingForEpoch) return false;
+  std::visit(
+      [](auto& w) {
+        if constexpr (requires { w.requeued; }) w.requeued = true;
+      },
+      work);
+  future_.emplace_back(epoch, key, std::move(work));
+  return true;
+}
+
+void ServerService::forget_peer(ServerId id) {
+  ConnectionPtr conn;
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    auto it = peers_.find(id);
+    if (it == peers_.end()) return;
+    conn = it->second;
+    peers_.erase(it);
+    for (auto in = incoming_.begin(); in != incoming_.end();) {
+      in = in->first.first == conn->id() ? incoming_.erase(in) : std::next(in);
+    }
+  }
+  conn->close();  // for good: the coordinator removed it from the job
+}
+
+void ServerService::on_tick() {
+  std::optional<protocol::TransferDone> report;
+  {
+    std::lock_guard<std::mutex> lock(epoch_mu_);
+    Transfer& t = transfer_;
+    if (t.switch_round == 0 || !t.losing || t.reported) return;
+    const auto now = transport::Clock::now();
+    if (t.reached == transport::Clock::time_point{} && max_round_seen_.load() + 1 >= t.switch_round)
+      t.reached = now;
+    // Twice the heartbeat timeout: longer than the coordinator takes to
+    // find a successor that hung, whose transfer must still be abortable.
+    if (t.reached == transport::Clock::time_point{} ||
+        now - t.reached < 2 * options_.heartbeat_timeout) {
+      return;
+    }
+    int64_t late = 0;
+    for (int64_t p : t.pending) {
+      if (p < 0) return;  // a shard has not looked yet
+      late += p;
+    }
+    // The switch arrived here two heartbeat timeouts ago and some keys are
+    // still not at it (a tensor pushed less often than others, or not at
+    // all any more): waiting for them could hold the gained keys, and the
+    // workers waiting on them, forever. They ship when they get there.
+    t.reported = true;
+    report = protocol::TransferDone{t.epoch, t.switch_round, static_cast<uint64_t>(late)};
+  }
+  PSLD_LOG_INFO(
+      "server {}: {} keys leaving at round {} have not reached it {} ms after the switch; "
+      "reporting the transfer done without them",
+      rank(), report->late_keys, report->switch_round, 2 * options_.heartbeat_timeout.count());
+  (void)session_.send_to_coordinator(*report);
+}
+
+void ServerService::note_outgoing(const Shard& shard) {
+  std::optional<protocol::TransferDone> report;
+  {
+    std::lock_guard<std::mutex> lock(epoch_mu_);
+    Transfer& t = transfer_;
+    if (t.reported || shard.out_round != t.switch_round) return;
+    t.pending[shard.index] = static_cast<int64_t>(shard.outgoing.size());
+    for (int64_t p : t.pending) {
+      if (p != 0) return;
+    }
+    t.reported = true;
+    report = protocol::TransferDone{t.epoch, t.switch_round, 0};
+  }
+  PSLD_LOG_DEBUG("server {}: every key leaving at round {} shipped", rank(), report->switch_round);
+  (void)session_.send_to_coordinator(*report);
+}
+
+// The keys of this shard that leave at switch_round and were not shipped
+// yet: each must ship before the transfer is done.
+void ServerService::scan_outgoing(Shard& shard, uint64_t switch_round) {
+  const ServerId me = rank();
+  shard.out_round = switch_round;
+  shard.outgoing.clear();
+  std::vector<KeyState*> leaving;
+  for (auto& [key, runs] : shard.keys) {
+    if (owner_for(key, switch_round) == me) {
+      // Stays here, or came back with an abort: requests for it at this
+      // switch came from a successor that is gone.
+      for (auto& r : runs) {
+        std::erase_if(r->successors,
+                      [&](const StateWork& w) { return w.req.switch_round == switch_round; });
+      }
+      continue;
+    }
+    if (owner_for(key, switch_round - 1) != me) continue;
+    const auto held = gained(key, switch_round - 1);
+    KeyState* k = find_run(shard, key, held ? held->first : 0);
+    if (k == nullptr || k->shipped_round == switch_round) continue;
+    shard.outgoing.insert({key, k->owned_from});
+    leaving.push_back(k);
+  }
+  note_outgoing(shard);
+  for (KeyState* k : leaving)
+    maybe_offer(shard, *k);
+}
+
+void ServerService::maybe_offer(Shard& shard, KeyState& k) {
+  const uint64_t t = shard.out_round;
+  if (t == 0 || k.offered_round == t || k.shipping_round == t) return;
+  if (!shard.outgoing.count({k.key, k.owned_from})) return;
+  for (const auto& w : k.successors) {
+    if (w.req.switch_round == t) return;  // asked for already
+  }
+  if (!ready_to_ship(k, t)) return;
+  k.offered_round = t;
+  const ServerId to = owner_for(k.key, t);
+  ConnectionPtr conn = peer(to);
+  if (!conn) return;  // logged by peer()
+  PSLD_LOG_DEBUG("server {}: offering key {:#x} to server {} at round {}", rank(), k.key, to, t);
+  (void)send(conn, protocol::StateOffer{k.key, t, k.dtype, k.bytes});
+}
+
+void ServerService::release_final(Shard& shard, uint64_t switch_round) {
+  for (auto& [key, runs] : shard.keys) {
+    for (auto& r : runs) {
+      KeyState& k = *r;
+      if (!k.awaiting_final || k.owned_from != switch_round) continue;
+      k.awaiting_final = false;
+      if (!k.awaiting_state) resume(shard, k);  // else once the state lands
+    }
+  }
 }
 
 void ServerService::flush_credits(Shard& shard) {
@@ -832,6 +1182,7 @@ void ServerService::process_push(Shard& shard, PushWork& w) {
   const protocol::PushMeta& meta = w.meta;
   const uint64_t round = (meta.flags & protocol::kPushInit) ? 0 : meta.round;
   if (owner_for(meta.key, round) != rank()) {
+    if (wait_for_epoch(meta.epoch, meta.key, w)) return;  // keeps its slot meanwhile
     free_slot(shard, w.conn, meta.slot);
     send_moved(w.conn, meta.tag, meta.key);
     return;
@@ -850,6 +1201,16 @@ void ServerService::process_push(Shard& shard, PushWork& w) {
     ++stats_.pushes;
   }
   const bool then_pull = (meta.flags & protocol::kPushThenPull) != 0;
+  if (k.awaiting_final) {
+    // Held, not taken: if this server dies before the transfer is final,
+    // the worker still has the push to send to the old owner again.
+    if (options_.sync == SyncMode::kBsp) {
+      k.parked[meta.round].push_back(w);
+    } else {
+      k.deferred.push_back(w);
+    }
+    return;
+  }
   // A plain push completes at the worker once taken here (reduced or kept).
   if (!then_pull && !w.taken) {
     shard.accepted[w.conn].push_back(meta.tag);
@@ -998,7 +1359,7 @@ void ServerService::apply_round(Shard& shard, KeyState& k) {
   }
   // Serve the pulls this round satisfies.
   serve_ready_pulls(shard, k);
-  maybe_ship(k);
+  maybe_ship(shard, k);
   // BSP: pushes parked for the next round can be reduced now.
   if (bsp) release_parked(shard, k);
 }
@@ -1020,6 +1381,7 @@ bool ServerService::pull_ready(const KeyState& k, const protocol::PullRequest& r
 
 void ServerService::process_pull(Shard& shard, PullWork& w) {
   if (owner_for(w.req.key, w.req.round) != rank()) {
+    if (wait_for_epoch(w.req.epoch, w.req.key, w)) return;
     send_moved(w.conn, w.req.tag, w.req.key);
     return;
   }
@@ -1031,7 +1393,7 @@ void ServerService::process_pull(Shard& shard, PullWork& w) {
                                            w.req.bytes, protocol::dtype_name(w.req.dtype))));
     return;
   }
-  if (!k.awaiting_state && pull_ready(k, w.req)) {
+  if (!k.awaiting_state && !k.awaiting_final && pull_ready(k, w.req)) {
     serve_pull(shard, k, w);
   } else {
     k.waiting.push_back(w);

@@ -17,6 +17,7 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "lib/epoch_log.h"
@@ -32,6 +33,11 @@ struct ServerStats {
   uint64_t bytes_out = 0;
   uint64_t rounds_applied = 0;
   uint64_t rejected = 0;  // malformed or not-owned requests answered with an error or Moved
+  // Migration: key states this server asked for, states that landed here,
+  // and states shipped from here (their write completed).
+  uint64_t states_requested = 0;
+  uint64_t states_in = 0;
+  uint64_t states_out = 0;
 };
 
 class ServerService final : public Endpoint {
@@ -58,12 +64,14 @@ class ServerService final : public Endpoint {
     const uint8_t* data = nullptr;  // the landing slot
     uint32_t worker = 0;
     transport::Clock::time_point arrived{};
-    bool taken = false;  // the worker was told the push was accepted
+    bool taken = false;     // the worker was told the push was accepted
+    bool requeued = false;  // queued again after waiting for an epoch: load already counted
   };
   struct PullWork {
     uint64_t conn = 0;
     protocol::PullRequest req;
     transport::Clock::time_point arrived{};
+    bool requeued = false;
   };
   struct PullDone {
     Key key = 0;
@@ -80,7 +88,30 @@ class ServerService final : public Endpoint {
     Key key = 0;
     uint64_t run = 0;
   };
-  using Work = std::variant<PushWork, PullWork, PullDone, StateWork, StateArrived>;
+  // Migration bookkeeping (docs/migration.md): find the keys this shard
+  // ships at a switch; a shipping write completed; an old owner offers a key;
+  // the transfer at a switch became final.
+  struct TransferScan {
+    uint64_t switch_round = 0;
+  };
+  struct ShipDone {
+    Key key = 0;
+    uint64_t run = 0;
+    uint64_t switch_round = 0;
+    bool ok = false;
+  };
+  struct Offered {
+    protocol::StateOffer offer;
+  };
+  struct Release {
+    uint64_t switch_round = 0;
+  };
+  // Connect to the servers a prepared switch brings keys from.
+  struct Dial {
+    std::vector<ServerId> servers;
+  };
+  using Work = std::variant<PushWork, PullWork, PullDone, StateWork, StateArrived, TransferScan,
+                            ShipDone, Offered, Release, Dial>;
 
   struct KeyState;
   struct Shard;
@@ -93,6 +124,7 @@ class ServerService final : public Endpoint {
 
   void handle_worker_message(const transport::ConnectionPtr& conn, protocol::Message& message);
   void dispatch(Key key, Work work);
+  void dispatch_all(const Work& work);  // to every shard
   void shard_loop(Shard& shard);
   void process(Shard& shard, Work& work);
   void process_push(Shard& shard, PushWork& w);
@@ -116,6 +148,9 @@ class ServerService final : public Endpoint {
   void flush_credits(Shard& shard);
   // Migration (DESIGN.md §7).
   void on_epoch_change(const protocol::EpochChange& change);
+  void on_final(const protocol::EpochFinal& final);
+  // The heartbeat thread's clock: the transfer's fallback report.
+  void on_tick();
   // Who serves round `round` of `key`: the committed epochs, and a prepared
   // epoch from its switch round on.
   ServerId owner_for(Key key, uint64_t round) const;
@@ -126,9 +161,25 @@ class ServerService final : public Endpoint {
   void request_state(KeyState& k, uint64_t switch_round, ServerId from);
   KeyState* find_run(Shard& shard, Key key, uint64_t run);
   void install_state(Shard& shard, KeyState& k);
+  // Serves what waited for the key's state (or for EpochFinal).
+  void resume(Shard& shard, KeyState& k);
   bool ready_to_ship(const KeyState& k, uint64_t switch_round) const;
   void ship_state(KeyState& k, const StateWork& w);
-  void maybe_ship(KeyState& k);
+  void maybe_ship(Shard& shard, KeyState& k);
+  // The transfer this server is an old owner in (docs/migration.md).
+  void scan_outgoing(Shard& shard, uint64_t switch_round);
+  void maybe_offer(Shard& shard, KeyState& k);
+  // Publishes the shard's count of keys still to ship; reports TransferDone
+  // once every shard is done.
+  void note_outgoing(const Shard& shard);
+  void release_final(Shard& shard, uint64_t switch_round);
+  // True when a run that began at `run` must wait for EpochFinal.
+  bool hold_until_final(uint64_t run) const;
+  // Keeps a request that names a newer epoch than this server knows (an
+  // abort reaches workers and servers in any order) until that epoch
+  // arrives; false when the request is to be answered now.
+  bool wait_for_epoch(uint64_t epoch, Key key, Work work);
+  void forget_peer(ServerId id);
   void release_parked(Shard& shard, KeyState& k);
   void serve_ready_pulls(Shard& shard, KeyState& k);
   transport::ConnectionPtr peer(ServerId id);
@@ -146,6 +197,28 @@ class ServerService final : public Endpoint {
     std::shared_ptr<const Placement> placement;
   };
   std::optional<Prepared> prepared_;
+  // The transfer of the newest switch this server loses keys in: it reports
+  // TransferDone once every shard shipped what it must (guarded by epoch_mu_).
+  struct Transfer {
+    uint64_t epoch = 0;
+    uint64_t switch_round = 0;  // 0: none
+    bool losing = false;
+    bool reported = false;
+    std::vector<int64_t> pending;            // per shard: keys to ship; -1: not scanned yet
+    transport::Clock::time_point reached{};  // when round switch_round - 1 was first seen
+  };
+  Transfer transfer_;
+  // This server gained keys at gate_round_ and had never owned any before:
+  // their runs wait for EpochFinal, so that the coordinator can still give
+  // them back if this server dies (guarded by epoch_mu_).
+  uint64_t gate_round_ = 0;
+  bool gate_final_ = true;
+  // This server owned keys in a placement that is final: it is never such a
+  // server again (guarded by epoch_mu_).
+  bool owned_ever_ = false;
+  // Requests that name an epoch newer than this server's, with that epoch.
+  static constexpr size_t kMaxWaitingForEpoch = 4096;
+  std::vector<std::tuple<uint64_t, Key, Work>> future_;  // guarded by epoch_mu_
   std::atomic<uint64_t> max_round_seen_{0};
   // Connections this server dialled to other servers (migration), by id.
   std::mutex peers_mu_;

@@ -52,6 +52,7 @@ Result<std::unique_ptr<WorkerService>> WorkerService::start(const RuntimeOptions
   ep.options.common.listen_address.clear();  // workers only dial
   PSLD_RETURN_IF_ERROR(w->Endpoint::start(ep));
   w->session_.on_epoch([wk = w.get()](const protocol::EpochChange& e) { wk->on_epoch_change(e); });
+  w->session_.on_tick([wk = w.get()] { wk->on_tick(); });
   PSLD_RETURN_IF_ERROR(w->session_.join({}));
   std::vector<protocol::EpochChange> early;
   {
@@ -161,7 +162,7 @@ void WorkerService::on_control(const ConnectionPtr& conn, protocol::Message&& me
       pump(*s);
     } else if (auto* a = std::get_if<protocol::Ack>(&message)) {
       auto it = acks_wanted_.find(a->request);
-      if (it != acks_wanted_.end() && it->second > 0) --it->second;
+      if (it != acks_wanted_.end()) it->second.erase(s->rank);
       cv_.notify_all();
     } else if (auto* e = std::get_if<protocol::Error>(&message)) {
       Status st(static_cast<StatusCode>(e->code),
@@ -195,11 +196,99 @@ void WorkerService::on_disconnect(const ConnectionPtr& conn, const Status& why) 
     cv_.notify_all();
     return;
   }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ServerConn* s = server_of(conn);
+    if (s == nullptr || stopped_) return;
+    // Not a failure yet: a server that held nothing but keys in transfer
+    // can be lost without losing anything; the coordinator decides.
+    server_lost(*s, Unavailable(fmt::format("lost server {}: {}", s->rank, why.message())));
+    cv_.notify_all();
+  }
+  flush();
+}
+
+void WorkerService::server_lost(ServerConn& s, const Status& why) {
+  if (s.lost) return;
+  s.lost = true;
+  s.lost_why = why;
+  const auto deadline = Clock::now() + orphan_grace();
+  PSLD_LOG_WARN(
+      "worker {}: {}; what it did not answer goes where the coordinator says (at most {} ms "
+      "from now)",
+      session_.welcome().rank, why.message(), orphan_grace().count());
+  // The worker still holds everything the server did not answer: a plain
+  // push completes only once accepted, a push_pull once its pull landed,
+  // and a server gaining keys accepts and answers nothing of them before
+  // the transfer is final.
+  std::vector<uint32_t> tags;
+  for (const auto& [tag, p] : pending_) {
+    if (p.server == s.rank) tags.push_back(tag);
+  }
+  for (uint32_t tag : tags) {
+    auto it = pending_.find(tag);
+    if (it == pending_.end()) continue;  // the other half of a push_pull
+    Pending p = std::move(it->second);
+    pending_.erase(it);
+    if (p.other_tag != 0) pending_.erase(p.other_tag);
+    orphans_.push_back({std::move(p.op), s.rank, deadline, why});
+  }
+  for (auto& op : s.backlog)
+    orphans_.push_back({std::move(op), s.rank, deadline, why});
+  s.backlog.clear();
+  s.free_slots.clear();
+  for (auto& [request, want] : acks_wanted_)
+    want.erase(s.rank);
+  // Dropped for good, also when it was only silent: whatever it sends later
+  // is not listened to.
+  ConnectionPtr conn = s.conn;
+  outbox_.push_back([conn] { conn->close(); });
+}
+
+void WorkerService::op_failed(uint32_t rank, const ConnectionPtr& conn, uint32_t tag,
+                              const Status& why) {
+  auto it = servers_.find(rank);
+  if (it == servers_.end() || it->second.conn != conn) return finish_tag(tag, why);
+  if (!conn->is_open()) {
+    server_lost(it->second, Unavailable(fmt::format("lost server {}: {}", rank, why.message())));
+    return;
+  }
+  // A server that is going away may refuse before its connection says so
+  // (a dying loopback peer deregisters its memory first): such an operation
+  // did not reach it and waits for the coordinator like a lost server's.
+  // Anything else fails at once, a timeout above all: the write may have
+  // landed, and sending it again could count it twice.
+  const StatusCode code = why.code();
+  if (code != StatusCode::kNotFound && code != StatusCode::kUnavailable &&
+      code != StatusCode::kAborted) {
+    return finish_tag(tag, why);
+  }
+  auto p = pending_.find(tag);
+  if (p == pending_.end()) return;
+  Pending op = std::move(p->second);
+  pending_.erase(p);
+  if (op.other_tag != 0) pending_.erase(op.other_tag);
+  orphans_.push_back({std::move(op.op), rank, Clock::now() + orphan_grace(),
+                      Unavailable(fmt::format("server {}: {}", rank, why.message()))});
+}
+
+void WorkerService::on_tick() {
   std::lock_guard<std::mutex> lock(mu_);
-  ServerConn* s = server_of(conn);
-  if (s == nullptr || stopped_) return;
-  fail_everything(Unavailable(fmt::format("lost server {}: {}", s->rank, why.message())));
-  cv_.notify_all();
+  if (stopped_ || orphans_.empty()) return;
+  const auto now = Clock::now();
+  std::vector<Orphan> still;
+  for (auto& o : orphans_) {
+    if (now < o.deadline) {
+      still.push_back(std::move(o));
+      continue;
+    }
+    o.op.request->complete_part(Unavailable(fmt::format(
+        "{}, and within {} ms the coordinator neither moved its keys nor failed the job "
+        "(tensor {} chunk {} round {})",
+        o.why.message(), orphan_grace().count(), tensors_[o.op.tensor].name, o.op.chunk,
+        o.op.round)));
+  }
+  orphans_.swap(still);
 }
 
 void WorkerService::fail_everything(const Status& why) {
@@ -213,6 +302,12 @@ void WorkerService::fail_everything(const Status& why) {
       op.request->complete_part(st);
     s.backlog.clear();
   }
+  for (auto& m : moved_)
+    m.op.request->complete_part(st);
+  moved_.clear();
+  for (auto& o : orphans_)
+    o.op.request->complete_part(st);
+  orphans_.clear();
 }
 
 void WorkerService::finish_tag(uint32_t tag, const Status& status) {
@@ -303,9 +398,12 @@ Result<uint32_t> WorkerService::register_tensor(const std::string& name, DType d
     {
       std::lock_guard<std::mutex> lock(mu_);
       request = next_request_++;
-      acks_wanted_[request] = static_cast<uint32_t>(servers_.size());
-      for (auto& [r, s] : servers_)
+      auto& want = acks_wanted_[request];
+      for (auto& [r, s] : servers_) {
+        if (s.lost) continue;
+        want.insert(r);
         conns.push_back(s.conn);
+      }
     }
     protocol::TensorKey key{
         request, t.id,
@@ -314,7 +412,7 @@ Result<uint32_t> WorkerService::register_tensor(const std::string& name, DType d
       PSLD_RETURN_IF_ERROR(send(c, key));
     std::unique_lock<std::mutex> lock(mu_);
     const bool acked = cv_.wait_for(lock, options_.connect_timeout, [&] {
-      return acks_wanted_[request] == 0 || !session_.health().ok();
+      return acks_wanted_[request].empty() || !session_.health().ok();
     });
     acks_wanted_.erase(request);
     PSLD_RETURN_IF_ERROR(session_.health());
@@ -359,7 +457,7 @@ Result<std::shared_ptr<RequestState>> WorkerService::submit(uint32_t handle, Req
   return req;
 }
 
-void WorkerService::route(ChunkOp op) {
+void WorkerService::route(ChunkOp op, std::optional<Clock::time_point> deadline) {
   const Tensor& t = tensors_[op.tensor];
   const Key key = make_key(t.id, op.chunk);
   // The initial value is round 0 of the key.
@@ -368,6 +466,11 @@ void WorkerService::route(ChunkOp op) {
   auto it = servers_.find(owner);
   if (it == servers_.end()) {
     op.request->complete_part(Unavailable(fmt::format("no connection to server {}", owner)));
+    return;
+  }
+  if (it->second.lost) {
+    orphans_.push_back({std::move(op), owner, deadline ? *deadline : Clock::now() + orphan_grace(),
+                        it->second.lost_why});
     return;
   }
   it->second.backlog.push_back(std::move(op));
@@ -402,7 +505,7 @@ void WorkerService::on_moved(ServerConn& s, const protocol::Moved& m) {
 }
 
 void WorkerService::on_epoch_change(const protocol::EpochChange& change) {
-  if (!change.commit) return;
+  if (change.step == protocol::EpochStep::kPrepare) return;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!epochs_) {
@@ -416,6 +519,21 @@ void WorkerService::on_epoch_change(const protocol::EpochChange& change) {
     }
     epochs_->push(*next, change.switch_round);
     PSLD_LOG_DEBUG("worker {}: epoch {} from round {}", rank(), change.epoch, change.switch_round);
+    if (change.step == protocol::EpochStep::kAbort) {
+      // Also when its connection still looks fine (it hung): the epoch
+      // routes nothing to it any more.
+      auto lost = servers_.find(change.lost_server);
+      if (lost != servers_.end()) {
+        server_lost(lost->second,
+                    Unavailable(fmt::format("server {} was removed from the job by the coordinator",
+                                            change.lost_server)));
+      }
+    }
+    // What waited for a lost server goes where this epoch says.
+    std::vector<Orphan> orphans;
+    orphans.swap(orphans_);
+    for (auto& o : orphans)
+      route(std::move(o.op), o.deadline);
     // What a server sent back for this epoch goes out again.
     std::vector<MovedOp> still;
     for (auto& m : moved_) {
@@ -433,6 +551,7 @@ void WorkerService::on_epoch_change(const protocol::EpochChange& change) {
 }
 
 void WorkerService::pump(ServerConn& s) {
+  if (s.lost) return;
   while (!s.backlog.empty()) {
     ChunkOp& op = s.backlog.front();
     const bool needs_slot = op.kind != RequestKind::kPull;
@@ -462,11 +581,14 @@ void WorkerService::issue(ServerConn& s, ChunkOp op, uint32_t slot) {
     pending_[pull_tag] = Pending{op.request, 0, s.rank, Clock::now(), op};
     protocol::PullRequest pr{pull_tag, t.dtype,  span.bytes,
                              span.key, op.round, epochs_->latest().epoch()};
-    outbox_.push_back([this, conn, pr] {
+    outbox_.push_back([this, conn, pr, rank = s.rank] {
       Status st = send(conn, pr);
       if (!st.ok()) {
-        std::lock_guard<std::mutex> lock(mu_);
-        finish_tag(pr.tag, st);
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          op_failed(rank, conn, pr.tag, st);
+        }
+        flush();
       }
     });
     return;
@@ -493,12 +615,15 @@ void WorkerService::issue(ServerConn& s, ChunkOp op, uint32_t slot) {
                              slot * s.slot_bytes, span.bytes,  push_tag};
   auto region = t.region;  // kept alive by the lambda
   auto slots = s.slots;
-  outbox_.push_back([this, conn, meta, wr, region, slots] {
+  outbox_.push_back([this, conn, meta, wr, region, slots, rank = s.rank] {
     Status st = send(conn, meta);
-    auto done = [this, tag = meta.tag](Status ws) {
+    auto done = [this, conn, rank, tag = meta.tag](Status ws) {
       if (!ws.ok()) {
-        std::lock_guard<std::mutex> lock(mu_);
-        finish_tag(tag, ws);
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          op_failed(rank, conn, tag, ws);
+        }
+        flush();
       }
     };
     if (st.ok()) st = conn->write(wr, done);
@@ -517,11 +642,23 @@ std::string WorkerService::describe_in_flight() {
     out += fmt::format(" tag {} -> server {} (tensor {} chunk {} round {});", tag, p.server,
                        p.op.tensor, p.op.chunk, p.op.round);
   }
-  out += fmt::format(" {} waiting for an epoch", moved_.size());
+  out += fmt::format(" {} waiting for an epoch, {} for a lost server's keys to move", moved_.size(),
+                     orphans_.size());
   return out;
 }
 
+size_t WorkerService::operations_in_flight() {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t n = moved_.size() + orphans_.size();
+  for (const auto& [tag, p] : pending_)
+    n += p.other_tag == 0 || tag < p.other_tag;  // a push_pull's two tags are one operation
+  for (const auto& [r, s] : servers_)
+    n += s.backlog.size();
+  return n;
+}
+
 Status WorkerService::shutdown() {
+  session_.on_tick(nullptr);  // the tick reads what is torn down below
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopped_) return Status::Ok();

@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -73,6 +74,8 @@ class WorkerService final : public Endpoint {
   // What is in flight, for diagnostics: per server, chunks waiting for a
   // credit and operations waiting for an answer, and ops waiting for an epoch.
   std::string describe_in_flight();
+  // Chunk operations not completed yet, wherever they wait.
+  size_t operations_in_flight();
 
  private:
   explicit WorkerService(const RuntimeOptions& options);
@@ -102,6 +105,10 @@ class WorkerService final : public Endpoint {
     uint64_t slot_bytes = 0;
     std::deque<uint32_t> free_slots;
     std::deque<ChunkOp> backlog;  // waiting for credit
+    // The connection broke, or the coordinator removed the server: never
+    // used again (docs/migration.md, "Abort").
+    bool lost = false;
+    Status lost_why;
   };
   // An operation waiting for its notification or error, by tag.
   struct Pending {
@@ -116,6 +123,15 @@ class WorkerService final : public Endpoint {
   struct MovedOp {
     ChunkOp op;
     uint64_t epoch = 0;
+  };
+  // An operation whose server was lost, or that failed to reach it, waiting
+  // (until `deadline`) for the coordinator's decision: an epoch that routes
+  // it to a live server, or JobFailed. `why` is what failed.
+  struct Orphan {
+    ChunkOp op;
+    uint32_t server = 0;
+    transport::Clock::time_point deadline;
+    Status why;
   };
 
   void on_write(const transport::ConnectionPtr& conn, uint32_t tag, uint64_t length) override;
@@ -133,14 +149,30 @@ class WorkerService final : public Endpoint {
   void fail_everything(const Status& why);  // mu_ held
   void on_epoch_change(const protocol::EpochChange& change);
   void on_moved(ServerConn& s, const protocol::Moved& moved);  // mu_ held
-  // Queues the op on the server that serves its round. mu_ held.
-  void route(ChunkOp op);
+  // Queues the op on the server that serves its round, or with the orphans
+  // when that server is lost (keeping `deadline` when it already waited).
+  // mu_ held.
+  void route(ChunkOp op, std::optional<transport::Clock::time_point> deadline = std::nullopt);
+  // The server's connection is gone or the coordinator removed it: what it
+  // did not answer waits for the coordinator's decision. mu_ held.
+  void server_lost(ServerConn& s, const Status& why);
+  // A send or write to server `rank` on `conn` failed: a sign that the
+  // server is going away (its connection closes, or its memory was already
+  // deregistered), so the operation waits with the lost server's. mu_ held.
+  void op_failed(uint32_t rank, const transport::ConnectionPtr& conn, uint32_t tag,
+                 const Status& why);
+  // The heartbeat thread's clock: orphans past their deadline fail.
+  void on_tick();
+  // How long a lost server's operations wait for the coordinator: it decides
+  // within a heartbeat timeout of the loss; as much again is the margin.
+  std::chrono::milliseconds orphan_grace() const { return 2 * options_.heartbeat_timeout; }
 
   const RuntimeOptions options_;
   MemberSession session_;
   std::optional<EpochLog> epochs_;                   // guarded by mu_
   std::vector<protocol::EpochChange> early_epochs_;  // arrived before join finished; mu_
   std::vector<MovedOp> moved_;                       // guarded by mu_
+  std::vector<Orphan> orphans_;                      // guarded by mu_
   std::atomic<uint64_t> max_round_{0};               // highest round pushed, for reports
 
   std::mutex mu_;
@@ -151,7 +183,7 @@ class WorkerService final : public Endpoint {
   std::vector<Tensor> tensors_;
   std::map<std::string, uint32_t> tensor_by_name_;
   std::map<uint32_t, Pending> pending_;
-  std::map<uint64_t, uint32_t> acks_wanted_;  // TensorKey request -> servers still to ack
+  std::map<uint64_t, std::set<uint32_t>> acks_wanted_;  // TensorKey request -> servers to ack
   uint64_t next_request_ = 1;
   uint32_t next_tag_ = 1;
   // Control messages and writes are issued outside mu_: the transport may be

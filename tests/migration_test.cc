@@ -2,6 +2,9 @@
 // and the results are exactly those of a run without a switch.
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
+#include <algorithm>
 #include <atomic>
 #include <bit>
 #include <functional>
@@ -9,6 +12,7 @@
 #include <random>
 #include <thread>
 
+#include "lib/epoch_log.h"
 #include "tests/cluster.h"
 
 namespace psld {
@@ -164,8 +168,8 @@ using Mover = std::function<void(Cluster&, const std::vector<std::pair<TensorId,
                                  const std::atomic<bool>& stop)>;
 
 // Runs `rounds` rounds; with rounds == 0, until `mover` is done and 5 more.
-AdamJob adam_job(const std::string& backend, uint32_t standby, uint64_t rounds,
-                 const Mover& mover) {
+AdamJob adam_job(const std::string& backend, uint32_t standby, uint64_t rounds, const Mover& mover,
+                 const std::function<void(uint32_t, RuntimeOptions&)>& server_tweak = nullptr) {
   Cluster c(
       4, 3,
       [standby](RuntimeOptions& o) {
@@ -176,6 +180,7 @@ AdamJob adam_job(const std::string& backend, uint32_t standby, uint64_t rounds,
         o.stats_interval = 20ms;
       },
       backend);
+  c.server_tweak = server_tweak;
   AdamJob job;
   EXPECT_TRUE(c.start().ok());
   const std::vector<size_t> elems = {5, 20000, 40001};
@@ -361,6 +366,453 @@ TEST(MigrationLong, ThousandRoundsWithScaleOutAndScaleInAreBitIdentical) {
   const AdamJob without = adam_job("loopback", 1, 1000, nullptr);
   expect_bit_identical(with.params, without.params);
 }
+
+// ---- Aborting a transfer whose target dies (docs/migration.md, "Abort").
+
+// An abort epoch has the switch round of the epoch it replaces: from that
+// round on, the abort's owners serve; the replaced epoch serves no round.
+TEST(EpochLogAbort, AnAbortEpochTakesOverEveryRoundOfTheEpochItReplaces) {
+  auto e0 = Placement::initial({{0, 1.0}, {1, 1.0}, {2, 1.0}});
+  ASSERT_TRUE(e0.ok());
+  EpochLog log(std::make_shared<const Placement>(*e0));
+  auto out = e0->add_server({3, 1.0});
+  ASSERT_TRUE(out.ok());
+  log.push(std::make_shared<const Placement>(out->next), 10);
+  // Give every range of server 3 back to its owner in epoch 0, and remove it.
+  PlacementDelta back{1, 2, {MembershipChange::remove(3)}, {}};
+  for_each_overlap(*e0, out->next, [&](uint64_t lo, uint64_t hi, ServerId was, ServerId now) {
+    if (now == 3) back.assignments.push_back({lo, hi, was});
+  });
+  ASSERT_FALSE(back.assignments.empty());
+  auto aborted = log.follow(2, back.serialize());
+  ASSERT_TRUE(aborted.ok()) << aborted.status().to_string();
+  log.push(*aborted, 10);
+  uint64_t pieces = 0;
+  for_each_overlap(*e0, log.latest(), [&](uint64_t lo, uint64_t, ServerId was, ServerId now) {
+    ++pieces;
+    EXPECT_EQ(was, now) << "range from " << lo;
+  });
+  EXPECT_GT(pieces, 0u);
+  EXPECT_EQ(log.latest().find_server(3), nullptr);
+  for (uint64_t k = 0; k < 200; ++k) {
+    const Key key = make_key(1, static_cast<uint32_t>(k));
+    EXPECT_EQ(log.owner(key, 9), e0->owner_of_key(key));
+    EXPECT_EQ(log.owner(key, 10), e0->owner_of_key(key));
+    EXPECT_EQ(log.owner(key, 1000), e0->owner_of_key(key));
+  }
+}
+
+// A scale-out to `id` that also moves the arcs holding `chunks` to it, so
+// that a test knows which keys travel.
+Result<PlacementDelta> scale_out_taking(const Placement& p, ServerId id,
+                                        const std::vector<std::pair<TensorId, uint32_t>>& chunks) {
+  PSLD_ASSIGN_OR_RETURN(PlacementChange add, p.add_server({id, 1.0}));
+  PlacementDelta d = add.delta;
+  for (const auto& [tensor, chunk] : chunks) {
+    const Arc a = add.next.arc(add.next.arc_index_of_hash(hash_key(make_key(tensor, chunk))));
+    if (a.owner != id) d.assignments.push_back({a.lo, a.hi, id});
+  }
+  std::sort(d.assignments.begin(), d.assignments.end(),
+            [](const RangeAssignment& a, const RangeAssignment& b) { return a.lo < b.lo; });
+  d.assignments.erase(std::unique(d.assignments.begin(), d.assignments.end()), d.assignments.end());
+  return d;
+}
+
+constexpr ServerId kStandby = 3;
+
+// servers[i] is server i; on UCX each sits behind an emulated link (of
+// unlimited capacity) that kill() can cut.
+std::function<void(uint32_t, RuntimeOptions&)> numbered_servers(const std::string& backend) {
+  return [backend](uint32_t i, RuntimeOptions& o) {
+    o.rank = static_cast<int32_t>(i);
+    if (backend != "loopback") o.endpoint.emulate_link = true;
+  };
+}
+
+// How a test kills a server. On loopback its transport shuts down without a
+// goodbye: every connection closes at once, as a crashed process's would.
+// On UCX it falls silent behind its link (a hung or cut-off server, found by
+// the coordinator's heartbeats): shutting a UCX transport down in-process
+// while its peers are busy can crash inside UCX's connection manager
+// (uct_tcp_sockcm_ep_recv, on UCX's async thread), which is not what a
+// crashed process does to the survivors.
+void kill_server(Cluster& c, ServerId victim) {
+  if (c.base.endpoint.transport == "loopback") {
+    c.servers[victim]->shutdown();
+    return;
+  }
+  transport::LinkOptions cut;
+  cut.egress_bytes_per_second = 1;
+  cut.ingress_bytes_per_second = 1;
+  cut.burst_bytes = 1;
+  ASSERT_TRUE(transport::set_link(c.servers[victim]->transport(), cut).ok());
+}
+
+// Makes the standby's transfer (of a job whose tensors all keep pace) take
+// long enough to be killed in the middle of. On loopback, everything on the
+// connections the standby dials (its state requests, and the states written
+// back on them) takes 400 ms: an emulated link would only hold back the
+// standby's notifications, and the old owners' writes would complete (and
+// the transfer end) at once. On UCX such a job is killed at the commit
+// instead (KillAt::kCommit).
+void slow_transfer(Cluster& c, const std::string& backend) {
+  if (backend != "loopback") return;
+  transport::FaultPlan plan;
+  plan.delay = 400ms;
+  c.fabric->set_faults(plan, c.servers[kStandby]->address());
+}
+
+// When scale_out_and_kill kills: at the commit, once the standby asked for
+// a key's state, or once one landed there (the transfer must then be held
+// open by something else: a key that has not reached the switch).
+enum class KillAt { kCommit, kRequested, kInstalled };
+
+// Scales out to the standby, taking the arcs of `chunks`, and kills server
+// `victim` at `when`, while the transfer is open. Returns the placement
+// before the scale-out.
+Result<Placement> scale_out_and_kill(Cluster& c,
+                                     const std::vector<std::pair<TensorId, uint32_t>>& chunks,
+                                     ServerId victim, KillAt when) {
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (c.coordinator->switching() && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(1ms);
+  const Placement before = c.coordinator->current_placement();
+  PSLD_ASSIGN_OR_RETURN(PlacementDelta delta, scale_out_taking(before, kStandby, chunks));
+  const uint64_t switches = c.coordinator->switches();
+  PSLD_RETURN_IF_ERROR(c.coordinator->propose(delta).with_context("the scale-out"));
+  ServerService& standby = *c.servers[kStandby];
+  auto committed = [&] { return c.coordinator->switches() > switches; };
+  auto reached = [&] {
+    const ServerStats st = standby.stats();
+    return when == KillAt::kCommit ||
+           (when == KillAt::kRequested ? st.states_requested : st.states_in) > 0;
+  };
+  while (std::chrono::steady_clock::now() < deadline &&
+         !(committed() && (reached() || !c.coordinator->transferring()))) {
+    std::this_thread::sleep_for(1ms);
+  }
+  if (!committed()) return Timeout("the scale-out did not commit");
+  if (!c.coordinator->transferring()) {
+    return FailedPrecondition("the transfer was final before the kill: it is too fast here");
+  }
+  kill_server(c, victim);
+  return before;
+}
+
+// Waits until the coordinator published an abort and closed the transfer.
+Status wait_for_abort(Cluster& c) {
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while ((c.coordinator->aborts() == 0 || c.coordinator->switching()) &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(1ms);
+  }
+  if (c.coordinator->aborts() == 0) return Timeout("no abort within 10 s of the kill");
+  if (c.coordinator->switching()) return Timeout("the transfer is still open 10 s after the abort");
+  return Status::Ok();
+}
+
+class MigrationAbort : public ::testing::TestWithParam<std::string> {};
+
+// Trains `tensors` (one handle each, of elems[t] floats) for rounds 1..target
+// on every worker with push_pull, BSP sums checked exactly every round; the
+// last tensor lags: it is pushed every other step only, so its rounds run at
+// half the others' pace. Calls at_round(3) on worker 0 from its own thread.
+struct SumJob {
+  // Per worker, per tensor. The caller declares them before the cluster: a
+  // server may still write a pull into a tensor after a request failed,
+  // until the cluster stops.
+  using Tensors = std::vector<std::vector<std::vector<float>>>;
+  Cluster& c;
+  Tensors& tensors;
+  std::vector<size_t> elems;
+  std::atomic<uint64_t> target{UINT64_MAX};
+  std::atomic<uint64_t> furthest{0};
+  std::atomic<bool> failed{false};
+
+  Status run(const std::function<void()>& at_round_3) {
+    std::thread controller;
+    tensors.resize(c.workers.size());
+    Status s = on_all(c, [&](size_t wi) -> Status {
+      WorkerService& w = *c.workers[wi];
+      std::vector<std::vector<float>>& data = tensors[wi];
+      data.resize(elems.size());
+      std::vector<uint32_t> handles;
+      for (size_t t = 0; t < elems.size(); ++t) {
+        data[t].assign(elems[t], 0.0f);
+        PSLD_ASSIGN_OR_RETURN(uint32_t h, w.register_tensor("t" + std::to_string(t), DType::kF32,
+                                                            elems[t] * 4, data[t].data(), nullptr));
+        handles.push_back(h);
+      }
+      PSLD_RETURN_IF_ERROR(w.barrier(10s));
+      const float rank = static_cast<float>(w.rank());
+      const size_t lagging = elems.size() - 1;
+      for (uint64_t r = 1; r <= target.load() && !failed.load(); ++r) {
+        uint64_t f = furthest.load();
+        while (r > f && !furthest.compare_exchange_weak(f, r)) {
+        }
+        std::vector<std::shared_ptr<RequestState>> reqs;
+        auto value = [&](size_t t, size_t i) {
+          const uint64_t round = t == lagging ? r / 2 : r;
+          return static_cast<float>((round + i + t) % 11);
+        };
+        auto pushed = [&](size_t t) { return t != lagging || r % 2 == 0; };
+        for (size_t t = 0; t < elems.size(); ++t) {
+          if (!pushed(t)) continue;
+          for (size_t i = 0; i < elems[t]; ++i)
+            data[t][i] = rank * 100.0f + value(t, i);
+          PSLD_ASSIGN_OR_RETURN(auto req, w.submit(handles[t], RequestKind::kPushPull));
+          reqs.push_back(req);
+        }
+        for (auto& req : reqs) {
+          Status st = req->wait(20s);
+          if (!st.ok()) {
+            failed = true;
+            return st.with_context("round " + std::to_string(r) + ": " + w.describe_in_flight());
+          }
+        }
+        for (size_t t = 0; t < elems.size(); ++t) {
+          if (!pushed(t)) continue;
+          for (size_t i = 0; i < elems[t]; ++i) {
+            const float want = 600.0f + 4.0f * value(t, i);
+            if (data[t][i] != want) {
+              failed = true;
+              return Internal(fmt::format("round {} tensor {} element {}: {} != {}", r, t, i,
+                                          data[t][i], want));
+            }
+          }
+        }
+        if (wi == 0 && r == 3) controller = std::thread(at_round_3);
+      }
+      return Status::Ok();
+    });
+    if (controller.joinable()) controller.join();
+    return s;
+  }
+};
+
+// The case: 4 workers x 3 servers + 1 standby, BSP sums checked
+// every round; a scale-out to the standby whose transfer is cut by the
+// standby's death after a key's state landed there (the lagging tensor's
+// key has not reached the switch, which holds the transfer open). The job
+// goes on, every sum exact, the ranges back where they were, and later
+// switches still work.
+TEST_P(MigrationAbort, StandbyKilledMidTransferGivesItsRangesBackAndTrainingGoesOn) {
+  SumJob::Tensors tensors;
+  Cluster c(
+      4, 3,
+      [](RuntimeOptions& o) {
+        o.num_standby = 1;
+        o.stats_interval = 20ms;
+      },
+      GetParam());
+  c.server_tweak = numbered_servers(GetParam());
+  ASSERT_TRUE(c.start().ok());
+  // 16 tensors of one 64 KiB chunk, one of odd size over two chunks, and the
+  // lagging one; the standby takes 8 + 1 + 1 of their chunks and whatever
+  // its share brings.
+  SumJob job{c, tensors, std::vector<size_t>(16, 16384)};
+  job.elems.push_back(20001);
+  job.elems.push_back(16384);
+  std::vector<std::pair<TensorId, uint32_t>> moving;
+  for (TensorId t = 1; t <= 8; ++t)
+    moving.emplace_back(t, 0);
+  moving.emplace_back(17, 1);
+  moving.emplace_back(18, 0);
+  std::optional<Placement> before, after;
+  Status control;
+  uint64_t states_in = 0;
+  Status s = job.run([&] {
+    auto b = scale_out_and_kill(c, moving, kStandby, KillAt::kInstalled);
+    if (b.ok()) {
+      before = *b;
+      states_in = c.servers[kStandby]->stats().states_in;
+      control = wait_for_abort(c);
+      after = c.coordinator->current_placement();
+    } else {
+      control = b.status();
+    }
+    // The job goes on with switches between the live servers.
+    if (control.ok()) {
+      EXPECT_EQ(migrate(c, moving, 2, 9, job.failed), 2);
+    }
+    job.target = job.furthest.load() + 10;
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  ASSERT_TRUE(control.ok()) << control.to_string();
+  EXPECT_GE(states_in, 1u);
+  EXPECT_EQ(c.coordinator->aborts(), 1u);
+  EXPECT_GE(c.coordinator->switches(), 3u);  // the scale-out, then two moves
+  // Every request completed; nothing waits anywhere.
+  for (auto& w : c.workers)
+    EXPECT_EQ(w->operations_in_flight(), 0u) << w->describe_in_flight();
+  ASSERT_TRUE(before.has_value() && after.has_value());
+  // Right after the abort every range was back with its owner before the
+  // scale-out, and the lost server no member any more.
+  EXPECT_EQ(after->find_server(kStandby), nullptr) << "the lost server is still a member";
+  EXPECT_EQ(after->epoch(), before->epoch() + 2);  // the scale-out, then the abort
+  size_t pieces = 0;
+  for_each_overlap(*before, *after, [&](uint64_t lo, uint64_t, ServerId was, ServerId is) {
+    ++pieces;
+    EXPECT_EQ(was, is) << "the range from " << lo;
+  });
+  EXPECT_GT(pieces, 0u);
+  const Placement now = c.coordinator->current_placement();
+  EXPECT_EQ(now.find_server(kStandby), nullptr);
+  for (const auto& [tensor, chunk] : moving)
+    EXPECT_NE(now.owner_of_key(make_key(tensor, chunk)), kStandby);
+}
+
+// Without a kill, the lagging tensor's key does not reach the switch while
+// the gained keys hold the workers at it: the old owner reports the
+// transfer done without it two heartbeat timeouts after the switch, and the
+// job goes on (it ships when it gets there).
+TEST_P(MigrationAbort, AKeyThatLagsBehindTheSwitchDoesNotHoldTheTransferForever) {
+  SumJob::Tensors tensors;
+  Cluster c(
+      4, 3,
+      [](RuntimeOptions& o) {
+        o.num_standby = 1;
+        o.stats_interval = 20ms;
+        o.heartbeat_timeout = 500ms;
+      },
+      GetParam());
+  c.server_tweak = numbered_servers(GetParam());
+  ASSERT_TRUE(c.start().ok());
+  SumJob job{c, tensors, std::vector<size_t>(4, 16384)};
+  job.elems.push_back(16384);
+  const std::vector<std::pair<TensorId, uint32_t>> moving = {{1, 0}, {2, 0}, {5, 0}};
+  Status control;
+  Status s = job.run([&] {
+    const uint64_t switches = c.coordinator->switches();
+    control = switch_to(c, "the scale-out", [&](const Placement& p) -> Result<PlacementChange> {
+      PSLD_ASSIGN_OR_RETURN(PlacementDelta d, scale_out_taking(p, kStandby, moving));
+      PSLD_ASSIGN_OR_RETURN(Placement next, p.apply(d));
+      return PlacementChange{std::move(next), std::move(d)};
+    });
+    const auto deadline = std::chrono::steady_clock::now() + 20s;
+    while (control.ok() && c.coordinator->switching() &&
+           std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(1ms);
+    if (control.ok() && c.coordinator->switching()) control = Timeout("the transfer never ended");
+    EXPECT_GT(c.coordinator->switches(), switches);
+    job.target = 2 * job.furthest.load() + 10;  // the lagging key gets there too
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  ASSERT_TRUE(control.ok()) << control.to_string();
+  EXPECT_EQ(c.coordinator->aborts(), 0u);
+  EXPECT_EQ(c.coordinator->current_placement().owner_of_key(make_key(5, 0)), kStandby);
+  EXPECT_GE(c.servers[kStandby]->stats().states_in, moving.size());
+  for (auto& w : c.workers)
+    EXPECT_EQ(w->operations_in_flight(), 0u) << w->describe_in_flight();
+}
+
+// The same with Adam: parameters and both moments are bit-identical to a
+// run without any of it (nothing the standby held was applied).
+TEST_P(MigrationAbort, AdamIsBitIdenticalAfterAStandbyDiesMidTransfer) {
+  Status control;
+  const AdamJob with = adam_job(
+      GetParam(), 1, 0,
+      [&](Cluster& c, const auto& chunks, const std::atomic<bool>&) {
+        slow_transfer(c, GetParam());
+        auto b = scale_out_and_kill(
+            c, chunks, kStandby, GetParam() == "loopback" ? KillAt::kRequested : KillAt::kCommit);
+        control = b.ok() ? wait_for_abort(c) : b.status();
+      },
+      numbered_servers(GetParam()));
+  ASSERT_TRUE(control.ok()) << control.to_string();
+  ASSERT_TRUE(with.placement.has_value());
+  EXPECT_EQ(with.placement->find_server(kStandby), nullptr);
+  const AdamJob without = adam_job(GetParam(), 1, with.rounds, nullptr);
+  expect_bit_identical(with.params, without.params);
+}
+
+// An old owner that dies mid-transfer takes parameters nobody else has: the
+// job fails, every worker hears why, and nothing hangs.
+TEST_P(MigrationAbort, AnOldOwnerDyingMidTransferFailsTheJobClearly) {
+  constexpr size_t kTensors = 8, kN = 16384;
+  // Declared before the cluster: a surviving server may still write a pull
+  // into a worker's tensor after the request failed, until the cluster stops.
+  std::vector<std::vector<std::vector<float>>> tensors(
+      4, std::vector<std::vector<float>>(kTensors, std::vector<float>(kN)));
+  Cluster c(
+      4, 3,
+      [](RuntimeOptions& o) {
+        o.num_standby = 1;
+        o.stats_interval = 20ms;
+      },
+      GetParam());
+  c.server_tweak = numbered_servers(GetParam());
+  ASSERT_TRUE(c.start().ok());
+  std::vector<std::pair<TensorId, uint32_t>> moving;
+  for (TensorId t = 1; t <= kTensors; ++t)
+    moving.emplace_back(t, 0);
+  // The victim: the owner of the first moving key, which loses it.
+  const ServerId victim =
+      c.coordinator->current_placement().owner_of_key(make_key(moving[0].first, 0));
+  std::atomic<bool> stop{false};
+  Status control;
+  std::thread controller;
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<Status> results(c.workers.size());
+  (void)on_all(c, [&](size_t wi) -> Status {
+    WorkerService& w = *c.workers[wi];
+    std::vector<std::vector<float>>& data = tensors[wi];
+    std::vector<uint32_t> handles;
+    for (size_t t = 0; t < kTensors; ++t) {
+      PSLD_ASSIGN_OR_RETURN(uint32_t h, w.register_tensor("t" + std::to_string(t), DType::kF32,
+                                                          kN * 4, data[t].data(), nullptr));
+      handles.push_back(h);
+    }
+    PSLD_RETURN_IF_ERROR(w.barrier(10s));
+    for (uint64_t r = 1; r < 100000 && !stop.load(); ++r) {
+      std::vector<std::shared_ptr<RequestState>> reqs;
+      for (size_t t = 0; t < kTensors; ++t) {
+        std::fill(data[t].begin(), data[t].end(), static_cast<float>(r % 5));
+        auto req = w.submit(handles[t], RequestKind::kPushPull);
+        if (!req.ok()) {
+          results[wi] = req.status();
+          return req.status();
+        }
+        reqs.push_back(*req);
+      }
+      for (auto& req : reqs) {
+        Status st = req->wait(20s);
+        if (!st.ok()) {
+          results[wi] = st;
+          return st;
+        }
+      }
+      if (wi == 0 && r == 3) {
+        controller = std::thread([&] {
+          control = scale_out_and_kill(c, moving, victim, KillAt::kCommit).status();
+          if (!control.ok()) stop = true;
+        });
+      }
+    }
+    results[wi] = Internal("the job went on after an old owner died");
+    return results[wi];
+  });
+  stop = true;
+  if (controller.joinable()) controller.join();
+  ASSERT_TRUE(control.ok()) << control.to_string();
+  const Status job = c.coordinator->wait(10s);
+  EXPECT_EQ(job.code(), StatusCode::kAborted) << job.to_string();
+  const std::string server = fmt::format("server {}", victim);
+  EXPECT_NE(job.message().find(server), std::string::npos) << job.to_string();
+  EXPECT_NE(job.message().find("held parameters"), std::string::npos) << job.to_string();
+  EXPECT_EQ(c.coordinator->aborts(), 0u);
+  for (size_t wi = 0; wi < results.size(); ++wi) {
+    EXPECT_EQ(results[wi].code(), StatusCode::kAborted) << results[wi].to_string();
+    EXPECT_NE(results[wi].message().find("the job failed"), std::string::npos)
+        << results[wi].to_string();
+    EXPECT_NE(results[wi].message().find(server), std::string::npos) << results[wi].to_string();
+    EXPECT_EQ(c.workers[wi]->operations_in_flight(), 0u) << c.workers[wi]->describe_in_flight();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 15s) << "the failure took too long to reach";
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, MigrationAbort, ::testing::ValuesIn(test_backends()),
+                         [](const auto& info) { return info.param; });
 
 INSTANTIATE_TEST_SUITE_P(Transports, Migration, ::testing::ValuesIn(test_backends()),
                          [](const auto& info) { return info.param; });

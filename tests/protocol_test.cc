@@ -48,9 +48,12 @@ std::vector<Message> examples() {
       Moved{17, make_key(12, 4), 3},
       Error{17, 0, static_cast<uint8_t>(StatusCode::kOutOfRange), "slot 99 out of range"},
       Ack{4},
-      EpochChange{true, 3, 120, {1, 2, 3}},
+      EpochChange{EpochStep::kAbort, 3, 120, {1, 2, 3}, 4},
       EpochVote{3, 120, true, 99},
       StateRequest{5, make_key(12, 4), 120, DType::kF16, 2048, {4, 5}},
+      StateOffer{make_key(12, 4), 120, DType::kBF16, 2048},
+      TransferDone{3, 120, 2},
+      EpochFinal{3, 120},
   };
 }
 
@@ -143,6 +146,28 @@ TEST(Protocol, BadEnumsAndHugeCountsAreRejected) {
 
   // An empty tensor name is not a name.
   EXPECT_FALSE(decode(encode(RegisterTensor{1, "", DType::kF32, 4, false})).ok());
+
+  // An epoch step that does not exist, and a state offer for round 0 (there
+  // is no round -1 to ship).
+  auto change = encode(EpochChange{EpochStep::kCommit, 1, 2, {}, 0});
+  change[4] = 3;
+  EXPECT_FALSE(decode(change).ok());
+  EXPECT_FALSE(decode(encode(StateOffer{1, 0, DType::kF32, 4})).ok());
+}
+
+TEST(Protocol, AnAbortNamesItsStepAndLostServer) {
+  auto back = decode(encode(EpochChange{EpochStep::kAbort, 9, 120, {7}, 3}));
+  ASSERT_TRUE(back.ok());
+  const auto& e = std::get<EpochChange>(*back);
+  EXPECT_EQ(e.step, EpochStep::kAbort);
+  EXPECT_EQ(epoch_step_name(e.step), "abort");
+  EXPECT_EQ(e.epoch, 9u);
+  EXPECT_EQ(e.switch_round, 120u);
+  EXPECT_EQ(e.delta, std::vector<uint8_t>{7});
+  EXPECT_EQ(e.lost_server, 3u);
+  auto done = decode(encode(TransferDone{9, 120, 5}));
+  ASSERT_TRUE(done.ok());
+  EXPECT_EQ(std::get<TransferDone>(*done).late_keys, 5u);
 }
 
 TEST(Protocol, RandomBytesNeverCrash) {
@@ -153,7 +178,7 @@ TEST(Protocol, RandomBytesNeverCrash) {
     for (auto& x : b)
       x = static_cast<uint8_t>(rng());
     if (b.size() >= 4 && (i & 1)) {  // often a valid header, so bodies get fuzzed too
-      b[0] = static_cast<uint8_t>(1 + rng() % 28);
+      b[0] = static_cast<uint8_t>(1 + rng() % 34);
       b[1] = 0;
       b[2] = kVersion;
       b[3] = 0;
