@@ -609,8 +609,7 @@ void CoordinatorService::balance() {
   // transfer final. Until then it holds rounds of the previous epoch and the
   // migration itself (a scale-out of 3 MiB per round was rolled back in
   // psld bench stragglers S5 on such a window).
-  const bool serving = placement_->epoch() == 0 ||
-                       (!transfer_ && max_round_ > last_switch_round_);
+  const bool serving = placement_->epoch() == 0 || (!transfer_ && max_round_ > last_switch_round_);
   decision_epoch_ = serving ? placement_->epoch() : placement_->epoch() - 1;
   if (first || rounds == 0) return;  // nothing measured yet
   const uint64_t seq = balancer_->decisions() + 1;
