@@ -4,81 +4,30 @@
 // not depend on the floating-point environment or on hardware support for
 // fp16/bf16.
 
-#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/cpu/convert.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/internal.h"
 
 namespace psld::kernels {
 
 uint16_t f32_to_f16_scalar(float x) {
-  const uint32_t bits = std::bit_cast<uint32_t>(x);
-  const uint32_t sign = (bits >> 16) & 0x8000u;
-  const uint32_t abs = bits & 0x7fffffffu;
-  if (abs > 0x7f800000u) {
-    // NaN: keep the top payload bits and set the quiet bit, which also keeps
-    // a NaN whose payload sits only in the dropped low bits from becoming inf.
-    return static_cast<uint16_t>(sign | 0x7e00u | ((abs & 0x7fffffu) >> 13));
-  }
-  // 65520 = 65504 (max finite) + half an ulp; the tie goes to the even
-  // neighbour, 65536, which is inf.
-  if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);
-  if (abs >= 0x38800000u) {
-    // Normal in fp16 (>= 2^-14): rebias the exponent (127 - 15 = 112) and
-    // round the 13 dropped mantissa bits to nearest even; a carry out of the
-    // mantissa correctly bumps the exponent.
-    const uint32_t odd = (abs >> 13) & 1u;
-    const uint32_t rounded = abs - (112u << 23) + 0xfffu + odd;
-    return static_cast<uint16_t>(sign | (rounded >> 13));
-  }
-  // fp16 subnormal or zero: the result is round(|x| / 2^-24). 2^-25 and below
-  // (float subnormals included) round to zero; the tie at 2^-25 goes to even.
-  if (abs <= 0x33000000u) return static_cast<uint16_t>(sign);
-  const uint32_t exp = abs >> 23;                       // 102..112
-  const uint32_t mant = (abs & 0x7fffffu) | 0x800000u;  // |x| = mant * 2^(exp-150)
-  const uint32_t shift = 126u - exp;                    // 14..24
-  uint32_t q = mant >> shift;
-  const uint32_t rem = mant & ((1u << shift) - 1u);
-  const uint32_t half = 1u << (shift - 1u);
-  if (rem > half || (rem == half && (q & 1u))) ++q;  // q == 1024 is 2^-14, encoded right
-  return static_cast<uint16_t>(sign | q);
+  return convert::f32_to_f16(x);
 }
 
 float f16_to_f32_scalar(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu;
-  const uint32_t mant = h & 0x3ffu;
-  if (exp == 0x1f) {
-    // inf, or NaN made quiet as vcvtph2ps does.
-    const uint32_t quiet = mant != 0 ? 0x400000u : 0u;
-    return std::bit_cast<float>(sign | 0x7f800000u | quiet | (mant << 13));
-  }
-  if (exp != 0) return std::bit_cast<float>(sign | ((exp + 112u) << 23) | (mant << 13));
-  if (mant == 0) return std::bit_cast<float>(sign);
-  // Subnormal: normalise so the leading 1 becomes the implicit bit.
-  const int lz = std::countl_zero(mant) - 21;  // moves the leading 1 up to bit 10
-  const uint32_t norm = (mant << lz) & 0x3ffu;
-  const uint32_t e = 113u - static_cast<uint32_t>(lz);  // 2^-14 is exponent 113
-  return std::bit_cast<float>(sign | (e << 23) | (norm << 13));
+  return convert::f16_to_f32(h);
 }
 
 uint16_t f32_to_bf16_scalar(float x) {
-  const uint32_t bits = std::bit_cast<uint32_t>(x);
-  // NaN first: adding the rounding bias to a NaN with a large payload would
-  // carry into the exponent and sign, or drop the payload and leave inf.
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-  // Round to nearest even on the integer: add just under half an ulp, plus
-  // one if the kept part is odd. This is what the SIMD paths compute too;
-  // vcvtneps2bf16 is not used because it flushes subnormals.
-  const uint32_t rounded = bits + 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(rounded >> 16);
+  return convert::f32_to_bf16(x);
 }
 
 float bf16_to_f32_scalar(uint16_t h) {
-  return std::bit_cast<float>(static_cast<uint32_t>(h) << 16);
+  return convert::bf16_to_f32(h);
 }
 
 namespace internal {

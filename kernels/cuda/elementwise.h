@@ -15,44 +15,14 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/cpu/convert.h"
 #include "kernels/cpu/internal.h"
-
-#if defined(__CUDACC__)
-#define PSLD_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define PSLD_HOST_DEVICE inline
-#endif
 
 namespace psld::kernels::cuda::element {
 
-PSLD_HOST_DEVICE uint32_t bits_of(float x) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(x);
-#else
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  return u;
-#endif
-}
-
-PSLD_HOST_DEVICE float float_of(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float x;
-  std::memcpy(&x, &u, sizeof x);
-  return x;
-#endif
-}
-
-// x != 0.
-PSLD_HOST_DEVICE int leading_zeros(uint32_t x) {
-#if defined(__CUDA_ARCH__)
-  return __clz(static_cast<int>(x));
-#else
-  return __builtin_clz(x);
-#endif
-}
+using convert::bits_of;
+using convert::float_of;
+using convert::leading_zeros;
 
 PSLD_HOST_DEVICE float add(float a, float b) {
 #if defined(__CUDA_ARCH__)
@@ -87,59 +57,12 @@ PSLD_HOST_DEVICE float sqrt(float a) {
 }
 
 // ---------------------------------------------------------------------------
-// Conversions: the integer algorithms of kernels/cpu/scalar.cc, which define
-// the results (see the comments there for why each step is right).
+// Conversions: kernels/cpu/convert.h, the same functions the CPU kernels use.
 
-PSLD_HOST_DEVICE uint16_t f32_to_f16(float x) {
-  const uint32_t bits = bits_of(x);
-  const uint32_t sign = (bits >> 16) & 0x8000u;
-  const uint32_t abs = bits & 0x7fffffffu;
-  if (abs > 0x7f800000u) {
-    return static_cast<uint16_t>(sign | 0x7e00u | ((abs & 0x7fffffu) >> 13));
-  }
-  if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);
-  if (abs >= 0x38800000u) {
-    const uint32_t odd = (abs >> 13) & 1u;
-    const uint32_t rounded = abs - (112u << 23) + 0xfffu + odd;
-    return static_cast<uint16_t>(sign | (rounded >> 13));
-  }
-  if (abs <= 0x33000000u) return static_cast<uint16_t>(sign);
-  const uint32_t exp = abs >> 23;
-  const uint32_t mant = (abs & 0x7fffffu) | 0x800000u;
-  const uint32_t shift = 126u - exp;
-  uint32_t q = mant >> shift;
-  const uint32_t rem = mant & ((1u << shift) - 1u);
-  const uint32_t half = 1u << (shift - 1u);
-  if (rem > half || (rem == half && (q & 1u))) ++q;
-  return static_cast<uint16_t>(sign | q);
-}
-
-PSLD_HOST_DEVICE float f16_to_f32(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu;
-  const uint32_t mant = h & 0x3ffu;
-  if (exp == 0x1f) {
-    const uint32_t quiet = mant != 0 ? 0x400000u : 0u;
-    return float_of(sign | 0x7f800000u | quiet | (mant << 13));
-  }
-  if (exp != 0) return float_of(sign | ((exp + 112u) << 23) | (mant << 13));
-  if (mant == 0) return float_of(sign);
-  const int lz = leading_zeros(mant) - 21;
-  const uint32_t norm = (mant << lz) & 0x3ffu;
-  const uint32_t e = 113u - static_cast<uint32_t>(lz);
-  return float_of(sign | (e << 23) | (norm << 13));
-}
-
-PSLD_HOST_DEVICE uint16_t f32_to_bf16(float x) {
-  const uint32_t bits = bits_of(x);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-  const uint32_t rounded = bits + 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(rounded >> 16);
-}
-
-PSLD_HOST_DEVICE float bf16_to_f32(uint16_t h) {
-  return float_of(static_cast<uint32_t>(h) << 16);
-}
+using convert::bf16_to_f32;
+using convert::f16_to_f32;
+using convert::f32_to_bf16;
+using convert::f32_to_f16;
 
 // ---------------------------------------------------------------------------
 // The optimizers, as documented in cpu_kernels.h and written in scalar.cc:
