@@ -163,8 +163,9 @@ struct StatsConfig {
 
 // [balancer]
 struct BalancerConfig {
-  // Off by default while the balancer is being validated against the
-  // straggler scenarios (docs/balancer.md); `--balancer.enabled` turns it on.
+  // Off by default: it moves parameters between servers while the job runs,
+  // which a job should ask for. docs/stragglers.md shows what it buys and
+  // where it still reacts to noise; `--balancer.enabled` turns it on.
   bool enabled = false;
   int64_t interval_ms = 1000;  // how often it plans; at least stats.interval_ms
   // The options a job may want to tune; docs/balancer.md explains each, and
