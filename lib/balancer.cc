@@ -336,8 +336,8 @@ class Balancer::Decision {
                           std::vector<MembershipChange> membership, std::vector<Node>& nodes) const;
   double range_load(uint64_t lo, uint64_t hi) const;
   bool in_effect(const Move& m) const;
-  std::optional<double> mean_service_before(const Tracked& t) const;
-  std::optional<double> mean_service_after(const Tracked& t, uint64_t epoch) const;
+  std::optional<double> least_service_before(const Tracked& t) const;
+  std::optional<double> least_service_after(const Tracked& t, uint64_t epoch) const;
   void remember(const PlanStep& step, const std::vector<Node>& nodes,
                 std::vector<ServerId> added = {});
   const Member* member(ServerId id) const;
@@ -1024,34 +1024,39 @@ bool Balancer::Decision::in_effect(const Move& m) const {
   }
 }
 
-std::optional<double> Balancer::Decision::mean_service_before(const Tracked& t) const {
+// A server's time per round over the last evaluation_windows windows: the
+// least of them, not their mean. On a shared machine noise only adds time (a
+// round that waited for a core, a spike of 2-3x), so one spiky window must not
+// make a good move look bad; a move that really slowed a server shows in
+// every window.
+std::optional<double> Balancer::Decision::least_service_before(const Tracked& t) const {
   // Windows of the current epoch; failing that, the newest ones before it.
   for (const bool exact : {true, false}) {
-    double sum = 0;
+    double least = 0;
     uint32_t n = 0;
     for (auto it = t.history.rbegin(); it != t.history.rend() && n < o_.evaluation_windows; ++it) {
       if (exact ? it->epoch == p_.epoch() : it->epoch <= p_.epoch()) {
-        sum += it->service_s;
+        least = n == 0 ? it->service_s : std::min(least, it->service_s);
         ++n;
       }
     }
-    if (n > 0) return sum / n;
+    if (n > 0) return least;
   }
   return std::nullopt;
 }
 
-std::optional<double> Balancer::Decision::mean_service_after(const Tracked& t,
+std::optional<double> Balancer::Decision::least_service_after(const Tracked& t,
                                                              uint64_t epoch) const {
-  double sum = 0;
+  double least = 0;
   uint32_t n = 0;
   for (auto it = t.history.rbegin(); it != t.history.rend() && n < o_.evaluation_windows; ++it) {
     if (it->epoch >= epoch) {
-      sum += it->service_s;
+      least = n == 0 ? it->service_s : std::min(least, it->service_s);
       ++n;
     }
   }
   if (n < o_.evaluation_windows) return std::nullopt;
-  return sum / n;
+  return least;
 }
 
 void Balancer::Decision::remember(const PlanStep& step, const std::vector<Node>& nodes,
@@ -1075,7 +1080,7 @@ void Balancer::Decision::remember(const PlanStep& step, const std::vector<Node>&
       inv.rate_samples = it->second.rate_samples;
     }
     if (const Member* m = member(n.id)) {
-      if (auto before = mean_service_before(*m->t)) {
+      if (auto before = least_service_before(*m->t)) {
         p.measured_before_s = std::max(p.measured_before_s, *before);
       }
     }
@@ -1122,7 +1127,7 @@ Result<Balancer::Decision::Verdict> Balancer::Decision::evaluate() {
     const Member* m = member(inv.id);
     if (m == nullptr || !m->active()) continue;  // left or draining: nothing to wait for
     if (inv.received) receivers.push_back(inv.id);
-    if (auto s = mean_service_after(*m->t, pd.to_epoch)) {
+    if (auto s = least_service_after(*m->t, pd.to_epoch)) {
       after = std::max(after, *s);
       if (inv.received && *s > (1 + o_.rollback_tolerance) * inv.predicted_s) {
         blamed.push_back(inv.id);
