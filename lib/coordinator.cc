@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <random>
 
 #include "lib/epoch_log.h"
@@ -191,6 +192,14 @@ void CoordinatorService::handle_control(const ConnectionPtr& conn, protocol::Mes
     handle_vote(m, *vote);
   } else if (auto* done = std::get_if<protocol::TransferDone>(&message)) {
     handle_transfer_done(m, *done);
+  } else if (auto* p = std::get_if<protocol::WorkerProgress>(&message)) {
+    if (m.role != MemberRole::kWorker) return;
+    // The next switch round is chosen above max_round_: keeping it at or
+    // above every round promised keeps it above every watermark sent, so no
+    // switch can end a run at a round a watermark already passed.
+    for (const auto& r : p->low)
+      max_round_ = std::max(max_round_, r.round);
+    progress_[m.rank] = std::move(*p);
   } else if (std::holds_alternative<protocol::Shutdown>(message)) {
     m.said_goodbye = true;
     // The acknowledgement lets the member close knowing its goodbye arrived:
@@ -511,6 +520,44 @@ void CoordinatorService::handle_transfer_done(const Member& m, const protocol::T
   finish_transfer_if_done();
 }
 
+// mu_ held. Per tensor, the lowest round any worker may still send a request
+// for: a run of ownership of its keys that ended at or below it and shipped
+// is needed by nobody. Capped below a switch being voted on and a transfer
+// that can still be aborted: either may yet give a key back to the run it
+// ends (docs/migration.md, "Freeing old runs").
+void CoordinatorService::publish_watermark() {
+  // Tensor ids are 1..tensors_.size(), assigned in registration order.
+  const auto tensors = static_cast<uint32_t>(tensors_.size());
+  if (!job_started_ || job_over_ || tensors == 0) return;
+  std::vector<uint64_t> low(tensors, UINT64_MAX);
+  for (uint32_t w = 0; w < options_.num_workers; ++w) {
+    if (finished_workers_.count(w)) continue;  // it sends nothing any more
+    auto it = progress_.find(w);
+    if (it == progress_.end()) return;  // it promised nothing yet
+    for (TensorId t = 1; t <= tensors; ++t)
+      low[t - 1] = std::min(low[t - 1], protocol::round_of(it->second.low, it->second.tensors, t));
+  }
+  uint64_t cap = UINT64_MAX;
+  if (switch_) cap = std::min(cap, switch_->switch_round - 1);
+  if (transfer_) cap = std::min(cap, transfer_->switch_round - 1);
+  for (uint64_t& r : low) {
+    r = std::min(r, cap);
+    if (r == UINT64_MAX) return;  // every worker is done
+  }
+  protocol::LowWatermark mark{tensors, protocol::pack_rounds(low)};
+  if (watermark_ && watermark_->tensors == mark.tensors &&
+      watermark_->low.size() == mark.low.size() &&
+      std::equal(mark.low.begin(), mark.low.end(), watermark_->low.begin(),
+                 [](const auto& a, const auto& b) {
+                   return a.first_tensor == b.first_tensor && a.round == b.round;
+                 })) {
+    return;
+  }
+  watermark_ = std::move(mark);
+  for (const auto& [rank, id] : servers_)
+    post(members_.at(id).conn, *watermark_);
+}
+
 // mu_ held. A server that never owned an arc outside an open transfer holds
 // no state: nothing it gained was applied, answered or accepted before
 // EpochFinal (protocol.h), so it can go without losing anything. Any other
@@ -746,6 +793,8 @@ void CoordinatorService::monitor() {
         now - last_decision_ >= options_.balancer_interval) {
       balance();
     }
+    // Every half heartbeat interval at most, and only when it moved.
+    publish_watermark();
     lock.unlock();
     flush();
     for (auto& conn : silent_servers)

@@ -103,6 +103,9 @@ class CoordinatorService final : public Endpoint {
   void handle_load_report(const Member& m, const protocol::LoadReport& report);
   void handle_vote(const Member& m, const protocol::EpochVote& vote);
   void handle_transfer_done(const Member& m, const protocol::TransferDone& done);
+  // Sends the servers a LowWatermark when it moved (docs/migration.md,
+  // "Freeing old runs").
+  void publish_watermark();
   void send_prepare();
   // Commits the switch once every live server voted yes.
   void maybe_commit();
@@ -168,6 +171,9 @@ class CoordinatorService final : public Endpoint {
   std::set<uint32_t> ever_owned_;
   uint64_t aborts_ = 0;
   uint64_t max_round_ = 0;  // the highest round any member reported
+  // Each worker's last WorkerProgress, and the last LowWatermark sent.
+  std::map<uint32_t, protocol::WorkerProgress> progress_;
+  std::optional<protocol::LowWatermark> watermark_;
   // The balancer, when enabled, and what its last decision had seen.
   std::optional<Balancer> balancer_;
   transport::Clock::time_point last_decision_{};

@@ -165,6 +165,15 @@ bool MemberSession::handle(const ConnectionPtr& conn, protocol::Message& message
     if (fn) fn(*f);
     return true;
   }
+  if (auto* w = std::get_if<protocol::LowWatermark>(&message)) {
+    WatermarkFn fn;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      fn = on_watermark_;
+    }
+    if (fn) fn(*w);
+    return true;
+  }
   std::lock_guard<std::mutex> lock(mu_);
   if (auto* w = std::get_if<protocol::Welcome>(&message)) {
     welcome_ = *w;

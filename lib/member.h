@@ -78,6 +78,12 @@ class MemberSession {
     std::lock_guard<std::mutex> lock(mu_);
     on_final_ = std::move(fn);
   }
+  // A LowWatermark from the coordinator (servers) goes to `fn`, like on_epoch.
+  using WatermarkFn = std::function<void(const protocol::LowWatermark&)>;
+  void on_watermark(WatermarkFn fn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    on_watermark_ = std::move(fn);
+  }
   // `fn` runs on the heartbeat thread once per heartbeat interval, from
   // join() until it is replaced: the owner's clock for deadlines that no
   // message may ever come to check (a transfer's fallback, a lost server's
@@ -128,6 +134,7 @@ class MemberSession {
   std::thread reporter_;
   EpochFn on_epoch_;           // guarded by mu_
   FinalFn on_final_;           // guarded by mu_
+  WatermarkFn on_watermark_;   // guarded by mu_
   std::mutex tick_mu_;         // held while tick_ runs
   TickFn tick_;                // guarded by tick_mu_
   bool reports_stop_ = false;  // guarded by mu_

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "lib/hash.h"
 #include "transports/wire.h"
 
@@ -408,6 +410,46 @@ bool get(WireReader& r, EpochFinal* m) {
   return r.u64(&m->epoch) && r.u64(&m->switch_round);
 }
 
+void put_rounds(WireWriter& w, uint32_t tensors, const std::vector<TensorRounds>& low) {
+  w.u32(tensors);
+  w.u32(static_cast<uint32_t>(low.size()));
+  for (const auto& r : low) {
+    w.u32(r.first_tensor);
+    w.u64(r.round);
+  }
+}
+// Ranges start at tensor 1, rise strictly and stay within `tensors`.
+bool get_rounds(WireReader& r, uint32_t* tensors, std::vector<TensorRounds>* low) {
+  uint32_t n = 0;
+  if (!r.u32(tensors) || !r.u32(&n) || n > kMaxRoundRanges || (n > 0) != (*tensors > 0)) {
+    return false;
+  }
+  low->resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    auto& e = (*low)[i];
+    if (!r.u32(&e.first_tensor) || !r.u64(&e.round)) return false;
+    const uint64_t min = i == 0 ? 1 : uint64_t{(*low)[i - 1].first_tensor} + 1;
+    if (e.first_tensor < min || e.first_tensor > *tensors || (i == 0 && e.first_tensor != 1)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void put(WireWriter& w, const WorkerProgress& m) {
+  put_rounds(w, m.tensors, m.low);
+}
+bool get(WireReader& r, WorkerProgress* m) {
+  return get_rounds(r, &m->tensors, &m->low);
+}
+
+void put(WireWriter& w, const LowWatermark& m) {
+  put_rounds(w, m.tensors, m.low);
+}
+bool get(WireReader& r, LowWatermark* m) {
+  return get_rounds(r, &m->tensors, &m->low);
+}
+
 // The wire type of each alternative of Message, in variant order.
 constexpr Type kTypes[] = {
     Type::kChallenge,      Type::kHello,        Type::kWelcome,
@@ -419,16 +461,19 @@ constexpr Type kTypes[] = {
     Type::kPullRequest,    Type::kCredit,       Type::kMoved,
     Type::kError,          Type::kAck,          Type::kEpochChange,
     Type::kEpochVote,      Type::kStateRequest, Type::kStateOffer,
-    Type::kTransferDone,   Type::kEpochFinal,
+    Type::kTransferDone,   Type::kEpochFinal,   Type::kWorkerProgress,
+    Type::kLowWatermark,
 };
 static_assert(std::size(kTypes) == std::variant_size_v<Message>);
 
 constexpr const char* kNames[] = {
-    "Challenge",      "Hello",        "Welcome",      "Reject",         "ServerList", "Placement",
-    "RegisterTensor", "TensorInfo",   "BarrierEnter", "BarrierRelease", "Heartbeat",  "JobFailed",
-    "Shutdown",       "LoadReport",   "WorkerHello",  "Grant",          "TensorKey",  "PushMeta",
-    "PullRequest",    "Credit",       "Moved",        "Error",          "Ack",        "EpochChange",
-    "EpochVote",      "StateRequest", "StateOffer",   "TransferDone",   "EpochFinal",
+    "Challenge",    "Hello",          "Welcome",      "Reject",       "ServerList",
+    "Placement",    "RegisterTensor", "TensorInfo",   "BarrierEnter", "BarrierRelease",
+    "Heartbeat",    "JobFailed",      "Shutdown",     "LoadReport",   "WorkerHello",
+    "Grant",        "TensorKey",      "PushMeta",     "PullRequest",  "Credit",
+    "Moved",        "Error",          "Ack",          "EpochChange",  "EpochVote",
+    "StateRequest", "StateOffer",     "TransferDone", "EpochFinal",   "WorkerProgress",
+    "LowWatermark",
 };
 static_assert(std::size(kNames) == std::variant_size_v<Message>);
 
@@ -528,6 +573,30 @@ std::string_view epoch_step_name(EpochStep step) {
 
 uint32_t dtype_bytes(DType dtype) {
   return dtype == DType::kF32 ? 4 : 2;
+}
+
+std::vector<TensorRounds> pack_rounds(std::span<const uint64_t> by_tensor) {
+  // Ranges of `group` tensors each, neighbours of the same round merged; the
+  // group grows until they fit (1 whenever every tensor fits on its own).
+  const size_t n = by_tensor.size();
+  for (size_t group = 1;; group *= 2) {
+    std::vector<TensorRounds> out;
+    for (size_t i = 0; i < n && out.size() <= kMaxRoundRanges; i += group) {
+      const size_t end = std::min(n, i + group);
+      const uint64_t round = *std::min_element(by_tensor.begin() + i, by_tensor.begin() + end);
+      if (out.empty() || out.back().round != round) {
+        out.push_back({static_cast<uint32_t>(i + 1), round});
+      }
+    }
+    if (out.size() <= kMaxRoundRanges) return out;
+  }
+}
+
+uint64_t round_of(std::span<const TensorRounds> ranges, uint32_t tensors, TensorId t) {
+  if (t == 0 || t > tensors) return 0;
+  auto it = std::upper_bound(ranges.begin(), ranges.end(), t,
+                             [](TensorId v, const TensorRounds& r) { return v < r.first_tensor; });
+  return it == ranges.begin() ? 0 : std::prev(it)->round;
 }
 
 std::vector<uint8_t> encode(const Message& message) {

@@ -32,6 +32,9 @@
 //   coordinator -> all    : EpochChange(abort) when a server that was only
 //                           gaining keys died before EpochFinal
 //                           (docs/migration.md)
+//   worker -> coordinator : WorkerProgress, with every LoadReport;
+//                           coordinator -> servers: LowWatermark, when it
+//                           advances (old runs of ownership can be freed)
 #pragma once
 
 #include <cstdint>
@@ -46,8 +49,8 @@
 namespace psld::protocol {
 
 // 2: EpochChange carries a step and a lost server; TransferDone, EpochFinal
-// and StateOffer.
-inline constexpr uint16_t kVersion = 2;
+// and StateOffer. 3: WorkerProgress and LowWatermark.
+inline constexpr uint16_t kVersion = 3;
 
 enum class Role : uint8_t { kWorker = 1, kServer = 2, kCoordinator = 3 };
 std::string_view role_name(Role role);
@@ -92,6 +95,8 @@ enum class Type : uint16_t {
   kStateOffer = 32,
   kTransferDone = 33,
   kEpochFinal = 34,
+  kWorkerProgress = 35,
+  kLowWatermark = 36,
 };
 
 struct Challenge {
@@ -355,11 +360,50 @@ struct EpochFinal {
   uint64_t switch_round = 0;
 };
 
-using Message = std::variant<Challenge, Hello, Welcome, Reject, ServerList, PlacementChunk,
-                             RegisterTensor, TensorInfo, BarrierEnter, BarrierRelease, Heartbeat,
-                             JobFailed, Shutdown, LoadReport, WorkerHello, Grant, TensorKey,
-                             PushMeta, PullRequest, Credit, Moved, Error, Ack, EpochChange,
-                             EpochVote, StateRequest, StateOffer, TransferDone, EpochFinal>;
+// Rounds per tensor, as ranges of tensor ids: an entry covers the tensors
+// from first_tensor up to the next entry's first_tensor - 1, the last one up
+// to the message's `tensors`. At most kMaxRoundRanges entries (3 KiB).
+struct TensorRounds {
+  uint32_t first_tensor = 1;
+  uint64_t round = 0;
+};
+inline constexpr size_t kMaxRoundRanges = 256;
+// A worker's promise, sent with its load reports: it will never again send
+// a request (push or pull) naming a round of tensor t below the round `low`
+// gives t. That is the lower of the tensor's current round (the one a pull
+// names; a push names the next) and the rounds of its operations not
+// completed yet, so it never goes down; 0 for a tensor it has not
+// registered. `tensors`: the highest tensor id it registered.
+struct WorkerProgress {
+  uint32_t tensors = 0;
+  std::vector<TensorRounds> low;
+};
+// The coordinator to every server: no worker will send a request naming a
+// round of tensor t (<= tensors) below the round `low` gives t, and no
+// switch at or below that round can be undone any more (none is being
+// voted on, no transfer that an abort could give back is open). A run of
+// ownership of a key of t that ended at such a switch round and shipped its
+// state is needed by nobody: the server frees it (docs/migration.md,
+// "Freeing old runs").
+struct LowWatermark {
+  uint32_t tensors = 0;
+  std::vector<TensorRounds> low;
+};
+
+using Message =
+    std::variant<Challenge, Hello, Welcome, Reject, ServerList, PlacementChunk, RegisterTensor,
+                 TensorInfo, BarrierEnter, BarrierRelease, Heartbeat, JobFailed, Shutdown,
+                 LoadReport, WorkerHello, Grant, TensorKey, PushMeta, PullRequest, Credit, Moved,
+                 Error, Ack, EpochChange, EpochVote, StateRequest, StateOffer, TransferDone,
+                 EpochFinal, WorkerProgress, LowWatermark>;
+
+// Rounds of tensors 1..n (by_tensor[t - 1]) as at most kMaxRoundRanges
+// ranges: exact where neighbours share a round or there are few tensors,
+// else each range takes the lowest round of the tensors it covers.
+std::vector<TensorRounds> pack_rounds(std::span<const uint64_t> by_tensor);
+// The round `ranges` (of a message covering tensors 1..tensors) gives
+// tensor t; 0 for a tensor it does not cover.
+uint64_t round_of(std::span<const TensorRounds> ranges, uint32_t tensors, TensorId t);
 
 std::vector<uint8_t> encode(const Message& message);
 // DataLoss with what was wrong for anything malformed.

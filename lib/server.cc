@@ -69,7 +69,9 @@ struct ServerService::KeyState {
   // until the transfer is final, so an abort can still give the key back.
   bool awaiting_final = false;
   // As an old owner, the switch round this run last offered its state at,
-  // started shipping it at, and shipped it at (the write completed).
+  // started shipping it at, and shipped it at (the write completed): the
+  // run ended there. An abort that gives the key back clears shipped_round
+  // (the run goes on), so that the run is not freed.
   uint64_t offered_round = 0;
   uint64_t shipping_round = 0;
   uint64_t shipped_round = 0;
@@ -89,6 +91,9 @@ struct ServerService::Shard {
   // out_round (0: none scanned yet).
   uint64_t out_round = 0;
   std::set<std::pair<Key, uint64_t>> outgoing;
+  // The last LowWatermark: no request of a tensor's rounds below the
+  // round it gives that tensor will come.
+  protocol::LowWatermark low;
   std::thread thread;
 };
 
@@ -126,6 +131,8 @@ Result<std::unique_ptr<ServerService>> ServerService::start(const RuntimeOptions
   s->session_.on_epoch(
       [srv = s.get()](const protocol::EpochChange& e) { srv->on_epoch_change(e); });
   s->session_.on_final([srv = s.get()](const protocol::EpochFinal& f) { srv->on_final(f); });
+  s->session_.on_watermark(
+      [srv = s.get()](const protocol::LowWatermark& w) { srv->dispatch_all(Trim{w}); });
   s->session_.on_tick([srv = s.get()] { srv->on_tick(); });
   PSLD_RETURN_IF_ERROR(s->session_.join(s->transport().address()));
   {
@@ -554,10 +561,16 @@ void ServerService::process(Shard& shard, Work& work) {
       std::lock_guard<std::mutex> lock(stats_mu_);
       ++stats_.states_out;
     }
-    if (KeyState* k = find_run(shard, done->key, done->run)) k->shipped_round = done->switch_round;
+    KeyState* k = find_run(shard, done->key, done->run);
+    // The run ended at that switch, unless an abort gave the key back
+    // while the write was on its way (scan_outgoing already looked then).
+    if (k != nullptr && owner_for(done->key, done->switch_round) != rank()) {
+      k->shipped_round = done->switch_round;
+    }
     if (shard.out_round == done->switch_round && shard.outgoing.erase({done->key, done->run})) {
       note_outgoing(shard);
     }
+    free_runs(shard, done->key);
   } else if (auto* offered = std::get_if<Offered>(&work)) {
     const protocol::StateOffer& o = offered->offer;
     // Only a key this server gains at that very switch: anything else is a
@@ -565,12 +578,21 @@ void ServerService::process(Shard& shard, Work& work) {
     if (owner_for(o.key, o.switch_round) != rank()) return;
     const auto g = gained(o.key, o.switch_round);
     if (!g || g->first != o.switch_round) return;
+    // Every worker has pushed every round below the watermark, so a run
+    // that began below it was created here: missing, it was freed, and the
+    // offer is stale (created again, it would ask for a state nobody ships).
+    if (o.switch_round < protocol::round_of(shard.low.low, shard.low.tensors, key_tensor(o.key)) &&
+        find_run(shard, o.key, o.switch_round) == nullptr) {
+      return;
+    }
     (void)key_state(shard, o.key, o.dtype, o.bytes, o.switch_round);  // asks for the state
   } else if (auto* release = std::get_if<Release>(&work)) {
     release_final(shard, release->switch_round);
   } else if (auto* dial = std::get_if<Dial>(&work)) {
     for (ServerId id : dial->servers)
       (void)peer(id);
+  } else if (auto* mark = std::get_if<Trim>(&work)) {
+    trim(shard, mark->mark);
   } else {
     const PullDone& pd = std::get<PullDone>(work);
     KeyState* found = find_run(shard, pd.key, pd.run);
@@ -588,6 +610,7 @@ void ServerService::process(Shard& shard, Work& work) {
         process_push(shard, next);
       }
       maybe_ship(shard, k);
+      free_runs(shard, pd.key);  // k may be gone from here on
     }
   }
 }
@@ -603,6 +626,10 @@ ServerService::KeyState& ServerService::key_state(Shard& shard, Key key, DType d
   auto it = std::upper_bound(runs.begin(), runs.end(), run,
                              [](uint64_t v, const auto& r) { return v < r->owned_from; });
   it = runs.insert(it, std::make_unique<KeyState>());
+  {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    ++stats_.runs;
+  }
   KeyState& k = **it;
   k.owned_from = run;
   k.key = key;
@@ -1076,10 +1103,12 @@ void ServerService::scan_outgoing(Shard& shard, uint64_t switch_round) {
   for (auto& [key, runs] : shard.keys) {
     if (owner_for(key, switch_round) == me) {
       // Stays here, or came back with an abort: requests for it at this
-      // switch came from a successor that is gone.
+      // switch came from a successor that is gone, and a run that shipped
+      // its state to it goes on instead of ending there.
       for (auto& r : runs) {
         std::erase_if(r->successors,
                       [&](const StateWork& w) { return w.req.switch_round == switch_round; });
+        if (r->shipped_round == switch_round) r->shipped_round = 0;
       }
       continue;
     }
@@ -1120,6 +1149,49 @@ void ServerService::release_final(Shard& shard, uint64_t switch_round) {
       if (!k.awaiting_state) resume(shard, k);  // else once the state lands
     }
   }
+}
+
+// A run that ended at switch round T (the key left here at T) is needed
+// while its state has not reached the successor, while an abort could still
+// give the key back to it, and while a worker may still send a request for
+// a round < T (docs/migration.md, "Freeing old runs"). The last watermark
+// says neither of the last two can happen once it gives the key's tensor a
+// round >= T (and that holds for good); shipped_round says the first is
+// over. Nothing may be queued on the run either.
+bool ServerService::done_with(const Shard& shard, const KeyState& k) const {
+  const uint64_t low = protocol::round_of(shard.low.low, shard.low.tensors, key_tensor(k.key));
+  return k.shipped_round != 0 && k.shipped_round <= low && k.inflight == 0 && k.waiting.empty() &&
+         k.deferred.empty() && k.parked.empty() && k.successors.empty() && !k.awaiting_state &&
+         !k.awaiting_final && !shard.outgoing.count({k.key, k.owned_from});
+}
+
+void ServerService::trim(Shard& shard, const protocol::LowWatermark& mark) {
+  shard.low = mark;
+  uint64_t freed = 0;
+  for (auto it = shard.keys.begin(); it != shard.keys.end();) {
+    freed += std::erase_if(it->second, [&](const auto& r) { return done_with(shard, *r); });
+    it = it->second.empty() ? shard.keys.erase(it) : std::next(it);
+  }
+  note_freed(freed);
+}
+
+// A run may become free after the watermark passed its end: its write
+// completed, its last pull write finished.
+void ServerService::free_runs(Shard& shard, Key key) {
+  auto it = shard.keys.find(key);
+  if (it == shard.keys.end()) return;
+  const uint64_t freed =
+      std::erase_if(it->second, [&](const auto& r) { return done_with(shard, *r); });
+  if (it->second.empty()) shard.keys.erase(it);
+  note_freed(freed);
+}
+
+void ServerService::note_freed(uint64_t freed) {
+  if (freed == 0) return;
+  PSLD_LOG_DEBUG("server {}: freed {} runs of ownership", rank(), freed);
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  stats_.runs -= freed;
+  stats_.runs_freed += freed;
 }
 
 void ServerService::flush_credits(Shard& shard) {

@@ -38,6 +38,11 @@ struct ServerStats {
   uint64_t states_requested = 0;
   uint64_t states_in = 0;
   uint64_t states_out = 0;
+  // Runs of ownership (a key's state, one per stretch of rounds the key
+  // spent here) held now, and those freed once no round could need them
+  // (docs/migration.md, "Freeing old runs").
+  uint64_t runs = 0;
+  uint64_t runs_freed = 0;
 };
 
 class ServerService final : public Endpoint {
@@ -106,12 +111,16 @@ class ServerService final : public Endpoint {
   struct Release {
     uint64_t switch_round = 0;
   };
+  // The coordinator's LowWatermark: free the runs nothing can need.
+  struct Trim {
+    protocol::LowWatermark mark;
+  };
   // Connect to the servers a prepared switch brings keys from.
   struct Dial {
     std::vector<ServerId> servers;
   };
   using Work = std::variant<PushWork, PullWork, PullDone, StateWork, StateArrived, TransferScan,
-                            ShipDone, Offered, Release, Dial>;
+                            ShipDone, Offered, Release, Dial, Trim>;
 
   struct KeyState;
   struct Shard;
@@ -173,6 +182,13 @@ class ServerService final : public Endpoint {
   // once every shard is done.
   void note_outgoing(const Shard& shard);
   void release_final(Shard& shard, uint64_t switch_round);
+  // Old runs of ownership (docs/migration.md, "Freeing old runs"): whether
+  // nothing can need the run any more; frees the shard's runs (trim: all,
+  // with a new watermark; free_runs: those of one key) that nothing needs.
+  bool done_with(const Shard& shard, const KeyState& k) const;
+  void trim(Shard& shard, const protocol::LowWatermark& mark);
+  void free_runs(Shard& shard, Key key);
+  void note_freed(uint64_t freed);
   // True when a run that began at `run` must wait for EpochFinal.
   bool hold_until_final(uint64_t run) const;
   // Keeps a request that names a newer epoch than this server knows (an

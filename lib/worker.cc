@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "transports/log.h"
@@ -74,6 +75,7 @@ Result<std::unique_ptr<WorkerService>> WorkerService::start(const RuntimeOptions
       r.rounds = wk->max_round_.load();  // workers: the highest round pushed
       out.emplace_back(std::move(r));
     }
+    out.emplace_back(wk->progress());
     return out;
   });
   PSLD_LOG_INFO("worker {} of {} joined; {} servers", w->rank(), w->num_workers(),
@@ -629,6 +631,36 @@ void WorkerService::issue(ServerConn& s, ChunkOp op, uint32_t slot) {
     if (st.ok()) st = conn->write(wr, done);
     if (!st.ok()) done(st);
   });
+}
+
+protocol::WorkerProgress WorkerService::progress() {
+  std::lock_guard<std::mutex> lock(mu_);
+  // Per tensor id: a pull names the tensor's current round and a push the
+  // next one, so no new request goes below the current round; what is in
+  // flight (waiting for credit, an answer, an epoch or a lost server's
+  // fate) may still be sent, again or for the first time, with its own.
+  // An id this worker has not registered (it may yet) gets 0.
+  TensorId last = 0;
+  for (const auto& t : tensors_)
+    last = std::max(last, t.id);
+  std::vector<uint64_t> low(last, 0);
+  for (const auto& t : tensors_)
+    low[t.id - 1] = t.push_round;
+  auto at = [&](const ChunkOp& op) {
+    uint64_t& r = low[tensors_[op.tensor].id - 1];
+    r = std::min(r, op.round);
+  };
+  for (const auto& [tag, p] : pending_)
+    at(p.op);
+  for (const auto& [r, s] : servers_) {
+    for (const auto& op : s.backlog)
+      at(op);
+  }
+  for (const auto& m : moved_)
+    at(m.op);
+  for (const auto& o : orphans_)
+    at(o.op);
+  return {last, protocol::pack_rounds(low)};
 }
 
 std::string WorkerService::describe_in_flight() {

@@ -163,6 +163,10 @@ class WorkerService final : public Endpoint {
                  const Status& why);
   // The heartbeat thread's clock: orphans past their deadline fail.
   void on_tick();
+  // The lowest round this worker may still send a request for, over every
+  // tensor it registered (protocol::WorkerProgress): what lets servers free
+  // old runs of ownership (docs/migration.md, "Freeing old runs").
+  protocol::WorkerProgress progress();
   // How long a lost server's operations wait for the coordinator: it decides
   // within a heartbeat timeout of the loss; as much again is the margin.
   std::chrono::milliseconds orphan_grace() const { return 2 * options_.heartbeat_timeout; }

@@ -154,6 +154,144 @@ TEST_P(Migration, BspSumsStayExactThroughTwentyForcedMigrations) {
   EXPECT_GE(c.coordinator->switches(), 20u);
 }
 
+// Waits (up to 20 s, while training goes on and no switch is in flight)
+// until the servers shipped `ships` key states in all, so that training
+// passed every switch round (the placement's owners hold the keys), and
+// then until every server holds exactly one run of ownership per key it
+// owns: every run that ended was freed (docs/migration.md, "Freeing old
+// runs").
+Status runs_settle(Cluster& c, const std::vector<std::pair<TensorId, uint32_t>>& chunks,
+                   uint64_t ships) {
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (true) {
+    const Placement p = c.coordinator->current_placement();
+    std::string off;
+    uint64_t shipped = 0;
+    for (const auto& s : c.servers)
+      shipped += s->stats().states_out;
+    if (shipped < ships) off = fmt::format(" {} of {} key states shipped;", shipped, ships);
+    for (const auto& s : c.servers) {
+      if (!off.empty()) break;
+      uint64_t owned = 0;
+      for (const auto& [tensor, chunk] : chunks)
+        owned += p.owner_of_key(make_key(tensor, chunk)) == s->rank();
+      const uint64_t runs = s->stats().runs;
+      if (runs != owned)
+        off += fmt::format(" server {} holds {} runs for {} keys;", s->rank(), runs, owned);
+    }
+    if (off.empty()) return Status::Ok();
+    if (std::chrono::steady_clock::now() > deadline) {
+      return Timeout("old runs were not freed within 20 s:" + off);
+    }
+    std::this_thread::sleep_for(5ms);
+  }
+}
+
+// The range of one key forced back and forth between two servers 60 times
+// while 4 workers train (BSP, sums checked every round): every sum stays
+// exact, and every 10 switches each server is back to one run of ownership
+// per key it owns. Without freeing, each switch would leave one run per key
+// of the range behind on the server it takes the range from.
+TEST_P(Migration, OldRunsAreFreedWhileARangeMovesBackAndForth) {
+  Cluster c(
+      4, 3, [](RuntimeOptions& o) { o.stats_interval = 20ms; }, GetParam());
+  ASSERT_TRUE(c.start().ok());
+  const std::vector<size_t> elems = {7, 1000, 16384, 50001, 3001};
+  std::vector<std::pair<TensorId, uint32_t>> chunks;
+  for (size_t t = 0; t < elems.size(); ++t) {
+    const uint64_t n = (elems[t] * 4 + c.base.chunk_bytes - 1) / c.base.chunk_bytes;
+    for (uint64_t k = 0; k < n; ++k)
+      chunks.emplace_back(static_cast<TensorId>(t + 1), static_cast<uint32_t>(k));
+  }
+  std::atomic<uint64_t> target{UINT64_MAX};
+  std::atomic<uint64_t> furthest{0};
+  std::atomic<bool> failed{false};
+  std::atomic<int> started{0};
+  uint64_t moved_keys = 0, switches = 0;
+  Status settled;
+  std::thread mover([&] {
+    while (started.load() < 4 && !failed.load())
+      std::this_thread::sleep_for(1ms);
+    const Key key = make_key(1, 0);
+    const Placement first = c.coordinator->current_placement();
+    const Arc range = first.arc(first.arc_index_of_hash(hash_key(key)));
+    const ServerId a = range.owner, b = (range.owner + 1) % 3;
+    for (const auto& [tensor, chunk] : chunks) {
+      const uint64_t h = hash_key(make_key(tensor, chunk));
+      moved_keys += h >= range.lo && h <= range.hi;
+    }
+    std::mt19937 rng(13);
+    for (int i = 1; i <= 60 && !failed.load() && settled.ok(); ++i) {
+      settled = switch_to(c, "a move back and forth", [&](const Placement& p) {
+        return p.move_range(range.lo, range.hi, p.owner_of_key(key) == a ? b : a);
+      });
+      if (!settled.ok()) break;
+      ++switches;
+      std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 10));
+      if (i % 10 == 0) {
+        settled = runs_settle(c, chunks, switches * moved_keys)
+                      .with_context(fmt::format("after {} switches", i));
+      }
+    }
+    target = furthest.load() + 5;
+  });
+  Status s = on_all(c, [&](size_t wi) -> Status {
+    WorkerService& w = *c.workers[wi];
+    std::vector<std::vector<float>> data(elems.size());
+    std::vector<uint32_t> handles;
+    for (size_t t = 0; t < elems.size(); ++t) {
+      data[t].assign(elems[t], 0.0f);
+      PSLD_ASSIGN_OR_RETURN(uint32_t h, w.register_tensor("t" + std::to_string(t), DType::kF32,
+                                                          elems[t] * 4, data[t].data(), nullptr));
+      handles.push_back(h);
+    }
+    PSLD_RETURN_IF_ERROR(w.barrier(10s));
+    ++started;
+    const float rank = static_cast<float>(w.rank());
+    for (uint64_t r = 1; r <= target.load() && !failed.load(); ++r) {
+      uint64_t f = furthest.load();
+      while (r > f && !furthest.compare_exchange_weak(f, r)) {
+      }
+      std::vector<std::shared_ptr<RequestState>> reqs;
+      for (size_t t = 0; t < elems.size(); ++t) {
+        for (size_t i = 0; i < elems[t]; ++i)
+          data[t][i] = rank * 1000.0f + static_cast<float>((r + i) % 97);
+        PSLD_ASSIGN_OR_RETURN(auto req, w.submit(handles[t], RequestKind::kPushPull));
+        reqs.push_back(req);
+      }
+      for (auto& req : reqs) {
+        Status st = req->wait(20s);
+        if (!st.ok()) {
+          failed = true;
+          return st.with_context("round " + std::to_string(r) + ": " + w.describe_in_flight());
+        }
+      }
+      for (size_t t = 0; t < elems.size(); ++t) {
+        for (size_t i = 0; i < elems[t]; ++i) {
+          const float want = 6000.0f + 4.0f * static_cast<float>((r + i) % 97);
+          if (data[t][i] != want) {
+            failed = true;
+            return Internal(
+                fmt::format("round {} tensor {} element {}: {} != {}", r, t, i, data[t][i], want));
+          }
+        }
+      }
+    }
+    return Status::Ok();
+  });
+  if (!s.ok()) failed = true;
+  mover.join();
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  ASSERT_TRUE(settled.ok()) << settled.to_string();
+  EXPECT_EQ(switches, 60u);
+  ASSERT_GT(moved_keys, 0u);
+  // Each switch ended one run per key of the range; each was freed once.
+  uint64_t freed = 0;
+  for (const auto& srv : c.servers)
+    freed += srv->stats().runs_freed;
+  EXPECT_EQ(freed, switches * moved_keys);
+}
+
 // A job of 4 workers x 3 servers (+ standby) training three tensors with Adam
 // on integer-valued gradients, so every sum is exact whatever the order and
 // two runs differ only in where the keys live.
@@ -342,6 +480,19 @@ TEST_P(Migration, AsyncModeConservesEveryPushAcrossMigrations) {
   }
   for (size_t i = 0; i < kN; ++i)
     ASSERT_EQ(x[i], want) << "element " << i << " (" << last.to_string() << ")";
+  // Every run that ended was freed once the slowest worker passed its end.
+  // Not per server: a key whose last switch round no worker reached still
+  // runs at its old owner, so one run per key in all.
+  const auto deadline_runs = std::chrono::steady_clock::now() + 20s;
+  uint64_t runs = 0;
+  do {
+    runs = 0;
+    for (const auto& srv : c.servers)
+      runs += srv->stats().runs;
+    if (runs == chunks.size()) break;
+    std::this_thread::sleep_for(5ms);
+  } while (std::chrono::steady_clock::now() < deadline_runs);
+  EXPECT_EQ(runs, chunks.size());
 }
 
 // The issue's long run: 4 workers, 3 servers + 1 standby, 1000 BSP rounds with

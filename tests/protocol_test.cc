@@ -54,6 +54,8 @@ std::vector<Message> examples() {
       StateOffer{make_key(12, 4), 120, DType::kBF16, 2048},
       TransferDone{3, 120, 2},
       EpochFinal{3, 120},
+      WorkerProgress{12, {{1, 118}, {5, 60}}},
+      LowWatermark{12, {{1, 117}, {5, 59}, {6, 117}}},
   };
 }
 
@@ -170,6 +172,34 @@ TEST(Protocol, AnAbortNamesItsStepAndLostServer) {
   EXPECT_EQ(std::get<TransferDone>(*done).late_keys, 5u);
 }
 
+TEST(Protocol, RoundsPerTensorPackIntoBoundedRanges) {
+  // Exact while they fit: neighbours of the same round share a range.
+  const std::vector<uint64_t> few = {7, 7, 3, 7, 9, 9};
+  const auto packed = pack_rounds(few);
+  ASSERT_EQ(packed.size(), 4u);
+  for (TensorId t = 1; t <= few.size(); ++t)
+    EXPECT_EQ(round_of(packed, 6, t), few[t - 1]) << "tensor " << t;
+  EXPECT_EQ(round_of(packed, 6, 7), 0u) << "a tensor the ranges do not cover";
+  EXPECT_EQ(round_of(packed, 6, 0), 0u);
+  // Too many distinct rounds: bounded, and never above any tensor's round.
+  std::vector<uint64_t> many(5000);
+  for (size_t i = 0; i < many.size(); ++i)
+    many[i] = 1000 + (i * 7919) % 613;
+  const auto coarse = pack_rounds(many);
+  EXPECT_LE(coarse.size(), kMaxRoundRanges);
+  for (TensorId t = 1; t <= many.size(); ++t)
+    ASSERT_LE(round_of(coarse, 5000, t), many[t - 1]) << "tensor " << t;
+  auto back = decode(encode(LowWatermark{5000, coarse}));
+  ASSERT_TRUE(back.ok()) << back.status().to_string();
+  EXPECT_EQ(std::get<LowWatermark>(*back).low.size(), coarse.size());
+  // Ranges that do not start at tensor 1, go backwards or past `tensors`.
+  EXPECT_FALSE(decode(encode(LowWatermark{5, {{2, 10}}})).ok());
+  EXPECT_FALSE(decode(encode(LowWatermark{5, {{1, 10}, {4, 3}, {3, 9}}})).ok());
+  EXPECT_FALSE(decode(encode(WorkerProgress{5, {{1, 10}, {6, 3}}})).ok());
+  EXPECT_FALSE(decode(encode(WorkerProgress{5, {}})).ok());
+  EXPECT_FALSE(decode(encode(WorkerProgress{0, {{1, 3}}})).ok());
+}
+
 TEST(Protocol, RandomBytesNeverCrash) {
   std::mt19937_64 rng(7);
   int accepted = 0;
@@ -178,7 +208,7 @@ TEST(Protocol, RandomBytesNeverCrash) {
     for (auto& x : b)
       x = static_cast<uint8_t>(rng());
     if (b.size() >= 4 && (i & 1)) {  // often a valid header, so bodies get fuzzed too
-      b[0] = static_cast<uint8_t>(1 + rng() % 34);
+      b[0] = static_cast<uint8_t>(1 + rng() % 36);
       b[1] = 0;
       b[2] = kVersion;
       b[3] = 0;
