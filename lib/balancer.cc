@@ -1046,7 +1046,7 @@ std::optional<double> Balancer::Decision::least_service_before(const Tracked& t)
 }
 
 std::optional<double> Balancer::Decision::least_service_after(const Tracked& t,
-                                                             uint64_t epoch) const {
+                                                              uint64_t epoch) const {
   double least = 0;
   uint32_t n = 0;
   for (auto it = t.history.rbegin(); it != t.history.rend() && n < o_.evaluation_windows; ++it) {
