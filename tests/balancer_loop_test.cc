@@ -40,13 +40,9 @@ TEST(MigrationBalancer, MovesLoadOffAServerBehindASlowLinkWhileTrainingStaysExac
   std::vector<double> round_ms;  // worker 0's
   Status s = on_all(c, [&](size_t wi) -> Status {
     WorkerService& w = *c.workers[wi];
-    std::vector<std::vector<float>> data(kTensors, std::vector<float>(kN));
-    std::vector<uint32_t> handles;
-    for (size_t t = 0; t < kTensors; ++t) {
-      PSLD_ASSIGN_OR_RETURN(uint32_t h, w.register_tensor("t" + std::to_string(t), DType::kF32,
-                                                          kN * 4, data[t].data(), nullptr));
-      handles.push_back(h);
-    }
+    std::vector<std::vector<float>> data;
+    PSLD_ASSIGN_OR_RETURN(std::vector<uint32_t> handles,
+                          register_zeroed(w, std::vector<size_t>(kTensors, kN), data));
     const auto start = std::chrono::steady_clock::now();
     for (uint64_t r = 1; r <= target.load(); ++r) {
       uint64_t f = furthest.load();

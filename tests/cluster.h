@@ -105,6 +105,24 @@ inline Status on_all(Cluster& c, const std::function<Status(size_t)>& fn) {
   return first;
 }
 
+// Makes data[t] a zeroed fp32 tensor of elems[t] elements and registers it
+// on w as "t<t>", in order (so every worker's tensor t gets the same id);
+// returns the handles.
+inline Result<std::vector<uint32_t>> register_zeroed(WorkerService& w,
+                                                     const std::vector<size_t>& elems,
+                                                     std::vector<std::vector<float>>& data) {
+  data.resize(elems.size());
+  std::vector<uint32_t> handles;
+  for (size_t t = 0; t < elems.size(); ++t) {
+    data[t].assign(elems[t], 0.0f);
+    PSLD_ASSIGN_OR_RETURN(
+        uint32_t h, w.register_tensor("t" + std::to_string(t), protocol::DType::kF32, elems[t] * 4,
+                                      data[t].data(), nullptr));
+    handles.push_back(h);
+  }
+  return handles;
+}
+
 // The transports a runtime test runs on: the loopback fabric, and UCX where
 // this build has it.
 inline std::vector<std::string> test_backends() {

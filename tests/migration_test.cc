@@ -85,14 +85,8 @@ TEST_P(Migration, BspSumsStayExactThroughTwentyForcedMigrations) {
   std::thread mover;
   Status s = on_all(c, [&](size_t wi) -> Status {
     WorkerService& w = *c.workers[wi];
-    std::vector<std::vector<float>> data(elems.size());
-    std::vector<uint32_t> handles;
-    for (size_t t = 0; t < elems.size(); ++t) {
-      data[t].assign(elems[t], 0.0f);
-      PSLD_ASSIGN_OR_RETURN(uint32_t h, w.register_tensor("t" + std::to_string(t), DType::kF32,
-                                                          elems[t] * 4, data[t].data(), nullptr));
-      handles.push_back(h);
-    }
+    std::vector<std::vector<float>> data;
+    PSLD_ASSIGN_OR_RETURN(std::vector<uint32_t> handles, register_zeroed(w, elems, data));
     if (wi == 0) {
       // Tensor ids are assigned in registration order from 1.
       std::lock_guard<std::mutex> lock(chunks_mu);
@@ -237,14 +231,8 @@ TEST_P(Migration, OldRunsAreFreedWhileARangeMovesBackAndForth) {
   });
   Status s = on_all(c, [&](size_t wi) -> Status {
     WorkerService& w = *c.workers[wi];
-    std::vector<std::vector<float>> data(elems.size());
-    std::vector<uint32_t> handles;
-    for (size_t t = 0; t < elems.size(); ++t) {
-      data[t].assign(elems[t], 0.0f);
-      PSLD_ASSIGN_OR_RETURN(uint32_t h, w.register_tensor("t" + std::to_string(t), DType::kF32,
-                                                          elems[t] * 4, data[t].data(), nullptr));
-      handles.push_back(h);
-    }
+    std::vector<std::vector<float>> data;
+    PSLD_ASSIGN_OR_RETURN(std::vector<uint32_t> handles, register_zeroed(w, elems, data));
     PSLD_RETURN_IF_ERROR(w.barrier(10s));
     ++started;
     const float rank = static_cast<float>(w.rank());
@@ -686,14 +674,7 @@ struct SumJob {
     Status s = on_all(c, [&](size_t wi) -> Status {
       WorkerService& w = *c.workers[wi];
       std::vector<std::vector<float>>& data = tensors[wi];
-      data.resize(elems.size());
-      std::vector<uint32_t> handles;
-      for (size_t t = 0; t < elems.size(); ++t) {
-        data[t].assign(elems[t], 0.0f);
-        PSLD_ASSIGN_OR_RETURN(uint32_t h, w.register_tensor("t" + std::to_string(t), DType::kF32,
-                                                            elems[t] * 4, data[t].data(), nullptr));
-        handles.push_back(h);
-      }
+      PSLD_ASSIGN_OR_RETURN(std::vector<uint32_t> handles, register_zeroed(w, elems, data));
       PSLD_RETURN_IF_ERROR(w.barrier(10s));
       const float rank = static_cast<float>(w.rank());
       const size_t lagging = elems.size() - 1;

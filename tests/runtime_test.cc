@@ -46,14 +46,8 @@ TEST_P(Runtime, BspSumModeGivesExactSumsEveryRound) {
   constexpr int kRounds = 30;
   Status s = on_all(c, [&](size_t wi) -> Status {
     WorkerService& w = *c.workers[wi];
-    std::vector<std::vector<float>> data(elems.size());
-    std::vector<uint32_t> handles;
-    for (size_t t = 0; t < elems.size(); ++t) {
-      data[t].assign(elems[t], 0.0f);
-      PSLD_ASSIGN_OR_RETURN(uint32_t h, w.register_tensor("t" + std::to_string(t), DType::kF32,
-                                                          elems[t] * 4, data[t].data(), nullptr));
-      handles.push_back(h);
-    }
+    std::vector<std::vector<float>> data;
+    PSLD_ASSIGN_OR_RETURN(std::vector<uint32_t> handles, register_zeroed(w, elems, data));
     const float rank = static_cast<float>(w.rank());
     for (int r = 1; r <= kRounds; ++r) {
       std::vector<std::shared_ptr<RequestState>> reqs;
