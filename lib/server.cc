@@ -156,18 +156,18 @@ ServerService::ServerService(const RuntimeOptions& options)
       compute_rate_(options.compute_bytes_per_second) {}
 
 void ServerService::set_compute_rate(double bytes_per_second) {
-  std::lock_guard<std::mutex> lock(compute_mu_);
-  compute_rate_ = bytes_per_second;
+  compute_rate_.store(bytes_per_second);
 }
 
 void ServerService::pace_compute(uint64_t bytes) {
   transport::Clock::time_point until;
   {
+    const double rate = compute_rate_.load(std::memory_order_relaxed);
+    if (rate <= 0) return;
     std::lock_guard<std::mutex> lock(compute_mu_);
-    if (compute_rate_ <= 0) return;
     const auto now = transport::Clock::now();
     const auto cost = std::chrono::duration_cast<transport::Clock::duration>(
-        std::chrono::duration<double>(static_cast<double>(bytes) / compute_rate_));
+        std::chrono::duration<double>(static_cast<double>(bytes) / rate));
     compute_free_ = std::max(compute_free_, now) + cost;
     until = compute_free_;
   }

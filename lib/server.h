@@ -254,8 +254,10 @@ class ServerService final : public Endpoint {
   ServerStats stats_;
   // Emulated compute: reduces are serialised through one virtual processor
   // that frees up at compute_free_ (shared by every shard).
+  // The rate is atomic so that a server without emulation (rate 0, every
+  // real job) checks it on each reduce without taking the mutex.
+  std::atomic<double> compute_rate_{0};
   std::mutex compute_mu_;
-  double compute_rate_ = 0;
   transport::Clock::time_point compute_free_{};
   std::unique_ptr<LoadRecorder> load_;
 };
