@@ -126,6 +126,10 @@ Status Worker::health() const {
   return impl_->health();
 }
 
+std::string Worker::gpu_path() const {
+  return impl_->gpu_path();
+}
+
 std::vector<ServerLoad> Worker::server_loads() const {
   std::vector<ServerLoad> out;
   for (const auto& l : impl_->server_loads()) {

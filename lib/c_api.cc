@@ -6,6 +6,7 @@
 
 struct psld_worker {
   std::unique_ptr<psld::Worker> w;
+  std::string gpu_path;  // what psld_worker_gpu_path hands out
 };
 struct psld_request {
   psld::Request r;
@@ -54,7 +55,8 @@ int psld_worker_join(int argc, const char* const* argv, psld_worker** out) {
   if (!config.ok()) return fail(config.status());
   auto w = psld::Worker::join(*config);
   if (!w.ok()) return fail(w.status());
-  *out = new psld_worker{std::move(w).value()};
+  *out = new psld_worker{std::move(w).value(), {}};
+  (*out)->gpu_path = (*out)->w->gpu_path();
   return 0;
 }
 
@@ -63,6 +65,14 @@ int psld_worker_rank(const psld_worker* w, uint32_t* rank, uint32_t* num_workers
   if (rank) *rank = w->w->rank();
   if (num_workers) *num_workers = w->w->num_workers();
   return 0;
+}
+
+const char* psld_worker_gpu_path(const psld_worker* w) {
+  if (w == nullptr) {
+    fail_args("worker");
+    return nullptr;
+  }
+  return w->gpu_path.c_str();
 }
 
 int psld_register_tensor(psld_worker* w, const char* name, int dtype, size_t bytes, void* data,

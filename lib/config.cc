@@ -43,6 +43,7 @@ constexpr std::array<std::string_view, 4> kOptimizerNames = {"sgd", "momentum", 
 constexpr std::array<std::string_view, 4> kLogNames = {"error", "warn", "info", "debug"};
 constexpr std::array<std::string_view, 3> kTransportNames = {"ucx", "verbs", "loopback"};
 constexpr std::array<std::string_view, 3> kWritePathNames = {"auto", "put", "am"};
+constexpr std::array<std::string_view, 3> kGpuPathNames = {"auto", "direct", "staged"};
 
 // PSLD_ variables that are not configuration keys, read elsewhere. Any other
 // PSLD_ variable that is not a key is an error (a typo). Add new ones here.
@@ -283,6 +284,9 @@ const std::vector<Field>& fields() {
               "with data.sync = staleness, how many rounds a worker may run ahead"),
       integer(PSLD_KEY(data.request_timeout_ms), 0, 86400000,
               "a push or pull not complete after this long fails with Timeout; 0: never"),
+      named(PSLD_KEY(data.gpu_path), kGpuPathNames,
+            "tensors in CUDA memory: auto: direct where the transport can register device "
+            "memory, else staged through pinned host memory; direct or staged: force one"),
 
       plain(PSLD_KEY(server.mode),
             "optimizer: the server applies optimizer.*; sum: it only sums (summation service)"),

@@ -2,6 +2,18 @@
 
 namespace psld {
 
+std::string_view gpu_path_name(GpuPath path) {
+  switch (path) {
+    case GpuPath::kAuto:
+      return "auto";
+    case GpuPath::kDirect:
+      return "direct";
+    case GpuPath::kStaged:
+      return "staged";
+  }
+  return "unknown";
+}
+
 RuntimeOptions runtime_options_from_config(const Config& c) {
   RuntimeOptions o;
   o.endpoint.transport = c.job.transport;
@@ -29,6 +41,11 @@ RuntimeOptions runtime_options_from_config(const Config& c) {
   o.chunk_bytes = c.data.chunk_bytes;
   o.slots_per_worker = c.data.slots_per_worker;
   o.sync = c.data.sync;
+  if (c.data.gpu_path == "direct") {
+    o.gpu_path = GpuPath::kDirect;
+  } else if (c.data.gpu_path == "staged") {
+    o.gpu_path = GpuPath::kStaged;
+  }
   o.staleness = c.data.staleness_rounds;
   o.mode = c.server.mode;
   o.optimizer.kind = c.optimizer.kind;

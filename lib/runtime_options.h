@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -14,6 +15,7 @@
 #include "lib/placement.h"
 #include "psld/config.h"
 #include "psld/keys.h"
+#include "transports/stager.h"
 
 namespace psld {
 
@@ -28,6 +30,15 @@ struct OptimizerOptions {
   float eps = 1e-8f;
   float weight_decay = 0.0f;
 };
+
+// How a worker moves tensors in CUDA memory (docs/gpu.md; config
+// data.gpu_path).
+enum class GpuPath : uint8_t {
+  kAuto,    // direct where the transport can register device memory, else staged
+  kDirect,  // the transport reads and writes device memory; an error where it cannot
+  kStaged,  // through pinned host memory, copied by CUDA streams
+};
+std::string_view gpu_path_name(GpuPath path);
 
 struct RuntimeOptions {
   EndpointOptions endpoint;         // transport name and options (listen address, ...)
@@ -53,6 +64,7 @@ struct RuntimeOptions {
   bool balancer_enabled = false;
   std::chrono::milliseconds balancer_interval{1000};
   BalancerOptions balancer;
+  GpuPath gpu_path = GpuPath::kAuto;
 
   // In-process jobs only (benchmarks, tests), never from a Config:
   // The coordinator's epoch 0 instead of Placement::initial over servers
@@ -64,6 +76,12 @@ struct RuntimeOptions {
   // straggler on a machine whose cores all run at the same speed; the
   // server's set_compute_rate() changes it while the job runs.
   double compute_bytes_per_second = 0;
+  // Where a registered tensor's memory is (default: the CUDA driver's
+  // answer, kernels::memory_kind_of) and the copy engine that stages CUDA
+  // tensors (default: transport::create_cuda_copy_engine). Tests replace
+  // both to run the staged path on host memory posing as device memory.
+  std::function<transport::MemoryKind(const void*)> memory_kind_of;
+  std::function<Result<std::unique_ptr<transport::CopyEngine>>()> copy_engine;
 };
 
 // Resolves a validated Config into the runtime's options.

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "kernels/dispatch.h"
+#include "transports/cuda_copy_engine.h"
 #include "transports/log.h"
 
 namespace psld {
@@ -78,8 +80,9 @@ Result<std::unique_ptr<WorkerService>> WorkerService::start(const RuntimeOptions
     out.emplace_back(wk->progress());
     return out;
   });
-  PSLD_LOG_INFO("worker {} of {} joined; {} servers", w->rank(), w->num_workers(),
-                w->servers_.size());
+  w->gpu_path_text_ = describe_gpu_path(options.gpu_path, w->transport());
+  PSLD_LOG_INFO("worker {} of {} joined; {} servers; CUDA tensors: {}", w->rank(), w->num_workers(),
+                w->servers_.size(), w->gpu_path_text_);
   return w;
 }
 
@@ -326,6 +329,18 @@ void WorkerService::finish_tag(uint32_t tag, const Status& status) {
     load.answer_latency_ns += ns;
     load_->record(p.server, LoadMetric::kAnswerNs, static_cast<double>(ns));
   }
+  const Tensor& t = tensors_[p.op.tensor];
+  if (status.ok() && p.lands && t.shadow) {
+    // The chunk is in the shadow; the request completes once it is on the GPU.
+    const ChunkSpan span = t.layout->chunk(p.op.chunk);
+    copier_->copy(
+        DeviceCopier::Direction::kToDevice, t.data + span.offset, t.shadow.get() + span.offset,
+        span.bytes, [request = p.request, name = t.name, chunk = p.op.chunk](Status s) {
+          request->complete_part(
+              s.ok() ? s : s.with_context(fmt::format("tensor '{}' chunk {}", name, chunk)));
+        });
+    return;
+  }
   p.request->complete_part(status);
 }
 
@@ -375,6 +390,37 @@ Result<uint32_t> WorkerService::register_tensor(const std::string& name, DType d
           name, t.bytes, protocol::dtype_name(t.dtype), bytes, protocol::dtype_name(dtype)));
     }
   }
+  // Where the memory is decides how it travels: prepared here, before the
+  // coordinator hears of the tensor, so that a failure leaves nothing behind.
+  Tensor t;
+  t.name = name;
+  t.dtype = dtype;
+  t.bytes = bytes;
+  t.data = static_cast<uint8_t*>(data);
+  if (bytes > 0) {
+    t.kind = options_.memory_kind_of ? options_.memory_kind_of(data)
+                                     : (kernels::memory_kind_of(data) == kernels::MemoryKind::kCuda
+                                            ? transport::MemoryKind::kCuda
+                                            : transport::MemoryKind::kHost);
+  }
+  if (t.kind == transport::MemoryKind::kCuda) {
+    const GpuPathChoice path = choose_gpu_path(options_.gpu_path, transport());
+    if (!path.possible) {
+      return FailedPrecondition(fmt::format("tensor '{}' is in CUDA memory: {}", name, path.text));
+    }
+    if (path.direct) {
+      PSLD_ASSIGN_OR_RETURN(t.region,
+                            transport().register_memory(data, bytes, transport::MemoryKind::kCuda));
+    } else {
+      PSLD_RETURN_IF_ERROR(
+          stage_tensor(t).with_context(fmt::format("tensor '{}' is in CUDA memory", name)));
+    }
+    PSLD_LOG_INFO("worker {}: tensor '{}' ({} bytes of CUDA memory) goes {}", rank(), name, bytes,
+                  path.text);
+  } else if (bytes > 0) {
+    PSLD_ASSIGN_OR_RETURN(t.region,
+                          transport().register_memory(data, bytes, transport::MemoryKind::kHost));
+  }
   protocol::RegisterTensor reg;
   reg.name = name;
   reg.dtype = dtype;
@@ -384,16 +430,9 @@ Result<uint32_t> WorkerService::register_tensor(const std::string& name, DType d
                         session_.register_tensor(reg, options_.connect_timeout));
   PSLD_ASSIGN_OR_RETURN(ChunkLayout layout, ChunkLayout::make(info.id, bytes, info.chunk_bytes,
                                                               protocol::dtype_bytes(dtype)));
-  Tensor t;
   t.id = info.id;
-  t.name = name;
-  t.dtype = dtype;
-  t.bytes = bytes;
-  t.data = static_cast<uint8_t*>(data);
   t.layout = layout;
   if (bytes > 0) {
-    PSLD_ASSIGN_OR_RETURN(t.region,
-                          transport().register_memory(data, bytes, transport::MemoryKind::kHost));
     // Every server learns where this tensor's pulls land, and confirms.
     std::vector<ConnectionPtr> conns;
     uint64_t request = 0;
@@ -429,7 +468,13 @@ Result<uint32_t> WorkerService::register_tensor(const std::string& name, DType d
   }
   // Worker 0 sets the initial value; the others get it with their first pull.
   if (init != nullptr && rank() == 0 && bytes > 0) {
-    if (init != data) std::memmove(data, init, bytes);
+    if (init != data && tensors_[handle].kind == transport::MemoryKind::kCuda) {
+      PSLD_ASSIGN_OR_RETURN(DeviceCopier * c, copier());
+      PSLD_RETURN_IF_ERROR(c->copy_and_wait(DeviceCopier::Direction::kToDevice, data, init, bytes)
+                               .with_context("initial value of '" + name + "'"));
+    } else if (init != data) {
+      std::memmove(data, init, bytes);
+    }
     PSLD_ASSIGN_OR_RETURN(auto req, submit(handle, RequestKind::kInit));
     PSLD_RETURN_IF_ERROR(
         req->wait(options_.connect_timeout).with_context("initial value of '" + name + "'"));
@@ -440,6 +485,7 @@ Result<uint32_t> WorkerService::register_tensor(const std::string& name, DType d
 Result<std::shared_ptr<RequestState>> WorkerService::submit(uint32_t handle, RequestKind kind) {
   PSLD_RETURN_IF_ERROR(session_.health());
   std::shared_ptr<RequestState> req;
+  std::vector<std::function<void()>> copy_out;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopped_) return FailedPrecondition("the worker was shut down");
@@ -450,13 +496,90 @@ Result<std::shared_ptr<RequestState>> WorkerService::submit(uint32_t handle, Req
     uint64_t round = t.push_round;
     if (kind == RequestKind::kPush || kind == RequestKind::kPushPull) round = ++t.push_round;
     if (round > max_round_.load()) max_round_.store(round);
-    for (uint64_t c = 0; c < chunks; ++c)
-      route({kind, handle, static_cast<uint32_t>(c), round, req});
+    // A staged tensor's push leaves chunk by chunk as each is copied out of
+    // the GPU (on_staged); everything else is routed now.
+    const bool stage_out = t.shadow != nullptr && kind != RequestKind::kPull;
+    for (uint64_t c = 0; c < chunks; ++c) {
+      ChunkOp op{kind, handle, static_cast<uint32_t>(c), round, req};
+      if (!stage_out) {
+        route(std::move(op));
+        continue;
+      }
+      const ChunkSpan span = t.layout->chunk(op.chunk);
+      ++staging_[{handle, round}];
+      copy_out.push_back([this, op, span, dst = t.shadow.get() + span.offset,
+                          src = t.data + span.offset]() mutable {
+        copier_->copy(DeviceCopier::Direction::kToHost, dst, src, span.bytes,
+                      [this, op](Status s) { on_staged(op, s); });
+      });
+    }
+    for (auto& [r, s] : servers_)
+      pump(s);
+  }
+  // Queued outside mu_: a stopped copier answers at once, and on_staged takes mu_.
+  for (auto& fn : copy_out)
+    fn();
+  flush();
+  return req;
+}
+
+Result<DeviceCopier*> WorkerService::copier() {
+  std::lock_guard<std::mutex> lock(device_mu_);
+  if (copier_) return copier_.get();
+  auto engine =
+      options_.copy_engine ? options_.copy_engine() : transport::create_cuda_copy_engine(2);
+  if (!engine.ok()) return engine.status().with_context("starting the CUDA copy engine");
+  PSLD_ASSIGN_OR_RETURN(copier_, DeviceCopier::start(std::move(engine).value()));
+  return copier_.get();
+}
+
+Status WorkerService::stage_tensor(Tensor& t) {
+  PSLD_ASSIGN_OR_RETURN(DeviceCopier * c, copier());
+  void* host = nullptr;
+  PSLD_ASSIGN_OR_RETURN(host, c->allocate_host(t.bytes));
+  // The registration is dropped (its cache entry too) before the memory goes.
+  t.shadow =
+      std::shared_ptr<uint8_t>(static_cast<uint8_t*>(host), [this, c, bytes = t.bytes](uint8_t* p) {
+        (void)transport().invalidate(p, bytes);
+        c->free_host(p);
+      });
+  auto region = transport().register_memory(host, t.bytes, transport::MemoryKind::kHost);
+  if (!region.ok()) {
+    return region.status().with_context(
+        fmt::format("tensor '{}': registering its pinned staging memory", t.name));
+  }
+  t.region = std::move(region).value();
+  return Status::Ok();
+}
+
+void WorkerService::on_staged(ChunkOp op, const Status& copied) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = staging_.find({op.tensor, op.round});
+    if (it != staging_.end() && --it->second == 0) staging_.erase(it);
+    Status fail = copied.with_context(
+        fmt::format("tensor '{}' chunk {}", tensors_[op.tensor].name, op.chunk));
+    if (stopped_) fail = Aborted("the worker was shut down");
+    if (fail.ok()) fail = session_.health();
+    if (!fail.ok()) {
+      op.request->complete_part(fail);
+      return;
+    }
+    route(std::move(op));
     for (auto& [r, s] : servers_)
       pump(s);
   }
   flush();
-  return req;
+}
+
+uint64_t WorkerService::staged_bytes_to_host() {
+  std::lock_guard<std::mutex> lock(device_mu_);
+  return copier_ ? copier_->bytes_to_host() : 0;
+}
+
+uint64_t WorkerService::staged_bytes_to_device() {
+  std::lock_guard<std::mutex> lock(device_mu_);
+  return copier_ ? copier_->bytes_to_device() : 0;
 }
 
 void WorkerService::route(ChunkOp op, std::optional<Clock::time_point> deadline) {
@@ -580,7 +703,7 @@ void WorkerService::issue(ServerConn& s, ChunkOp op, uint32_t slot) {
   ConnectionPtr conn = s.conn;
   if (op.kind == RequestKind::kPull) {
     const uint32_t pull_tag = tag();
-    pending_[pull_tag] = Pending{op.request, 0, s.rank, Clock::now(), op};
+    pending_[pull_tag] = Pending{op.request, 0, s.rank, Clock::now(), op, /*lands=*/true};
     protocol::PullRequest pr{pull_tag, t.dtype,  span.bytes,
                              span.key, op.round, epochs_->latest().epoch()};
     outbox_.push_back([this, conn, pr, rank = s.rank] {
@@ -602,7 +725,7 @@ void WorkerService::issue(ServerConn& s, ChunkOp op, uint32_t slot) {
     pull_tag = tag();
     flags |= protocol::kPushThenPull;
     if (op.kind == RequestKind::kInit) flags |= protocol::kPushInit;
-    pending_[pull_tag] = Pending{op.request, push_tag, s.rank, Clock::now(), op};
+    pending_[pull_tag] = Pending{op.request, push_tag, s.rank, Clock::now(), op, /*lands=*/true};
     pending_[push_tag] = Pending{op.request, pull_tag, s.rank, Clock::now(), op};
   } else {
     // A plain push completes when the server says it took it (Credit).
@@ -660,6 +783,10 @@ protocol::WorkerProgress WorkerService::progress() {
     at(m.op);
   for (const auto& o : orphans_)
     at(o.op);
+  for (const auto& [tensor_round, n] : staging_) {
+    uint64_t& r = low[tensors_[tensor_round.first].id - 1];
+    r = std::min(r, tensor_round.second);
+  }
   return {last, protocol::pack_rounds(low)};
 }
 
@@ -674,14 +801,20 @@ std::string WorkerService::describe_in_flight() {
     out += fmt::format(" tag {} -> server {} (tensor {} chunk {} round {});", tag, p.server,
                        p.op.tensor, p.op.chunk, p.op.round);
   }
-  out += fmt::format(" {} waiting for an epoch, {} for a lost server's keys to move", moved_.size(),
-                     orphans_.size());
+  uint64_t staging = 0;
+  for (const auto& [tensor_round, n] : staging_)
+    staging += n;
+  out += fmt::format(
+      " {} waiting for an epoch, {} for a lost server's keys to move, {} for a copy off the GPU",
+      moved_.size(), orphans_.size(), staging);
   return out;
 }
 
 size_t WorkerService::operations_in_flight() {
   std::lock_guard<std::mutex> lock(mu_);
   size_t n = moved_.size() + orphans_.size();
+  for (const auto& [tensor_round, chunks] : staging_)
+    n += chunks;
   for (const auto& [tag, p] : pending_)
     n += p.other_tag == 0 || tag < p.other_tag;  // a push_pull's two tags are one operation
   for (const auto& [r, s] : servers_)
@@ -699,8 +832,22 @@ Status WorkerService::shutdown() {
   session_.stop_reports();  // the last window goes before the goodbye
   session_.goodbye();
   stop();  // closing flushes: the goodbye reaches the coordinator first
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    fail_everything(Aborted("the worker was shut down"));
+  }
+  // The copies still running finish (the GPU may be writing a shadow), then
+  // the shadows go: nothing reads or writes them any more.
+  {
+    std::lock_guard<std::mutex> lock(device_mu_);
+    if (copier_) copier_->stop();
+  }
   std::lock_guard<std::mutex> lock(mu_);
-  fail_everything(Aborted("the worker was shut down"));
+  for (Tensor& t : tensors_) {
+    if (!t.shadow) continue;
+    t.region.reset();
+    t.shadow.reset();
+  }
   return Status::Ok();
 }
 

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "lib/device_staging.h"
 #include "lib/epoch_log.h"
 #include "lib/load_stats.h"
 #include "lib/member.h"
@@ -76,6 +77,11 @@ class WorkerService final : public Endpoint {
   std::string describe_in_flight();
   // Chunk operations not completed yet, wherever they wait.
   size_t operations_in_flight();
+  // How tensors in CUDA memory travel here (lib/device_staging.h).
+  const std::string& gpu_path() const { return gpu_path_text_; }
+  // The staged path's copies so far, each way (0 before a staged tensor).
+  uint64_t staged_bytes_to_host();
+  uint64_t staged_bytes_to_device();
 
  private:
   explicit WorkerService(const RuntimeOptions& options);
@@ -85,9 +91,14 @@ class WorkerService final : public Endpoint {
     std::string name;
     protocol::DType dtype = protocol::DType::kF32;
     uint64_t bytes = 0;
-    uint8_t* data = nullptr;
+    uint8_t* data = nullptr;  // the caller's memory, host or CUDA
+    transport::MemoryKind kind = transport::MemoryKind::kHost;
     std::optional<ChunkLayout> layout;
-    std::shared_ptr<transport::MemoryRegion> region;
+    // Staged CUDA tensors: the pinned host copy the transport reads pushes
+    // from and servers write pulls into. Declared before `region`, which
+    // registers it, so that the registration goes first.
+    std::shared_ptr<uint8_t> shadow;
+    std::shared_ptr<transport::MemoryRegion> region;  // of data, or of shadow when staged
     uint64_t push_round = 0;
   };
   struct ChunkOp {
@@ -116,7 +127,8 @@ class WorkerService final : public Endpoint {
     uint32_t other_tag = 0;  // push_pull: the push's tag for the pull's and vice versa
     uint32_t server = 0;
     transport::Clock::time_point issued;
-    ChunkOp op;  // to send it again where the server answers Moved
+    ChunkOp op;          // to send it again where the server answers Moved
+    bool lands = false;  // its notification: the chunk landed in the tensor (a pull)
   };
   // An operation a server answered Moved, waiting for an epoch it does not
   // know yet.
@@ -133,6 +145,13 @@ class WorkerService final : public Endpoint {
     transport::Clock::time_point deadline;
     Status why;
   };
+
+  // CUDA tensors: the copier, started with the first one (device_mu_).
+  Result<DeviceCopier*> copier();
+  // The pinned shadow of a staged tensor and its registration.
+  Status stage_tensor(Tensor& t);
+  // A staged push's chunk is in the shadow (or its copy failed): it goes out.
+  void on_staged(ChunkOp op, const Status& copied);
 
   void on_write(const transport::ConnectionPtr& conn, uint32_t tag, uint64_t length) override;
   void on_disconnect(const transport::ConnectionPtr& conn, const Status& why) override;
@@ -173,11 +192,18 @@ class WorkerService final : public Endpoint {
 
   const RuntimeOptions options_;
   MemberSession session_;
+  std::string gpu_path_text_;  // fixed at start
+  std::mutex device_mu_;
+  // Declared before tensors_: the shadows it allocated go first.
+  std::unique_ptr<DeviceCopier> copier_;
   std::optional<EpochLog> epochs_;                   // guarded by mu_
   std::vector<protocol::EpochChange> early_epochs_;  // arrived before join finished; mu_
   std::vector<MovedOp> moved_;                       // guarded by mu_
   std::vector<Orphan> orphans_;                      // guarded by mu_
-  std::atomic<uint64_t> max_round_{0};               // highest round pushed, for reports
+  // Staged pushes whose chunks the copier is still copying out of the GPU:
+  // (tensor, round) -> chunks. Guarded by mu_.
+  std::map<std::pair<uint32_t, uint64_t>, uint64_t> staging_;
+  std::atomic<uint64_t> max_round_{0};  // highest round pushed, for reports
 
   std::mutex mu_;
   std::condition_variable cv_;

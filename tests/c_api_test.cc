@@ -41,6 +41,11 @@ TEST(CApi, AWorkerPushPullsThroughTheCApi) {
   ASSERT_EQ(psld_worker_rank(w, &rank, &workers), PSLD_OK);
   EXPECT_EQ(rank, 0u);
   EXPECT_EQ(workers, 1u);
+  ASSERT_NE(psld_worker_gpu_path(w), nullptr);
+  EXPECT_NE(std::string(psld_worker_gpu_path(w)).find("staged through pinned host memory"),
+            std::string::npos)
+      << psld_worker_gpu_path(w);
+  EXPECT_EQ(psld_worker_gpu_path(nullptr), nullptr);
 
   std::vector<float> x(1000, 3.0f);
   uint32_t t = 0;

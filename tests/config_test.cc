@@ -175,6 +175,7 @@ TEST(Config, EveryKeyCanBeSetFromEachSource) {
       {"data.sync", "staleness"},
       {"data.staleness_rounds", "3"},
       {"data.request_timeout_ms", "0"},
+      {"data.gpu_path", "staged"},
       {"server.mode", "sum"},
       {"server.threads", "4"},
       {"optimizer.kind", "adam"},
@@ -612,6 +613,8 @@ TEST(Config, EveryValidationRuleNamesItsKey) {
       {"tls space", [](Config& c) { c.ucx.tls = "rc x"; }, "ucx.tls", "UCX_TLS list"},
       {"write_path", [](Config& c) { c.ucx.write_path = "rdma"; }, "ucx.write_path",
        "one of auto, put, am"},
+      {"gpu_path", [](Config& c) { c.data.gpu_path = "gpudirect"; }, "data.gpu_path",
+       "one of auto, direct, staged"},
       {"device", [](Config& c) { c.verbs.device = "mlx5 0"; }, "verbs.device",
        "an RDMA device name"},
       {"port 0", [](Config& c) { c.verbs.port = 0; }, "verbs.port", "1..255"},
@@ -924,6 +927,7 @@ Config everything_changed() {
   c.data.sync = SyncMode::kAsync;
   c.data.staleness_rounds = 9;
   c.data.request_timeout_ms = 123;
+  c.data.gpu_path = "direct";
   c.server.mode = ServerMode::kSum;
   c.server.threads = 7;
   c.optimizer.kind = OptimizerKind::kMomentum;

@@ -31,6 +31,7 @@
 
 #include "bench/bench_util.h"
 #include "bench/stragglers.h"
+#include "lib/device_staging.h"
 #include "psld/config.h"
 #include "psld/coordinator.h"
 #include "psld/server.h"
@@ -78,6 +79,9 @@ int cmd_config(int argc, char** argv) {
   auto config = config_from(argc, argv, 2);
   if (!config.ok()) return fail(config.status().message());
   std::fputs(psld::to_string(*config).c_str(), stdout);
+  // What the data path would do with tensors in GPU memory (docs/gpu.md).
+  std::printf("\n# CUDA tensors: %s\n",
+              psld::describe_gpu_path(psld::runtime_options_from_config(*config)).c_str());
   return 0;
 }
 

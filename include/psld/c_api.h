@@ -44,7 +44,11 @@ const char* psld_last_error(void);
  * `argc`/`argv` flags (--key=value; may be 0/NULL). */
 int psld_worker_join(int argc, const char* const* argv, psld_worker** out);
 int psld_worker_rank(const psld_worker* w, uint32_t* rank, uint32_t* num_workers);
-/* Registers `bytes` at `data` as tensor `name`; `init` may be NULL. */
+/* How tensors in CUDA memory travel here (Worker::gpu_path()); valid until
+ * psld_worker_shutdown. NULL (and psld_last_error) for a NULL worker. */
+const char* psld_worker_gpu_path(const psld_worker* w);
+/* Registers `bytes` at `data` (host or CUDA memory) as tensor `name`; `init`
+ * (host or CUDA memory) may be NULL. */
 int psld_register_tensor(psld_worker* w, const char* name, int dtype, size_t bytes, void* data,
                          const void* init, uint32_t* tensor);
 int psld_push(psld_worker* w, uint32_t tensor, psld_request** out);

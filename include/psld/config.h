@@ -116,6 +116,10 @@ struct DataConfig {
   // A push or pull not complete after this long fails with Timeout; 0: never
   // (heartbeats still detect a dead peer).
   int64_t request_timeout_ms = 60000;
+  // Tensors in CUDA device memory (docs/gpu.md): "auto" (direct where the
+  // transport can register device memory, else staged through pinned host
+  // memory), "direct" (an error where it cannot) or "staged".
+  std::string gpu_path = "auto";
 
   bool operator==(const DataConfig&) const = default;
 };

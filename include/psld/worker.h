@@ -14,12 +14,20 @@
 // Zero-copy contract: the library reads pushes from, and writes pulls into,
 // the memory passed to register_tensor. It must stay valid, and must not be
 // written by the caller while a request on it is in flight, until shutdown().
+//
+// The memory may be host memory or CUDA device memory (cudaMalloc, managed);
+// register_tensor tells which. A CUDA tensor goes "direct" where the
+// transport can register device memory (GPUDirect RDMA), else "staged":
+// chunk by chunk through a pinned host copy, the copies overlapping the
+// transfers. gpu_path() says which, and why (config data.gpu_path forces
+// one; docs/gpu.md).
 #pragma once
 
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -89,10 +97,11 @@ class Worker {
   uint32_t rank() const;
   uint32_t num_workers() const;
 
-  // Registers `bytes` of memory at `data` as the tensor `name`. Every worker
-  // registers the same names with the same dtype and size (else an error
-  // naming the tensor). With `init`, worker 0 sets the initial value (copied
-  // into `data` first); call barrier() before other workers pull it.
+  // Registers `bytes` of memory at `data` (host or CUDA) as the tensor
+  // `name`. Every worker registers the same names with the same dtype and
+  // size (else an error naming the tensor). With `init` (host or CUDA
+  // memory), worker 0 sets the initial value (copied into `data` first);
+  // call barrier() before other workers pull it.
   Result<TensorHandle> register_tensor(std::string_view name, DType dtype, size_t bytes, void* data,
                                        const void* init = nullptr);
 
@@ -111,6 +120,11 @@ class Worker {
 
   // Ok while the job runs; the reason (naming the failed process) otherwise.
   Status health() const;
+
+  // How tensors in CUDA memory travel in this process, e.g. "staged through
+  // pinned host memory: this UCX build has no CUDA memory support", or
+  // "none here (no CUDA device ...)". Printed in the join line at log level info.
+  std::string gpu_path() const;
 
   // One entry per server.
   std::vector<ServerLoad> server_loads() const;
