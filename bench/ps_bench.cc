@@ -3,7 +3,8 @@
 //
 //   ps_bench [--tls tcp|shm|all] [--workers W --servers S] [--sizes 4K,...,64M]
 //            [--mode push_pull|push|pull|all|raw] [--seconds T] [--repeat N]
-//            [--chunk-bytes B] [--slots N] [--raw-threads N] [--quick]
+//            [--chunk-bytes B] [--slots N] [--raw-threads N]
+//            [--tensor-memory psld|heap] [--quick]
 //
 // One process holds a coordinator, S servers and W workers on the `ucx`
 // transport (tcp: UCX_TLS=tcp; shm: UCX_TLS=sm,tcp), server mode sum, BSP,
@@ -109,12 +110,14 @@ struct Options {
   uint64_t chunk_bytes = kDefaultChunkBytes;
   uint32_t slots = 16;
   uint32_t raw_threads = 0;  // 0: one sleeping progress thread per transport
+  bool psld_memory = true;   // tensors in Worker::allocate memory, else malloc'd
 };
 
 constexpr std::string_view kUsage =
     "usage: ps_bench [--tls tcp|shm|all] [--workers W --servers S] [--sizes 4K,...,64M]\n"
     "                [--mode push_pull|push|pull|all|raw] [--seconds T] [--repeat N]\n"
-    "                [--chunk-bytes B] [--slots N] [--raw-threads N] [--quick]\n"
+    "                [--chunk-bytes B] [--slots N] [--raw-threads N]\n"
+    "                [--tensor-memory psld|heap] [--quick]\n"
     "\n"
     "  --tls         tcp (UCX_TLS=tcp), shm (UCX_TLS=sm,tcp) or all (default: all)\n"
     "  --workers, --servers  one job shape, given together (default: 2x2 and 4x2)\n"
@@ -128,6 +131,8 @@ constexpr std::string_view kUsage =
     "                per connection (default: 16)\n"
     "  --raw-threads the yardstick's progress: 0 = a sleeping progress thread per transport,\n"
     "                as the runtime has (default); N = N busy-polling threads\n"
+    "  --tensor-memory  where the workers' tensors are: psld = Worker::allocate (servers on\n"
+    "                this host write pulls into it directly; default), heap = aligned_alloc\n"
     "  --quick       a short run for CI: 2x2, sizes 64K,1M,4M, 0.2 s per point\n"
     "                (flags given explicitly still win)\n";
 
@@ -200,6 +205,7 @@ Result<Options> parse_args(int argc, char** argv) {
   std::optional<uint64_t> workers, servers, repeat, chunk, slots;
   std::optional<double> seconds;
   std::optional<uint64_t> raw_threads;
+  std::string tensor_memory = "psld";
   bool quick = false;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -218,8 +224,8 @@ Result<Options> parse_args(int argc, char** argv) {
       arg.resize(eq);
     } else {
       static const char* const kTakesValue[] = {
-          "--tls",     "--workers", "--servers",     "--sizes", "--mode",
-          "--seconds", "--repeat",  "--chunk-bytes", "--slots", "--raw-threads"};
+          "--tls",    "--workers",     "--servers", "--sizes",       "--mode",         "--seconds",
+          "--repeat", "--chunk-bytes", "--slots",   "--raw-threads", "--tensor-memory"};
       const bool known = std::any_of(std::begin(kTakesValue), std::end(kTakesValue),
                                      [&](const char* f) { return arg == f; });
       if (!known) return bad_flag(fmt::format("unknown argument '{}'", arg));
@@ -238,6 +244,11 @@ Result<Options> parse_args(int argc, char** argv) {
       PSLD_ASSIGN_OR_RETURN(servers, parse_uint(arg, value, 1, 64));
     } else if (arg == "--repeat") {
       PSLD_ASSIGN_OR_RETURN(repeat, parse_uint(arg, value, 1, 100));
+    } else if (arg == "--tensor-memory") {
+      if (value != "psld" && value != "heap") {
+        return bad_flag(fmt::format("--tensor-memory '{}' is not psld or heap", value));
+      }
+      tensor_memory = value;
     } else if (arg == "--raw-threads") {
       PSLD_ASSIGN_OR_RETURN(raw_threads, parse_uint(arg, value, 0, 256));
     } else if (arg == "--slots") {
@@ -306,6 +317,7 @@ Result<Options> parse_args(int argc, char** argv) {
   o.chunk_bytes = chunk.value_or(kDefaultChunkBytes);
   o.slots = static_cast<uint32_t>(slots.value_or(16));
   o.raw_threads = static_cast<uint32_t>(raw_threads.value_or(0));
+  o.psld_memory = tensor_memory != "heap";
   return o;
 }
 
@@ -587,6 +599,7 @@ class Cluster {
  public:
   static Result<std::unique_ptr<Cluster>> start(const Options& opts, const Medium& m, Shape shape) {
     std::unique_ptr<Cluster> c(new Cluster);
+    c->psld_memory_ = opts.psld_memory;
     RuntimeOptions& base = c->base_;
     base.endpoint.transport = "ucx";
     base.endpoint.options.ucx.tls = m.tls;
@@ -649,8 +662,9 @@ class Cluster {
     std::vector<std::string> names;
     WorkerService& first = *workers_[0];
     set.memory.resize(workers_.size());
+    set.base.resize(workers_.size());
     set.handles.resize(workers_.size());
-    PSLD_ASSIGN_OR_RETURN(set.memory[0], zeroed_buffer(set.count * size));
+    PSLD_RETURN_IF_ERROR(tensor_memory(set, 0, set.count * size));
     uint32_t scanned = 0;
     while (names.size() < set.count) {
       const TensorId id = next_tensor_id_++;
@@ -673,9 +687,8 @@ class Cluster {
       names.push_back(fmt::format("t{}_{}", size, names.size()));
       // Worker 0 registers in id order; the others follow below.
       PSLD_ASSIGN_OR_RETURN(
-          uint32_t h,
-          first.register_tensor(names.back(), DType::kF32, size,
-                                set.memory[0].get() + (names.size() - 1) * size, nullptr));
+          uint32_t h, first.register_tensor(names.back(), DType::kF32, size,
+                                            set.base[0] + (names.size() - 1) * size, nullptr));
       set.handles[0].push_back(h);
     }
     set.max_share = 0;
@@ -685,11 +698,11 @@ class Cluster {
     PSLD_RETURN_IF_ERROR(
         on_threads(static_cast<uint32_t>(workers_.size() - 1), [&](uint32_t i) -> Status {
           const uint32_t wi = i + 1;
-          PSLD_ASSIGN_OR_RETURN(set.memory[wi], zeroed_buffer(set.count * size));
+          PSLD_RETURN_IF_ERROR(tensor_memory(set, wi, set.count * size));
           for (size_t t = 0; t < names.size(); ++t) {
-            PSLD_ASSIGN_OR_RETURN(uint32_t h, workers_[wi]->register_tensor(
-                                                  names[t], DType::kF32, size,
-                                                  set.memory[wi].get() + t * size, nullptr));
+            PSLD_ASSIGN_OR_RETURN(uint32_t h,
+                                  workers_[wi]->register_tensor(names[t], DType::kF32, size,
+                                                                set.base[wi] + t * size, nullptr));
             set.handles[wi].push_back(h);
           }
           return Status::Ok();
@@ -760,11 +773,25 @@ class Cluster {
     uint32_t count = 0;
     uint64_t chunks_per_round = 0;
     uint64_t max_share = 0;
-    std::vector<Buffer> memory;                  // per worker
+    std::vector<Buffer> memory;                  // per worker, with --tensor-memory heap
+    std::vector<uint8_t*> base;                  // per worker: where its tensors are
     std::vector<std::vector<uint32_t>> handles;  // per worker
   };
 
   Cluster() = default;
+
+  // Worker w's memory for the set: from Worker::allocate (zero-filled), or
+  // zeroed heap memory with --tensor-memory heap.
+  Status tensor_memory(TensorSet& set, uint32_t w, uint64_t bytes) {
+    if (psld_memory_) {
+      PSLD_ASSIGN_OR_RETURN(void* p, workers_[w]->allocate(bytes));
+      set.base[w] = static_cast<uint8_t*>(p);
+      return Status::Ok();
+    }
+    PSLD_ASSIGN_OR_RETURN(set.memory[w], zeroed_buffer(bytes));
+    set.base[w] = set.memory[w].get();
+    return Status::Ok();
+  }
 
   // Submits the request on every tensor of the set, then waits for all.
   Status round(uint32_t w, const TensorSet& set, RequestKind kind) {
@@ -781,6 +808,7 @@ class Cluster {
   }
 
   RuntimeOptions base_;
+  bool psld_memory_ = true;             // Options::psld_memory
   std::map<uint64_t, TensorSet> sets_;  // by size; outlives the workers (see ~Cluster)
   std::unique_ptr<CoordinatorService> coordinator_;
   std::vector<std::unique_ptr<ServerService>> servers_;

@@ -126,6 +126,10 @@ Status Worker::health() const {
   return impl_->health();
 }
 
+Result<void*> Worker::allocate(size_t bytes) {
+  return impl_->allocate(bytes);
+}
+
 std::string Worker::gpu_path() const {
   return impl_->gpu_path();
 }

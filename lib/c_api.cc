@@ -67,6 +67,14 @@ int psld_worker_rank(const psld_worker* w, uint32_t* rank, uint32_t* num_workers
   return 0;
 }
 
+int psld_allocate(psld_worker* w, size_t bytes, void** out) {
+  if (w == nullptr || out == nullptr) return fail_args("worker and out");
+  auto p = w->w->allocate(bytes);
+  if (!p.ok()) return fail(p.status());
+  *out = *p;
+  return 0;
+}
+
 const char* psld_worker_gpu_path(const psld_worker* w) {
   if (w == nullptr) {
     fail_args("worker");

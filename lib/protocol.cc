@@ -260,9 +260,11 @@ void put(WireWriter& w, const TensorKey& m) {
   w.u64(m.request);
   w.u32(m.tensor);
   w.blob(m.key);
+  w.u64(m.offset);
 }
 bool get(WireReader& r, TensorKey* m) {
-  return r.u64(&m->request) && r.u32(&m->tensor) && read_bytes(r, &m->key, kMaxBlobBytes);
+  return r.u64(&m->request) && r.u32(&m->tensor) && read_bytes(r, &m->key, kMaxBlobBytes) &&
+         r.u64(&m->offset);
 }
 
 void put(WireWriter& w, const Ack& m) {

@@ -49,8 +49,8 @@
 namespace psld::protocol {
 
 // 2: EpochChange carries a step and a lost server; TransferDone, EpochFinal
-// and StateOffer. 3: WorkerProgress and LowWatermark.
-inline constexpr uint16_t kVersion = 3;
+// and StateOffer. 3: WorkerProgress and LowWatermark. 4: TensorKey.offset.
+inline constexpr uint16_t kVersion = 4;
 
 enum class Role : uint8_t { kWorker = 1, kServer = 2, kCoordinator = 3 };
 std::string_view role_name(Role role);
@@ -230,7 +230,8 @@ struct Grant {
 struct TensorKey {
   uint64_t request = 0;  // acknowledged with Ack
   TensorId tensor = 0;
-  std::vector<uint8_t> key;  // remote key of the worker's tensor memory
+  std::vector<uint8_t> key;  // remote key of the memory the worker's tensor is in
+  uint64_t offset = 0;       // of the tensor in that memory (Worker::allocate carves)
 };
 
 // Flags of a push.

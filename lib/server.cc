@@ -6,6 +6,7 @@
 #include <cstring>
 #include <set>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 
 #include "transports/log.h"
@@ -107,7 +108,9 @@ struct ServerService::WorkerConn {
   std::vector<uint8_t> slot_busy;
   std::map<uint32_t, protocol::PushMeta> metas;  // tag -> metadata waiting for its write
   std::map<uint32_t, uint64_t> early;  // tag -> length of a write waiting for its metadata
-  std::map<TensorId, std::shared_ptr<transport::RemoteRegion>> tensors;
+  // Where each tensor's pulls land: the worker's memory and the tensor's
+  // offset in it.
+  std::map<TensorId, std::pair<std::shared_ptr<transport::RemoteRegion>, uint64_t>> tensors;
 };
 
 Result<std::unique_ptr<ServerService>> ServerService::start(const RuntimeOptions& options) {
@@ -380,7 +383,7 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
       send_error(conn->id(), 0, remote.status().with_context("tensor key"));
       return;
     }
-    w->tensors[key->tensor] = *remote;
+    w->tensors[key->tensor] = {*remote, key->offset};
     lock.unlock();
     (void)send(conn, protocol::Ack{key->request});
   } else if (auto* meta = std::get_if<protocol::PushMeta>(&message)) {
@@ -1475,6 +1478,7 @@ void ServerService::process_pull(Shard& shard, PullWork& w) {
 void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
   (void)shard;
   std::shared_ptr<transport::RemoteRegion> remote;
+  uint64_t base = 0;  // of the tensor in `remote`
   ConnectionPtr conn;
   {
     std::lock_guard<std::mutex> lock(conns_mu_);
@@ -1482,7 +1486,7 @@ void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
     if (it == conns_.end()) return;  // the worker is gone
     conn = it->second->conn;
     auto t = it->second->tensors.find(key_tensor(w.req.key));
-    if (t != it->second->tensors.end()) remote = t->second;
+    if (t != it->second->tensors.end()) std::tie(remote, base) = t->second;
   }
   if (!remote) {
     send_error(w.conn, w.req.tag,
@@ -1495,7 +1499,7 @@ void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
     return;
   }
   const uint64_t offset =
-      static_cast<uint64_t>(key_chunk(w.req.key)) * session_.welcome().chunk_bytes;
+      base + static_cast<uint64_t>(key_chunk(w.req.key)) * session_.welcome().chunk_bytes;
   ++k.inflight;
   const Key key = w.req.key;
   const uint64_t run = k.owned_from;

@@ -418,8 +418,24 @@ Result<uint32_t> WorkerService::register_tensor(const std::string& name, DType d
     PSLD_LOG_INFO("worker {}: tensor '{}' ({} bytes of CUDA memory) goes {}", rank(), name, bytes,
                   path.text);
   } else if (bytes > 0) {
-    PSLD_ASSIGN_OR_RETURN(t.region,
-                          transport().register_memory(data, bytes, transport::MemoryKind::kHost));
+    // Inside a block from allocate(): that block's region, already mappable
+    // by local servers. Anything else is registered as it is.
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = allocations_.upper_bound(t.data);
+      if (it != allocations_.begin()) {
+        --it;
+        const uint64_t offset = static_cast<uint64_t>(t.data - it->first);
+        if (offset < it->second->length() && bytes <= it->second->length() - offset) {
+          t.region = it->second;
+          t.region_offset = offset;
+        }
+      }
+    }
+    if (!t.region) {
+      PSLD_ASSIGN_OR_RETURN(t.region,
+                            transport().register_memory(data, bytes, transport::MemoryKind::kHost));
+    }
   }
   protocol::RegisterTensor reg;
   reg.name = name;
@@ -448,7 +464,8 @@ Result<uint32_t> WorkerService::register_tensor(const std::string& name, DType d
     }
     protocol::TensorKey key{
         request, t.id,
-        std::vector<uint8_t>(t.region->remote_key().begin(), t.region->remote_key().end())};
+        std::vector<uint8_t>(t.region->remote_key().begin(), t.region->remote_key().end()),
+        t.region_offset};
     for (auto& c : conns)
       PSLD_RETURN_IF_ERROR(send(c, key));
     std::unique_lock<std::mutex> lock(mu_);
@@ -521,6 +538,16 @@ Result<std::shared_ptr<RequestState>> WorkerService::submit(uint32_t handle, Req
     fn();
   flush();
   return req;
+}
+
+Result<void*> WorkerService::allocate(size_t bytes) {
+  if (bytes == 0) return InvalidArgument("allocate: 0 bytes");
+  PSLD_ASSIGN_OR_RETURN(auto region,
+                        transport().allocate_memory(bytes, transport::MemoryKind::kHost));
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopped_) return FailedPrecondition("the worker was shut down");
+  allocations_[region->data()] = region;
+  return static_cast<void*>(region->data());
 }
 
 Result<DeviceCopier*> WorkerService::copier() {
@@ -736,8 +763,9 @@ void WorkerService::issue(ServerConn& s, ChunkOp op, uint32_t slot) {
   protocol::PushMeta meta{
       push_tag, slot,    t.dtype, span.key, op.round, span.bytes, epochs_->latest().epoch(),
       flags,    pull_tag};
-  transport::WriteRequest wr{t.region.get(),      span.offset, s.slots.get(),
-                             slot * s.slot_bytes, span.bytes,  push_tag};
+  transport::WriteRequest wr{t.region.get(), t.region_offset + span.offset,
+                             s.slots.get(),  slot * s.slot_bytes,
+                             span.bytes,     push_tag};
   auto region = t.region;  // kept alive by the lambda
   auto slots = s.slots;
   outbox_.push_back([this, conn, meta, wr, region, slots, rank = s.rank] {

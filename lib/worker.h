@@ -62,6 +62,9 @@ class WorkerService final : public Endpoint {
   uint32_t rank() const { return session_.welcome().rank; }
   uint32_t num_workers() const { return session_.welcome().num_workers; }
 
+  // Zero-filled memory from the transport for tensors (psld/worker.h,
+  // Worker::allocate); valid until this object is destroyed.
+  Result<void*> allocate(size_t bytes);
   // Returns a handle (an index) for the tensor. See psld/worker.h.
   Result<uint32_t> register_tensor(const std::string& name, protocol::DType dtype, uint64_t bytes,
                                    void* data, const void* init);
@@ -99,6 +102,7 @@ class WorkerService final : public Endpoint {
     // registers it, so that the registration goes first.
     std::shared_ptr<uint8_t> shadow;
     std::shared_ptr<transport::MemoryRegion> region;  // of data, or of shadow when staged
+    uint64_t region_offset = 0;  // of the tensor in region (inside an allocate()d block)
     uint64_t push_round = 0;
   };
   struct ChunkOp {
@@ -193,6 +197,8 @@ class WorkerService final : public Endpoint {
   const RuntimeOptions options_;
   MemberSession session_;
   std::string gpu_path_text_;  // fixed at start
+  // allocate()d blocks by address. Declared before the tensors carved from them.
+  std::map<const uint8_t*, std::shared_ptr<transport::MemoryRegion>> allocations_;  // mu_
   std::mutex device_mu_;
   // Declared before tensors_: the shadows it allocated go first.
   std::unique_ptr<DeviceCopier> copier_;

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <future>
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -63,6 +64,23 @@ TEST(CApi, AWorkerPushPullsThroughTheCApi) {
     for (float v : x)
       ASSERT_EQ(v, static_cast<float>(round));  // one worker: the sum is its push
   }
+
+  // A tensor in memory from psld_allocate, past the block's start.
+  void* block = nullptr;
+  ASSERT_EQ(psld_allocate(w, 4096, &block), PSLD_OK) << psld_last_error();
+  auto* y = static_cast<float*>(block) + 8;
+  std::fill(y, y + 100, 2.5f);
+  uint32_t ty = 0;
+  ASSERT_EQ(psld_register_tensor(w, "y", PSLD_FLOAT32, 400, y, nullptr, &ty), PSLD_OK)
+      << psld_last_error();
+  psld_request* ry = nullptr;
+  ASSERT_EQ(psld_push_pull(w, ty, &ry), PSLD_OK) << psld_last_error();
+  ASSERT_EQ(psld_request_wait(ry, 10000), PSLD_OK) << psld_last_error();
+  psld_request_free(ry);
+  EXPECT_EQ(y[0], 2.5f);
+  EXPECT_EQ(y[99], 2.5f);
+  EXPECT_EQ(static_cast<float*>(block)[7], 0.0f);
+  EXPECT_EQ(psld_allocate(w, 0, &block), PSLD_INVALID_ARGUMENT);
 
   // Errors are codes plus a message, never a crash.
   uint32_t bad = 0;

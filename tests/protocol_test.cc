@@ -41,7 +41,7 @@ std::vector<Message> examples() {
                  {{1, 9, 10, 11, 12}}},
       WorkerHello{3, 0xabcdef},
       Grant{16, 4 << 20, {5, 6, 7}},
-      TensorKey{4, 12, {1, 1, 2, 3, 5, 8}},
+      TensorKey{4, 12, {1, 1, 2, 3, 5, 8}, 4096},
       PushMeta{17, 3, DType::kBF16, make_key(12, 4), 100, 4096, 2, kPushThenPull, 18},
       PullRequest{19, DType::kF16, 2048, make_key(12, 4), 100, 2},
       Credit{{1, 2, 3, 15}, {7, 8}},

@@ -120,6 +120,72 @@ TEST_P(Runtime, OptimizerModeAppliesSgdFromTheInitialValue) {
   EXPECT_TRUE(s.ok()) << s.to_string();
 }
 
+// Worker::allocate: tensors carved from one block at odd offsets, with guard
+// elements between them that no pull may touch.
+TEST_P(Runtime, TensorsCarvedFromAllocatedMemoryGetExactSumsAndLeaveTheirNeighboursAlone) {
+  Cluster c(2, 2, nullptr, GetParam());
+  ASSERT_TRUE(c.start().ok());
+  const std::vector<size_t> elems = {1, 7, 1000, 50001};
+  constexpr size_t kGap = 3;  // guard elements before each tensor and after the last
+  constexpr float kGuard = -7.5f;
+  size_t total = kGap;
+  for (size_t n : elems)
+    total += n + kGap;
+  Status s = on_all(c, [&](size_t wi) -> Status {
+    WorkerService& w = *c.workers[wi];
+    PSLD_ASSIGN_OR_RETURN(void* block, w.allocate(total * 4));
+    auto* base = static_cast<float*>(block);
+    for (size_t i = 0; i < total; ++i) {
+      if (base[i] != 0.0f) return Internal("allocate() did not zero the block");
+      base[i] = kGuard;
+    }
+    std::vector<float*> data;
+    std::vector<uint32_t> handles;
+    size_t at = kGap;
+    for (size_t t = 0; t < elems.size(); ++t) {
+      data.push_back(base + at);
+      PSLD_ASSIGN_OR_RETURN(uint32_t h, w.register_tensor("t" + std::to_string(t), DType::kF32,
+                                                          elems[t] * 4, data.back(), nullptr));
+      handles.push_back(h);
+      at += elems[t] + kGap;
+    }
+    const float rank = static_cast<float>(w.rank());
+    for (int r = 1; r <= 10; ++r) {
+      std::vector<std::shared_ptr<RequestState>> reqs;
+      for (size_t t = 0; t < elems.size(); ++t) {
+        for (size_t i = 0; i < elems[t]; ++i)
+          data[t][i] = rank * 100.0f + static_cast<float>(r) + static_cast<float>(i % 11);
+        PSLD_ASSIGN_OR_RETURN(auto req, w.submit(handles[t], RequestKind::kPushPull));
+        reqs.push_back(req);
+      }
+      for (auto& req : reqs)
+        PSLD_RETURN_IF_ERROR(req->wait(10s));
+      for (size_t t = 0; t < elems.size(); ++t) {
+        for (size_t i = 0; i < elems[t]; ++i) {
+          const float want = 100.0f + 2.0f * (static_cast<float>(r) + static_cast<float>(i % 11));
+          if (data[t][i] != want) {
+            return Internal("round " + std::to_string(r) + " tensor " + std::to_string(t) +
+                            " element " + std::to_string(i) + ": " + std::to_string(data[t][i]));
+          }
+        }
+      }
+      size_t g = 0;
+      for (size_t t = 0; t <= elems.size(); ++t) {
+        for (size_t i = 0; i < kGap; ++i) {
+          if (base[g + i] != kGuard) {
+            return Internal("a guard element before tensor " + std::to_string(t) + " changed");
+          }
+        }
+        if (t < elems.size()) g += kGap + elems[t];
+      }
+    }
+    return Status::Ok();
+  });
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  auto zero = c.workers[0]->allocate(0);
+  EXPECT_EQ(zero.status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST_P(Runtime, Fp16TensorsAreReducedInFp32) {
   Cluster c(2, 1, nullptr, GetParam());
   ASSERT_TRUE(c.start().ok());

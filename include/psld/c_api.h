@@ -47,6 +47,9 @@ int psld_worker_rank(const psld_worker* w, uint32_t* rank, uint32_t* num_workers
 /* How tensors in CUDA memory travel here (Worker::gpu_path()); valid until
  * psld_worker_shutdown. NULL (and psld_last_error) for a NULL worker. */
 const char* psld_worker_gpu_path(const psld_worker* w);
+/* Worker::allocate: zero-filled memory for tensors that servers on this host
+ * reach directly; valid until psld_worker_shutdown. */
+int psld_allocate(psld_worker* w, size_t bytes, void** out);
 /* Registers `bytes` at `data` (host or CUDA memory) as tensor `name`; `init`
  * (host or CUDA memory) may be NULL. */
 int psld_register_tensor(psld_worker* w, const char* name, int dtype, size_t bytes, void* data,

@@ -97,6 +97,14 @@ class Worker {
   uint32_t rank() const;
   uint32_t num_workers() const;
 
+  // `bytes` of zero-filled host memory from the transport, for tensors:
+  // register tensors anywhere inside it. Servers on the same host reach it
+  // directly (UCX over shared memory: a pull is one memcpy into it), where
+  // a pull into malloc'd memory takes the transport's rendezvous path (with
+  // UCX 1.13, over tcp). Elsewhere it is ordinary registered memory. Valid
+  // until the Worker is destroyed.
+  Result<void*> allocate(size_t bytes);
+
   // Registers `bytes` of memory at `data` (host or CUDA) as the tensor
   // `name`. Every worker registers the same names with the same dtype and
   // size (else an error naming the tensor). With `init` (host or CUDA
