@@ -348,6 +348,14 @@ const std::vector<Field>& fields() {
       named(PSLD_KEY(ucx.write_path), kWritePathNames,
             "auto: true put on RDMA and shared-memory lanes, active-message rendezvous "
             "elsewhere; put or am: force one"),
+      [] {
+        Field f = integer(PSLD_KEY(ucx.notify_ring_slots), 0, 65536,
+                          "slots of the shared-memory ring a peer on this host writes its "
+                          "write notifications into (polled, no active message per write); 0: "
+                          "no ring, active messages only");
+        f.accepted = "0 or a power of two from 16 to 65536";
+        return f;
+      }(),
 
       string_field(PSLD_KEY(verbs.device), check_device,
                    "an RDMA device name such as mlx5_0, or empty",
@@ -1222,6 +1230,11 @@ Status validate(const Config& c) {
     errors.push_back(fmt::format(
         "liveness.heartbeat_timeout_ms: {} must exceed 2 x liveness.heartbeat_interval_ms ({})",
         shown("liveness.heartbeat_timeout_ms"), shown("liveness.heartbeat_interval_ms")));
+  }
+  if (const uint32_t n = c.ucx.notify_ring_slots; n != 0 && (n < 16 || (n & (n - 1)) != 0)) {
+    errors.push_back(fmt::format(
+        "ucx.notify_ring_slots: {} is not 0 or a power of two from 16 to 65536",
+        shown("ucx.notify_ring_slots")));
   }
   if (c.balancer.interval_ms < c.stats.interval_ms) {
     errors.push_back(fmt::format(

@@ -23,6 +23,7 @@ RuntimeOptions runtime_options_from_config(const Config& c) {
   }
   o.endpoint.options.ucx.tls = c.ucx.tls;
   o.endpoint.options.ucx.write_path = c.ucx.write_path;
+  o.endpoint.options.ucx.notify_ring_slots = c.ucx.notify_ring_slots;
   o.endpoint.options.verbs.device = c.verbs.device;
   o.endpoint.options.verbs.port = static_cast<uint8_t>(c.verbs.port);
   o.endpoint.options.verbs.gid_index = c.verbs.gid_index;

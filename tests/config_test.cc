@@ -206,6 +206,7 @@ TEST(Config, EveryKeyCanBeSetFromEachSource) {
       {"balancer.min_active_servers", "2"},
       {"ucx.tls", "tcp,self"},
       {"ucx.write_path", "am"},
+      {"ucx.notify_ring_slots", "1024"},
       {"verbs.device", "mlx5_1"},
       {"verbs.port", "2"},
       {"verbs.gid_index", "3"},
@@ -615,6 +616,10 @@ TEST(Config, EveryValidationRuleNamesItsKey) {
        "one of auto, put, am"},
       {"gpu_path", [](Config& c) { c.data.gpu_path = "gpudirect"; }, "data.gpu_path",
        "one of auto, direct, staged"},
+      {"ring 8", [](Config& c) { c.ucx.notify_ring_slots = 8; }, "ucx.notify_ring_slots",
+       "not 0 or a power of two from 16 to 65536"},
+      {"ring 1000", [](Config& c) { c.ucx.notify_ring_slots = 1000; }, "ucx.notify_ring_slots",
+       "not 0 or a power of two from 16 to 65536"},
       {"device", [](Config& c) { c.verbs.device = "mlx5 0"; }, "verbs.device",
        "an RDMA device name"},
       {"port 0", [](Config& c) { c.verbs.port = 0; }, "verbs.port", "1..255"},
@@ -947,6 +952,7 @@ Config everything_changed() {
   c.balancer.interval_ms = 7;
   c.ucx.tls = "^ib";
   c.ucx.write_path = "put";
+  c.ucx.notify_ring_slots = 0;
   c.verbs.device = "mlx5_0";
   c.verbs.port = 2;
   c.verbs.gid_index = 0;

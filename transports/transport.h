@@ -237,6 +237,11 @@ struct UcxOptions {
   // How writes travel: "auto" (true put where the lane is RDMA or shared
   // memory, else active-message rendezvous into the target), "put" or "am".
   std::string write_path = "auto";
+  // Slots of the per-connection notification ring a peer on this host writes
+  // its notifications into (shared memory the receiver polls, instead of an
+  // active message per write); a power of two from 16 to 65536, or 0 for no
+  // ring. Either side's 0 turns the ring off for the connection.
+  uint32_t notify_ring_slots = 256;
 };
 
 struct VerbsOptions {

@@ -195,6 +195,9 @@ struct UcxConfig {
   // "auto" (true put where the lane is RDMA or shared memory, else
   // active-message rendezvous), "put" or "am".
   std::string write_path = "auto";
+  // Slots of the shared-memory notification ring a local peer writes its
+  // notifications into; 0 or a power of two from 16 to 65536 (0: none).
+  uint32_t notify_ring_slots = 256;
 
   bool operator==(const UcxConfig&) const = default;
 };

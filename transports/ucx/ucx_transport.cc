@@ -10,6 +10,13 @@
 // Callbacks that would have to call UCX themselves (answering a hello,
 // closing an endpoint, starting the next flush) are deferred to
 // run_deferred(), which runs under mu_ right after the UCX call returned.
+//
+// Two exceptions, both for the notification ring (see kRingMagic): a write
+// publishes its ring record under its connection's tx_mu_ alone, and
+// progress() reads rings, and calls on_write for their records, without mu_
+// while UCX is idle. Only the thread in progress() (progress_mu_) reads
+// rings, so records and the events UCX's callbacks queue are still delivered
+// in order.
 #include "transports/ucx/ucx_transport.h"
 
 #include <arpa/inet.h>
@@ -21,6 +28,9 @@
 #include <sys/socket.h>
 #include <ucp/api/ucp.h>
 #include <unistd.h>
+#if defined(__x86_64__)
+#include <x86intrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -30,6 +40,7 @@
 #include <cstring>
 #include <ctime>
 #include <deque>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <random>
@@ -51,7 +62,9 @@ namespace {
 
 constexpr uint32_t kKeyMagic = 0x4b585350;    // "PSXK"
 constexpr uint32_t kHelloMagic = 0x48585350;  // "PSXH"
-constexpr uint8_t kWireVersion = 1;
+// 2: notifications and messages carry a sequence number, and the handshake
+// offers a notification ring.
+constexpr uint8_t kWireVersion = 2;
 // UCX 1.13 packs 9..40 bytes of remote key per region; anything near this
 // bound is not a key.
 constexpr size_t kMaxPackedRkey = 4096;
@@ -71,6 +84,7 @@ enum AmId : unsigned {
   kAmWrite,         // "am" write: header names the target, payload is the data
   kAmNotify,        // "put" writes: the notifications of a flushed batch
   kAmBye,           // Connection::close / shutdown: the peer should close too
+  kAmWake,          // a ring record was written while the receiver slept in wait()
 };
 
 // The target of one write, as it travels in an "am" write's header and in a
@@ -81,8 +95,13 @@ struct WriteHeader {
   uint64_t offset = 0;
   uint64_t length = 0;
   uint32_t notify = 0;
+  // The connection's sequence number of this notification (see the
+  // notification ring below); set when it is sent.
+  uint64_t seq = 0;
 };
-constexpr size_t kWriteHeaderBytes = 36;
+constexpr size_t kWriteHeaderBytes = 44;
+// kAmMessage carries its sequence number as the active message's header.
+constexpr size_t kSeqHeaderBytes = 8;
 // "am" writes up to this size are sent eagerly (UCP_AM_SEND_FLAG_EAGER):
 // UCX 1.13 switches to rendezvous at 8 KiB over tcp, and its extra round trip
 // dominates mid sizes. Measured here (tcp loopback, 16 writes in flight):
@@ -90,7 +109,7 @@ constexpr size_t kWriteHeaderBytes = 36;
 // vs 3.1, 256 KiB even, 768 KiB rendezvous ahead (5.0-6.0 vs 4.5-5.1). A
 // UCX_RNDV_THRESH in the environment switches this off.
 constexpr size_t kAmEagerMax = 128 << 10;
-// Notifications per active message: 64 * 36 bytes stays well inside UCX's
+// Notifications per active message: 64 * 44 bytes stays well inside UCX's
 // eager limit (8 KiB on tcp and sm), so a batch is one message.
 constexpr size_t kNotifyBatch = 64;
 
@@ -110,10 +129,89 @@ void encode_header(const WriteHeader& h, uint8_t* p) {
   store_le(p + 16, h.offset, 8);
   store_le(p + 24, h.length, 8);
   store_le(p + 32, h.notify, 4);
+  store_le(p + 36, h.seq, 8);
 }
 WriteHeader decode_header(const uint8_t* p) {
-  return WriteHeader{load_le(p, 8), load_le(p + 8, 8), load_le(p + 16, 8), load_le(p + 24, 8),
-                     static_cast<uint32_t>(load_le(p + 32, 4))};
+  return WriteHeader{load_le(p, 8),
+                     load_le(p + 8, 8),
+                     load_le(p + 16, 8),
+                     load_le(p + 24, 8),
+                     static_cast<uint32_t>(load_le(p + 32, 4)),
+                     load_le(p + 36, 8)};
+}
+
+// ---------------------------------------------------------------------------
+// The notification ring
+//
+// A write into a local peer's mapped memory is a memcpy; sending its
+// notification as an active message cost more than the copy (UCX's am path,
+// the worker's tcp lanes polled on every progress: 690 ns one way at 8 B
+// against 50 ns for ucx_perftest's ucp_put_lat). So each side of a
+// connection offers, in its handshake, a ring of notification records in
+// shared memory it allocated (ucp_mem_map with UCP_MEM_MAP_ALLOCATE); a peer
+// on the same host maps it through ucp_rkey_ptr and writes records, and the
+// owner polls it in progress(). Layout (all little-endian host order: both
+// ends run on one host):
+//
+//   [0, 64)    magic and slot count; written once by the owner
+//   [64, 128)  consumed: how many records the owner has read; by the owner
+//   [128, 192) sleep epoch, odd while the owner is in wait(); by the owner
+//   [192, 256) attached: non-zero while a peer writes here; by the peer
+//   [256, ...) slots of 64-byte records, by the peer: the WriteHeader fields,
+//              then a stamp at byte 56, stored last with release: ring
+//              position + 1, so a slot holds position p exactly when its
+//              stamp is p + 1.
+//
+// Flow control: the writer has at most `slots` records unread (it re-reads
+// `consumed` only when its cached copy says full); a full ring falls back to
+// an active message. Ordering: every notification and message of a
+// connection has a sequence number, whatever carries it; the owner delivers a
+// ring record only when its number is the next one, and an active message
+// first delivers the ring records numbered below it. Sleep: the owner makes
+// its sleep epoch odd before it sleeps and then looks at its rings once more;
+// a writer reads the epoch after publishing (a full fence on both sides, so
+// one of the two sees the other) and, once per odd epoch, sends kAmWake,
+// whose arrival wakes the owner's worker event fd.
+constexpr uint64_t kRingMagic = 0x474e495258535000ull;  // "PSXRING\0" read as bytes
+constexpr size_t kRingHeaderBytes = 256;
+constexpr size_t kRingConsumedAt = 64;
+constexpr size_t kRingSleepingAt = 128;
+constexpr size_t kRingAttachedAt = 192;
+constexpr size_t kRingRecordBytes = 64;
+constexpr size_t kRingStampAt = 56;
+constexpr uint32_t kMinRingSlots = 16;
+constexpr uint32_t kMaxRingSlots = 65536;
+// While a ring is in use and UCX has nothing to do, progress() calls
+// ucp_worker_progress at most once per this period and polls only the rings
+// in between: with tcp lanes on the endpoint a worker progress is an
+// epoll_wait, ~300 ns here, against ~40 ns for a ring poll. A period, not a
+// count of calls: a caller that progresses this transport once per
+// millisecond (a loop that waits on another one) must not see UCX progressed
+// only every few dozen milliseconds (with a count of 32 calls, the lifecycle
+// test's 1,000 shared-memory connections took 141 s instead of 6-11 s). Any
+// UCX work, any new operation and any wait() make the next progress() poll
+// UCX again.
+//
+// The period is read from the time-stamp counter where there is one: 10 ns
+// here against 22 ns for steady_clock, in a loop of ~40 ns. It is not
+// converted to time: 10,000 ticks are 2.5-10 us at the 1-4 GHz of any x86-64
+// server, which is all this heuristic needs.
+#if defined(__x86_64__)
+uint64_t poll_clock() {
+  return __rdtsc();
+}
+constexpr uint64_t kUcxPollPeriod = 10000;  // ticks
+#else
+uint64_t poll_clock() {
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+          .count());
+}
+constexpr uint64_t kUcxPollPeriod = 4000;  // ns
+#endif
+
+std::atomic_ref<uint64_t> ring_word(uint8_t* base, size_t at) {
+  return std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(base + at));
 }
 
 uint64_t random_u64() {
@@ -404,6 +502,62 @@ class UcxRemoteRegion final : public RemoteRegion,
   std::weak_ptr<UcxCore> core_;
 };
 
+// This side's notification ring of one connection: shared memory the peer
+// writes records into and progress() polls. Freed when the connection lets
+// go of it; a peer that still has it mapped keeps writing into its own
+// mapping harmlessly.
+class RxRing {
+ public:
+  RxRing(std::shared_ptr<UcxContext> context, ucp_mem_h memh, uint8_t* base, uint32_t slots,
+         std::vector<uint8_t> packed)
+      : context_(std::move(context)),
+        memh_(memh),
+        base_(base),
+        slots_(slots),
+        packed_(std::move(packed)) {}
+  ~RxRing() { ucp_mem_unmap(context_->handle, memh_); }
+  RxRing(const RxRing&) = delete;
+  RxRing& operator=(const RxRing&) = delete;
+
+  uint8_t* base() const { return base_; }
+  uint32_t slots() const { return slots_; }
+  const std::vector<uint8_t>& packed() const { return packed_; }
+  uint8_t* slot(uint64_t position) const {
+    return base_ + kRingHeaderBytes + (position & (slots_ - 1)) * kRingRecordBytes;
+  }
+  // Whether the record at ring position `position` is there.
+  bool ready(uint64_t position) const {
+    return ring_word(slot(position), kRingStampAt).load(std::memory_order_acquire) == position + 1;
+  }
+  bool attached() const {
+    return ring_word(base_, kRingAttachedAt).load(std::memory_order_relaxed) != 0;
+  }
+
+  // Next ring position to read. Written only by the thread in progress()
+  // (progress_mu_); atomic because wait() looks at it from any thread.
+  std::atomic<uint64_t> read{0};
+
+ private:
+  std::shared_ptr<UcxContext> context_;
+  ucp_mem_h memh_;
+  uint8_t* base_;
+  uint32_t slots_;
+  std::vector<uint8_t> packed_;  // UCX's packed remote key, for the handshake
+};
+
+// The peer's notification ring, mapped here; guarded by its connection's
+// tx_mu_.
+struct TxRing {
+  ucp_rkey_h rkey = nullptr;
+  uint8_t* base = nullptr;
+  uint32_t slots = 0;
+  uint64_t written = 0;   // records published
+  uint64_t consumed = 0;  // the owner's `consumed`, as last read
+  // The owner's sleep epoch we last sent kAmWake for: one wake-up ends that
+  // sleep, so the writes that follow it need none.
+  uint64_t woken_epoch = 0;
+};
+
 class UcxConnection final : public Connection, public std::enable_shared_from_this<UcxConnection> {
  public:
   UcxConnection(std::weak_ptr<UcxCore> core, bool client, std::string peer)
@@ -468,8 +622,31 @@ class UcxConnection final : public Connection, public std::enable_shared_from_th
   bool bye_in_flight_ = false;
   Clock::time_point bye_deadline_;
   std::deque<Queued> queued_;
-  // Messages that arrived before the server's handshake answer (client side).
-  std::vector<std::pair<unsigned, std::vector<uint8_t>>> early_;
+  // Messages that arrived before the server's handshake answer (client side),
+  // with their sequence numbers.
+  struct Early {
+    unsigned id;
+    uint64_t seq;
+    std::vector<uint8_t> bytes;
+  };
+  std::vector<Early> early_;
+  // This side's notification ring (offered in the handshake), the next
+  // sequence number to deliver, and what the log line says about the rings.
+  std::shared_ptr<RxRing> rx_ring_;
+  // Written only by the thread in progress(), like RxRing::read.
+  std::atomic<uint64_t> rx_next_seq_{0};
+  std::string ring_note_;
+
+  // The sending side of the ordering: the next sequence number, and the
+  // peer's ring when it is mapped here. Held while a sequence number is
+  // taken until its record is published or its active message is handed to
+  // UCX, so numbers are visible to the peer in order; after mu_ when both are
+  // held.
+  std::mutex tx_mu_;
+  uint64_t tx_seq_ = 0;
+  std::unique_ptr<TxRing> tx_ring_;
+  // Set once the peer's ring is mapped: write() skips tx_mu_ when false.
+  std::atomic<bool> tx_ring_mapped_{false};
   std::vector<Unflushed> unflushed_;  // puts issued, not yet covered by a flush
   bool flush_in_flight_ = false;
 };
@@ -501,6 +678,7 @@ struct OpCtx {
   uint32_t notify = 0;
   uint64_t length = 0;
   unsigned am_id = 0;
+  uint64_t seq = 0;  // of a message received by rendezvous
   std::vector<uint8_t> bytes;
   std::vector<UcxConnection::Unflushed> batch;
 };
@@ -566,6 +744,9 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
     c.flushes = flushes_.load();
     c.rejected_writes = rejected_writes_.load();
     c.rejected_messages = rejected_messages_.load();
+    c.notify_ring = notify_ring_.load();
+    c.notify_ring_full = notify_ring_full_.load();
+    c.ring_wakeups = ring_wakeups_.load();
     return c;
   }
 
@@ -643,13 +824,53 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
            src.kind() == MemoryKind::kHost;
   }
   void start_send(UcxConnection& conn, UserOp u, std::span<const uint8_t> message);
-  // The notification of one write whose bytes are already in place.
-  void notify_one(UcxConnection& conn, UserOp u, const WriteHeader& h);
+  // The notification of one write whose bytes are already in place, as an
+  // active message.
+  void notify_one(UcxConnection& conn, UserOp u, WriteHeader h);
+
+  // Notification ring (see the comment at kRingMagic).
+  // A zeroed ring for a new connection, or null (off, or no memory for it).
+  std::shared_ptr<RxRing> allocate_ring();
+  void write_ring_offer(WireWriter& w, const UcxConnection& conn) const;
+  bool read_ring_offer(WireReader& r, uint32_t* slots, uint64_t* base,
+                       std::span<const uint8_t>* packed);
+  // Maps the peer's offered ring where it is on this host (mu_ held).
+  void map_peer_ring(UcxConnection& conn, uint32_t slots, uint64_t base,
+                     std::span<const uint8_t> packed);
+  enum class RingResult : uint8_t { kUnavailable, kFull, kPublished, kPublishedPeerAsleep };
+  // Publishes a notification in the peer's ring; takes conn.tx_mu_, not mu_.
+  RingResult ring_notify(UcxConnection& conn, WriteHeader h);
+  // Delivers the records of conn's ring in sequence order: those numbered
+  // below `below`, and, when `stop_at_gap`, only while each is the next
+  // number (a gap is an active message still on its way). mu_ held.
+  void drain_ring(const ConnPtr& conn, uint64_t below, bool stop_at_gap);
+  // An active message numbered `seq` arrived: ring records before it go
+  // first.
+  void arrived_in_order(const ConnPtr& conn, uint64_t seq) {
+    drain_ring(conn, seq, false);
+    if (conn->rx_next_seq_.load(std::memory_order_relaxed) <= seq) {
+      conn->rx_next_seq_.store(seq + 1, std::memory_order_relaxed);
+    }
+  }
+  // The loop under drain_ring and poll_rings_unlocked: hands each record to
+  // `deliver` in sequence order. Only the thread in progress() reads rings.
+  template <typename Deliver>
+  size_t read_ring(UcxConnection& conn, RxRing& r, uint64_t below, bool stop_at_gap,
+                   Deliver&& deliver);
+  // progress()'s fast path: rings only, without mu_, handlers called at once.
+  size_t poll_rings_unlocked();
+  // Whether a sleeping owner would miss a deliverable record.
+  bool ring_has_next(const UcxConnection& conn) const;
+  void set_rings_sleeping(bool sleeping);
+  void release_rings(UcxConnection& conn);
+  // Validates one notification and queues its on_write.
+  void deliver_notification(const ConnPtr& conn, const WriteHeader& h);
   bool send_control(UcxConnection& conn, unsigned id, std::vector<uint8_t> payload,
                     OpCtx::Kind kind);
-  void handle_control(const ConnPtr& conn, unsigned id, std::span<const uint8_t> payload);
+  void handle_control(const ConnPtr& conn, unsigned id, uint64_t seq,
+                      std::span<const uint8_t> payload);
   void handle_hello(const ConnPtr& conn, std::span<const uint8_t> payload);
-  bool hold_early(UcxConnection& conn, unsigned id, std::span<const uint8_t> payload);
+  bool hold_early(UcxConnection& conn, unsigned id, uint64_t seq, std::span<const uint8_t> payload);
   void handle_hello_ack(const ConnPtr& conn, std::span<const uint8_t> payload);
   void dispatch_queued(UcxConnection& conn);
   static Status foreign_key(const UcxConnection& conn);
@@ -657,6 +878,9 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   void connection_ready(UcxConnection& conn);
   std::vector<uint8_t> hello_payload(const UcxConnection& conn) const;
   bool validate_target(const WriteHeader& h, std::shared_ptr<UcxRegion>* region);
+  struct ValidTarget;
+  // validate_target for the fast path: no lock while `last` still holds.
+  bool validate_target_cached(const WriteHeader& h, ValidTarget* last);
   void reject_write(const UcxConnection* conn, const std::string& why);
   ucs_status_t on_am_write(const ConnPtr& conn, const void* header, size_t header_length,
                            void* data, size_t length, const ucp_am_recv_param_t* param);
@@ -715,13 +939,47 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   std::vector<ConnPtr> ready_;  // connected: the queued operations are still to send
   std::vector<std::pair<ConnPtr, Status>> failed_;
   std::vector<ConnPtr> to_close_;
+  // Rings of closed connections, unmapped by run_deferred (not inside a UCX
+  // callback).
+  std::vector<std::shared_ptr<RxRing>> dead_rings_;
 
   std::atomic<int> sleepers_{0};
+  // Connections whose ring progress() polls (ready, with a ring); mu_.
+  std::vector<ConnPtr> rx_conns_;
+  // Set by progress() when UCX had nothing to do while a peer writes into one
+  // of our rings; then progress() may poll only the rings for up to
+  // kUcxPollPeriod after last_ucx_progress_. Any thread clears it to have UCX
+  // progressed at once.
+  std::atomic<bool> ucx_idle_{false};
+  uint64_t last_ucx_progress_ = 0;  // poll_clock(); progress_mu_
+  bool rings_attached_ = false;     // a peer writes into one of our rings; mu_
+  // Bumped (under mu_) whenever rx_conns_ changes; progress() then copies it.
+  std::atomic<uint64_t> rx_version_{0};
+  // The last target a ring's records named, as validate_target found it:
+  // consecutive writes of a connection mostly land in one region, and this
+  // spares them export_mu_ and the table.
+  struct ValidTarget {
+    uint64_t unexported = ~uint64_t{0};  // unexported_ when validated
+    uint64_t region = 0, secret = 0, length = 0;
+  };
+  // progress()'s own copy of rx_conns_, for the fast path; progress_mu_.
+  struct Polled {
+    ConnectionPtr conn;
+    UcxConnection* ucx;
+    std::shared_ptr<RxRing> ring;  // keeps it mapped while polled, even once closed
+    ValidTarget last;
+  };
+  std::vector<Polled> polled_;
+  uint64_t polled_version_ = 0;
+  int ring_sleepers_ = 0;  // threads in wait() that advertised it; mu_
   PendingOps pending_;
   RegistrationCache<UcxRegion> cache_;
   std::atomic<uint64_t> next_region_{1};
   std::mutex export_mu_;
   std::unordered_map<uint64_t, std::weak_ptr<UcxRegion>> exported_;
+  // Bumped (under export_mu_) whenever a region leaves exported_: a target
+  // validated while it had some value is still exported while it has it.
+  std::atomic<uint64_t> unexported_{0};
   // Held shared while copying into a peer's mapped memory, exclusively while
   // shutdown unmaps it; never held while taking mu_.
   std::shared_mutex mapping_mu_;
@@ -731,7 +989,7 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   std::atomic<bool> graveyard_nonempty_{false};
 
   std::atomic<uint64_t> writes_put_{0}, writes_am_{0}, flushes_{0}, rejected_writes_{0},
-      rejected_messages_{0};
+      rejected_messages_{0}, notify_ring_{0}, notify_ring_full_{0}, ring_wakeups_{0};
 };
 
 namespace {
@@ -855,7 +1113,8 @@ Status UcxCore::init(const sockaddr_storage* listen, socklen_t listen_len) {
   for (auto [id, cb] :
        {std::pair{kAmHello, &am_cb<kAmHello>}, std::pair{kAmHelloAck, &am_cb<kAmHelloAck>},
         std::pair{kAmMessage, &am_cb<kAmMessage>}, std::pair{kAmWrite, &am_cb<kAmWrite>},
-        std::pair{kAmNotify, &am_cb<kAmNotify>}, std::pair{kAmBye, &am_cb<kAmBye>}}) {
+        std::pair{kAmNotify, &am_cb<kAmNotify>}, std::pair{kAmBye, &am_cb<kAmBye>},
+        std::pair{kAmWake, &am_cb<kAmWake>}}) {
     st = set_handler(id, cb);
     if (st != UCS_OK) return ucs_to_status(st, "UCX refused an active-message handler");
   }
@@ -1033,7 +1292,7 @@ void UcxCore::on_request_done(OpCtx* op, ucs_status_t status) {
       }
       break;
     case OpCtx::kRecvControl:
-      if (status == UCS_OK && op->conn) handle_control(op->conn, op->am_id, op->bytes);
+      if (status == UCS_OK && op->conn) handle_control(op->conn, op->am_id, op->seq, op->bytes);
       break;
     case OpCtx::kClose:
       break;
@@ -1078,6 +1337,7 @@ Result<ConnectionPtr> UcxCore::connect(std::span<const uint8_t> peer_address) {
     ++handshaking_;
     conns_[conn->id()] = conn;
     by_ep_[conn->ep_] = conn;
+    conn->rx_ring_ = allocate_ring();
     // UCX queues what is sent before wire-up completes, so the hello goes
     // now; writes and sends wait for the answer, which tells us the lanes.
     send_control(*conn, kAmHello, hello_payload(*conn), OpCtx::kControl);
@@ -1094,6 +1354,7 @@ std::vector<uint8_t> UcxCore::hello_payload(const UcxConnection& conn) const {
   w.u64(instance_);
   w.u64(conn.id());
   w.str(listen_text_);
+  write_ring_offer(w, conn);
   return w.take();
 }
 
@@ -1126,6 +1387,7 @@ void UcxCore::accept(ucp_conn_request_h request) {
   ++handshaking_;
   conns_[conn->id()] = conn;
   by_ep_[conn->ep_] = conn;
+  conn->rx_ring_ = allocate_ring();
 }
 
 void UcxCore::handle_hello(const ConnPtr& conn, std::span<const uint8_t> payload) {
@@ -1134,14 +1396,19 @@ void UcxCore::handle_hello(const ConnPtr& conn, std::span<const uint8_t> payload
   uint8_t version = 0;
   uint64_t instance = 0, peer_conn = 0;
   std::string listen;
+  uint32_t ring_slots = 0;
+  uint64_t ring_base = 0;
+  std::span<const uint8_t> ring_key;
   if (conn->client_ || conn->state_ != UcxConnection::State::kHandshake || !r.u32(&magic) ||
       magic != kHelloMagic || !r.u8(&version) || version != kWireVersion || !r.u64(&instance) ||
-      !r.u64(&peer_conn) || !r.str(&listen, kMaxAddressString) || !r.done()) {
+      !r.u64(&peer_conn) || !r.str(&listen, kMaxAddressString) ||
+      !read_ring_offer(r, &ring_slots, &ring_base, &ring_key) || !r.done()) {
     ++rejected_messages_;
     close_locked(*conn, DataLoss("malformed hello from " + conn->peer()), false);
     return;
   }
   conn->peer_instance_ = instance;
+  map_peer_ring(*conn, ring_slots, ring_base, ring_key);
   connection_ready(*conn);
   push_event(Event::kAccept, conn);
   acks_.push_back(conn);  // sending is deferred: this runs inside a UCX callback
@@ -1153,29 +1420,35 @@ void UcxCore::handle_hello_ack(const ConnPtr& conn, std::span<const uint8_t> pay
   uint8_t version = 0;
   uint64_t instance = 0, peer_conn = 0;
   std::string listen;
+  uint32_t ring_slots = 0;
+  uint64_t ring_base = 0;
+  std::span<const uint8_t> ring_key;
   if (!conn->client_ || conn->state_ != UcxConnection::State::kHandshake || !r.u32(&magic) ||
       magic != kHelloMagic || !r.u8(&version) || version != kWireVersion || !r.u64(&instance) ||
-      !r.u64(&peer_conn) || !r.str(&listen, kMaxAddressString) || !r.done()) {
+      !r.u64(&peer_conn) || !r.str(&listen, kMaxAddressString) ||
+      !read_ring_offer(r, &ring_slots, &ring_base, &ring_key) || !r.done()) {
     ++rejected_messages_;
     close_locked(*conn, DataLoss("malformed hello answer from " + conn->peer()), false);
     return;
   }
   conn->peer_instance_ = instance;
+  map_peer_ring(*conn, ring_slots, ring_base, ring_key);
   connection_ready(*conn);
   ready_.push_back(conn);  // sending is deferred: this runs inside a UCX callback
   // What the server sent right after accepting (from its on_accept handler)
   // can overtake its deferred answer; it was held until now.
-  std::vector<std::pair<unsigned, std::vector<uint8_t>>> early;
+  std::vector<UcxConnection::Early> early;
   early.swap(conn->early_);
-  for (auto& [early_id, bytes] : early)
-    handle_control(conn, early_id, bytes);
+  for (auto& e : early)
+    handle_control(conn, e.id, e.seq, e.bytes);
 }
 
-bool UcxCore::hold_early(UcxConnection& conn, unsigned id, std::span<const uint8_t> payload) {
+bool UcxCore::hold_early(UcxConnection& conn, unsigned id, uint64_t seq,
+                         std::span<const uint8_t> payload) {
   if (!conn.client_ || conn.state_ != UcxConnection::State::kHandshake) return false;
   // Bounded: a peer cannot make us buffer without limit before it answers.
   if (conn.early_.size() >= kMaxEarlyMessages) return false;
-  conn.early_.emplace_back(id, std::vector<uint8_t>(payload.begin(), payload.end()));
+  conn.early_.push_back({id, seq, std::vector<uint8_t>(payload.begin(), payload.end())});
   return true;
 }
 
@@ -1226,8 +1499,19 @@ void UcxCore::connection_ready(UcxConnection& conn) {
     }
   }
   conn.path_ = path;
-  PSLD_LOG_INFO("ucx: connection {} ({}): lanes {}; writes use {} ({})", conn.id(), conn.peer(),
-                lanes.text, path == WritePath::kPut ? "put" : "am", why);
+  if (conn.rx_ring_) {
+    rx_conns_.push_back(conn.shared_from_this());
+    rx_version_.fetch_add(1, std::memory_order_release);
+    // A thread already asleep advertises this ring too, so its writer wakes
+    // it. (Records published before now are read by the progress() that
+    // runs this: rings are polled after the worker.)
+    if (ring_sleepers_ > 0) {
+      ring_word(conn.rx_ring_->base(), kRingSleepingAt).store(1, std::memory_order_seq_cst);
+    }
+  }
+  PSLD_LOG_INFO("ucx: connection {} ({}): lanes {}; writes use {} ({}); notify ring: {}", conn.id(),
+                conn.peer(), lanes.text, path == WritePath::kPut ? "put" : "am", why,
+                conn.ring_note_);
   PSLD_LOG_DEBUG("ucx: connection {} endpoint:\n{}", conn.id(), info);
 }
 
@@ -1315,6 +1599,253 @@ void UcxCore::drain_graveyard() {
 }
 
 // ---------------------------------------------------------------------------
+// Notification ring
+
+std::shared_ptr<RxRing> UcxCore::allocate_ring() {
+  const uint32_t slots = options_.ucx.notify_ring_slots;
+  // Only a peer that can map our memory could use it.
+  if (slots == 0 || !tls_may_use_shared_memory(options_.ucx.tls)) return nullptr;
+  const size_t bytes = kRingHeaderBytes + size_t{slots} * kRingRecordBytes;
+  ucp_mem_map_params_t mp{};
+  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                  UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+  mp.address = nullptr;
+  mp.length = bytes;
+  mp.flags = UCP_MEM_MAP_ALLOCATE;
+  ucp_mem_h memh = nullptr;
+  ucs_status_t st = ucp_mem_map(context_->handle, &mp, &memh);
+  if (st != UCS_OK) {
+    PSLD_LOG_WARN("ucx: no notification ring ({} bytes: {}); notifications use active messages",
+                  bytes, ucs_status_string(st));
+    return nullptr;
+  }
+  ucp_mem_attr_t attr{};
+  attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+  void* packed = nullptr;
+  size_t packed_size = 0;
+  if (ucp_mem_query(memh, &attr) != UCS_OK || attr.address == nullptr || attr.length < bytes ||
+      ucp_rkey_pack(context_->handle, memh, &packed, &packed_size) != UCS_OK) {
+    ucp_mem_unmap(context_->handle, memh);
+    PSLD_LOG_WARN("ucx: no notification ring (UCX could not describe the memory it allocated)");
+    return nullptr;
+  }
+  std::vector<uint8_t> key(static_cast<uint8_t*>(packed),
+                           static_cast<uint8_t*>(packed) + packed_size);
+  ucp_rkey_buffer_release(packed);
+  auto* base = static_cast<uint8_t*>(attr.address);
+  std::memset(base, 0, bytes);
+  ring_word(base, 0).store(kRingMagic, std::memory_order_relaxed);
+  ring_word(base, 8).store(slots, std::memory_order_relaxed);
+  return std::make_shared<RxRing>(context_, memh, base, slots, std::move(key));
+}
+
+// Appended to the hello and its answer: slot count (0: none), where the ring
+// is in the offering process, and UCX's packed key for it.
+void UcxCore::write_ring_offer(WireWriter& w, const UcxConnection& conn) const {
+  const RxRing* ring = conn.rx_ring_.get();
+  w.u32(ring != nullptr ? ring->slots() : 0);
+  w.u64(ring != nullptr ? reinterpret_cast<uintptr_t>(ring->base()) : 0);
+  w.blob(ring != nullptr ? std::span<const uint8_t>(ring->packed()) : std::span<const uint8_t>());
+}
+
+bool UcxCore::read_ring_offer(WireReader& r, uint32_t* slots, uint64_t* base,
+                              std::span<const uint8_t>* packed) {
+  return r.u32(slots) && r.u64(base) && r.blob(packed, kMaxPackedRkey);
+}
+
+void UcxCore::map_peer_ring(UcxConnection& conn, uint32_t slots, uint64_t base,
+                            std::span<const uint8_t> packed) {
+  const std::string ours = conn.rx_ring_
+                               ? fmt::format("{} slots offered", conn.rx_ring_->slots())
+                               : std::string(options_.ucx.notify_ring_slots == 0
+                                                 ? "none offered (ucx.notify_ring_slots = 0)"
+                                                 : "none offered (ucx.tls has no shared memory)");
+  auto note = [&](std::string_view theirs) {
+    conn.ring_note_ = fmt::format("{}; peer's {}", ours, theirs);
+  };
+  if (slots == 0) return note("none");
+  if (options_.ucx.notify_ring_slots == 0) return note("unused (ucx.notify_ring_slots = 0)");
+  if (forced_ == WritePath::kAm) return note("unused (ucx.write_path = am)");
+  if (slots < kMinRingSlots || slots > kMaxRingSlots || (slots & (slots - 1)) != 0 ||
+      packed.empty()) {
+    ++rejected_messages_;
+    return note("malformed, unused");
+  }
+  std::vector<uint8_t> padded(packed.size() + kRkeyPad, 0);
+  std::memcpy(padded.data(), packed.data(), packed.size());
+  ucp_rkey_h rkey = nullptr;
+  if (ucp_ep_rkey_unpack(conn.ep_, padded.data(), &rkey) != UCS_OK) {
+    return note("not mapped (UCX could not unpack its key)");
+  }
+  void* mapped = nullptr;
+  if (ucp_rkey_ptr(rkey, base, &mapped) != UCS_OK || mapped == nullptr) {
+    ucp_rkey_destroy(rkey);
+    return note("not mapped (the peer is not on this host, or not over shared memory)");
+  }
+  auto* p = static_cast<uint8_t*>(mapped);
+  if (ring_word(p, 0).load(std::memory_order_relaxed) != kRingMagic ||
+      ring_word(p, 8).load(std::memory_order_relaxed) != slots) {
+    ucp_rkey_destroy(rkey);
+    ++rejected_messages_;
+    return note("not a ring where the peer said, unused");
+  }
+  // Tells the owner a writer is there, so its progress() may poll UCX less.
+  ring_word(p, kRingAttachedAt).store(1, std::memory_order_release);
+  {
+    std::lock_guard<std::mutex> tx(conn.tx_mu_);
+    conn.tx_ring_ = std::make_unique<TxRing>();
+    conn.tx_ring_->rkey = rkey;
+    conn.tx_ring_->base = p;
+    conn.tx_ring_->slots = slots;
+  }
+  conn.tx_ring_mapped_.store(true, std::memory_order_release);
+  note(fmt::format("mapped, {} slots: shared-memory writes notify through it", slots));
+}
+
+UcxCore::RingResult UcxCore::ring_notify(UcxConnection& conn, WriteHeader h) {
+  std::lock_guard<std::mutex> tx(conn.tx_mu_);
+  TxRing* r = conn.tx_ring_.get();
+  if (r == nullptr) return RingResult::kUnavailable;
+  if (r->written - r->consumed >= r->slots) {
+    r->consumed = ring_word(r->base, kRingConsumedAt).load(std::memory_order_acquire);
+    // A peer's bogus `consumed` (ahead of `written`) reads as full: safe.
+    if (r->written - r->consumed >= r->slots) {
+      ++notify_ring_full_;
+      return RingResult::kFull;
+    }
+  }
+  h.seq = conn.tx_seq_++;
+  uint8_t* slot = r->base + kRingHeaderBytes + (r->written & (r->slots - 1)) * kRingRecordBytes;
+  encode_header(h, slot);
+  ring_word(slot, kRingStampAt).store(r->written + 1, std::memory_order_release);
+  ++r->written;
+  ++notify_ring_;
+  // Pairs with the fence in wait(): the owner either sees this record after
+  // it said it sleeps, or we see that it sleeps.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  const uint64_t epoch = ring_word(r->base, kRingSleepingAt).load(std::memory_order_relaxed);
+  if ((epoch & 1) == 0 || epoch == r->woken_epoch) return RingResult::kPublished;
+  r->woken_epoch = epoch;
+  return RingResult::kPublishedPeerAsleep;
+}
+
+template <typename Deliver>
+size_t UcxCore::read_ring(UcxConnection& conn, RxRing& r, uint64_t below, bool stop_at_gap,
+                          Deliver&& deliver) {
+  uint64_t read = r.read.load(std::memory_order_relaxed);
+  const uint64_t start = read;
+  size_t n = 0;
+  while (r.ready(read)) {
+    const WriteHeader h = decode_header(r.slot(read));
+    const uint64_t next = conn.rx_next_seq_.load(std::memory_order_relaxed);
+    if (h.seq >= below) break;
+    if (h.seq < next) {
+      // Only a broken peer numbers twice; consumed so the ring keeps moving.
+      r.read.store(++read, std::memory_order_relaxed);
+      reject_write(&conn, "notification ring record out of sequence");
+      continue;
+    }
+    if (stop_at_gap && h.seq != next) break;
+    r.read.store(++read, std::memory_order_relaxed);
+    conn.rx_next_seq_.store(h.seq + 1, std::memory_order_relaxed);
+    ++n;
+    if (!deliver(h)) break;
+  }
+  if (read != start) ring_word(r.base(), kRingConsumedAt).store(read, std::memory_order_release);
+  return n;
+}
+
+void UcxCore::drain_ring(const ConnPtr& conn, uint64_t below, bool stop_at_gap) {
+  RxRing* r = conn->rx_ring_.get();
+  if (r == nullptr || conn->state_ != UcxConnection::State::kReady) return;
+  read_ring(*conn, *r, below, stop_at_gap, [&](const WriteHeader& h) {
+    deliver_notification(conn, h);
+    return true;
+  });
+}
+
+// Without mu_: a record is validated and its handler called right here. The
+// order of events is kept: whatever a peer sent before it (an active
+// message, an earlier record) was delivered by an earlier progress() call,
+// since this thread is the only one that runs UCX's callbacks and reads
+// rings, and each progress() delivers what it queued before returning.
+size_t UcxCore::poll_rings_unlocked() {
+  size_t n = 0;
+  for (Polled& p : polled_) {
+    if (!p.ucx->open_.load(std::memory_order_relaxed)) continue;
+    n += read_ring(*p.ucx, *p.ring, std::numeric_limits<uint64_t>::max(), true,
+                   [&](const WriteHeader& h) {
+                     if (!validate_target_cached(h, &p.last)) {
+                       reject_write(p.ucx,
+                                    "notification names no region we export, a wrong secret, "
+                                    "or bytes outside the region");
+                       return true;
+                     }
+                     if (shut_) return false;  // after shutdown no handler runs
+                     handler_->on_write(p.conn, h.notify, h.length);
+                     // The handler may have closed the connection.
+                     return p.ucx->open_.load(std::memory_order_relaxed);
+                   });
+  }
+  return n;
+}
+
+bool UcxCore::ring_has_next(const UcxConnection& conn) const {
+  const RxRing* r = conn.rx_ring_.get();
+  if (r == nullptr || conn.state_ != UcxConnection::State::kReady) return false;
+  const uint64_t read = r->read.load(std::memory_order_relaxed);
+  return r->ready(read) &&
+         decode_header(r->slot(read)).seq == conn.rx_next_seq_.load(std::memory_order_relaxed);
+}
+
+void UcxCore::set_rings_sleeping(bool sleeping) {
+  for (const ConnPtr& conn : rx_conns_) {
+    auto epoch = ring_word(conn->rx_ring_->base(), kRingSleepingAt);
+    const uint64_t now = epoch.load(std::memory_order_relaxed);
+    if ((now & 1) != (sleeping ? 1u : 0u)) epoch.store(now + 1, std::memory_order_seq_cst);
+  }
+}
+
+void UcxCore::release_rings(UcxConnection& conn) {
+  if (conn.rx_ring_) {
+    auto it = std::find_if(rx_conns_.begin(), rx_conns_.end(),
+                           [&](const ConnPtr& c) { return c.get() == &conn; });
+    if (it != rx_conns_.end()) rx_conns_.erase(it);
+    rx_version_.fetch_add(1, std::memory_order_release);
+    dead_rings_.push_back(std::move(conn.rx_ring_));
+  }
+  std::unique_ptr<TxRing> tx;
+  {
+    std::lock_guard<std::mutex> lock(conn.tx_mu_);
+    tx = std::move(conn.tx_ring_);
+    conn.tx_ring_mapped_.store(false, std::memory_order_relaxed);
+  }
+  if (tx) {
+    // The owner's progress() goes back to polling UCX on every call.
+    ring_word(tx->base, kRingAttachedAt).store(0, std::memory_order_relaxed);
+    std::lock_guard<std::mutex> lock(rkey_mu_);
+    graveyard_.push_back(tx->rkey);  // destroyed outside any UCX callback
+    graveyard_nonempty_ = true;
+  }
+}
+
+void UcxCore::deliver_notification(const ConnPtr& conn, const WriteHeader& h) {
+  std::shared_ptr<UcxRegion> region;
+  if (!validate_target(h, &region)) {
+    reject_write(conn.get(),
+                 "notification names no region we export, a wrong secret, or "
+                 "bytes outside the region");
+    return;
+  }
+  Event e;
+  e.kind = Event::kWrite;
+  e.conn = conn;
+  e.notify = h.notify;
+  e.length = h.length;
+  events_.push_back(std::move(e));
+}
+
+// ---------------------------------------------------------------------------
 // Writes and sends
 
 Status UcxCore::check_write(const UcxConnection& conn, const WriteRequest& req) const {
@@ -1345,13 +1876,16 @@ Status UcxCore::check_write(const UcxConnection& conn, const WriteRequest& req) 
 
 Status UcxCore::write(UcxConnection& conn, const WriteRequest& req, Completion done) {
   PSLD_RETURN_IF_ERROR(check_write(conn, req));
-  auto src =
-      const_cast<UcxRegion*>(static_cast<const UcxRegion*>(req.local))->weak_from_this().lock();
-  auto remote = const_cast<UcxRemoteRegion*>(static_cast<const UcxRemoteRegion*>(req.remote))
-                    ->weak_from_this()
-                    .lock();
-  if (!src || !remote) return InvalidArgument("write region is being destroyed");
-  if (copies_into_mapping(conn, *src, *remote)) {
+  // check_write proved both are ours.
+  auto* src_region = const_cast<UcxRegion*>(static_cast<const UcxRegion*>(req.local));
+  auto* remote_region =
+      const_cast<UcxRemoteRegion*>(static_cast<const UcxRemoteRegion*>(req.remote));
+  if (copies_into_mapping(conn, *src_region, *remote_region)) {
+    // Done before this call returns, so the caller's references are all the
+    // regions need: no shared_ptr of them is taken (four atomic operations
+    // on the latency path).
+    UcxRegion* src = src_region;
+    UcxRemoteRegion* remote = remote_region;
     // Shared memory: the put is this memcpy. It runs outside mu_ so that a
     // large copy does not stall the thread progressing the worker; the
     // notification goes out after it, so the peer cannot see it early.
@@ -1363,20 +1897,44 @@ Status UcxCore::write(UcxConnection& conn, const WriteRequest& req, Completion d
                     req.length);
       }
     }
+    const WriteHeader h{
+        remote->peer_region_id(), remote->secret(), req.remote_offset, req.length, req.notify, 0};
+    // The notification ring needs no worker lock: only a completion to queue
+    // or a sleeping peer to wake takes mu_.
+    RingResult ring = RingResult::kUnavailable;
+    if (conn.tx_ring_mapped_.load(std::memory_order_acquire)) ring = ring_notify(conn, h);
+    if (ring == RingResult::kPublished && !done) {
+      ++writes_put_;
+      return Status::Ok();
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (worker_ == nullptr || conn.state_ != UcxConnection::State::kReady) {
-        return Unavailable("connection to " + conn.peer() + " is closed");
+      if (ring == RingResult::kPublished || ring == RingResult::kPublishedPeerAsleep) {
+        // Shut down meanwhile: its completions were run; this one cannot be.
+        if (worker_ == nullptr) return Unavailable("UCX transport is shut down");
+        ++writes_put_;
+        if (ring == RingResult::kPublishedPeerAsleep && worker_ != nullptr &&
+            conn.state_ == UcxConnection::State::kReady) {
+          ++ring_wakeups_;
+          send_control(conn, kAmWake, {}, OpCtx::kControl);
+        }
+        if (done) push_completion(PendingOps::Ready{std::move(done), Status::Ok()});
+      } else {
+        if (worker_ == nullptr || conn.state_ != UcxConnection::State::kReady) {
+          return Unavailable("connection to " + conn.peer() + " is closed");
+        }
+        ++writes_put_;
+        notify_one(conn, UserOp{0, std::move(done)}, h);
       }
-      ++writes_put_;
-      notify_one(conn, UserOp{0, std::move(done)},
-                 WriteHeader{remote->peer_region_id(), remote->secret(), req.remote_offset,
-                             req.length, req.notify});
       run_deferred();
     }
     maybe_wake();
     return Status::Ok();
   }
+  // Held by the operation until it completes.
+  auto src = src_region->weak_from_this().lock();
+  auto remote = remote_region->weak_from_this().lock();
+  if (!src || !remote) return InvalidArgument("write region is being destroyed");
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (worker_ == nullptr || conn.state_ == UcxConnection::State::kClosed) {
@@ -1406,12 +1964,23 @@ Status UcxCore::write(UcxConnection& conn, const WriteRequest& req, Completion d
 void UcxCore::start_write(UcxConnection& conn, UserOp u, const std::shared_ptr<UcxRegion>& src,
                           const std::shared_ptr<UcxRemoteRegion>& remote, uint64_t local_offset,
                           uint64_t remote_offset, uint64_t length, uint32_t notify) {
-  const WriteHeader h{remote->peer_region_id(), remote->secret(), remote_offset, length, notify};
+  WriteHeader h{remote->peer_region_id(), remote->secret(), remote_offset, length, notify, 0};
   if (copies_into_mapping(conn, *src, *remote)) {
     // Under mu_, so shutdown cannot unmap meanwhile.
     ++writes_put_;
     if (length > 0) {
       std::memcpy(remote->mapped_base_ + remote_offset, src->data() + local_offset, length);
+    }
+    const RingResult ring = conn.tx_ring_mapped_.load(std::memory_order_acquire)
+                                ? ring_notify(conn, h)
+                                : RingResult::kUnavailable;
+    if (ring == RingResult::kPublished || ring == RingResult::kPublishedPeerAsleep) {
+      if (ring == RingResult::kPublishedPeerAsleep) {
+        ++ring_wakeups_;
+        send_control(conn, kAmWake, {}, OpCtx::kControl);
+      }
+      complete_user(u, Status::Ok());
+      return;
     }
     notify_one(conn, std::move(u), h);
     return;
@@ -1453,9 +2022,12 @@ void UcxCore::start_write(UcxConnection& conn, UserOp u, const std::shared_ptr<U
     return;
   }
   ++writes_am_;
+  ucx_idle_.store(false, std::memory_order_relaxed);  // a rendezvous needs the worker progressed
   OpCtx* op = new_op(OpCtx::kAmWrite);
   op->deadline = deadline();
   op->region = src;
+  std::lock_guard<std::mutex> tx(conn.tx_mu_);
+  h.seq = conn.tx_seq_++;
   encode_header(h, op->header);
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
@@ -1473,17 +2045,20 @@ void UcxCore::start_write(UcxConnection& conn, UserOp u, const std::shared_ptr<U
     p.flags |= UCP_AM_SEND_FLAG_EAGER;
   }
   p.memh = src->memh();
-  finish_user(u, op,
-              ucp_am_send_nbx(conn.ep_, kAmWrite, op->header, kWriteHeaderBytes,
-                              src->data() + local_offset, length, &p),
-              conn.id(), "write failed");
+  ucs_status_ptr_t r = ucp_am_send_nbx(conn.ep_, kAmWrite, op->header, kWriteHeaderBytes,
+                                       src->data() + local_offset, length, &p);
+  if (UCS_PTR_IS_ERR(r)) --conn.tx_seq_;  // never sent: the number is free again
+  finish_user(u, op, r, conn.id(), "write failed");
 }
 
-void UcxCore::notify_one(UcxConnection& conn, UserOp u, const WriteHeader& h) {
+void UcxCore::notify_one(UcxConnection& conn, UserOp u, WriteHeader h) {
+  ucx_idle_.store(false, std::memory_order_relaxed);
   OpCtx* op = new_op(OpCtx::kSend);
   op->deadline = deadline();
   op->bytes.resize(4 + kWriteHeaderBytes);
   store_le(op->bytes.data(), 1, 4);
+  std::lock_guard<std::mutex> tx(conn.tx_mu_);
+  h.seq = conn.tx_seq_++;
   encode_header(h, op->bytes.data() + 4);
   ucp_request_param_t p{};
   p.op_attr_mask =
@@ -1491,10 +2066,10 @@ void UcxCore::notify_one(UcxConnection& conn, UserOp u, const WriteHeader& h) {
   p.cb.send = send_cb;
   p.user_data = op;
   p.flags = UCP_AM_SEND_FLAG_REPLY;
-  finish_user(
-      u, op,
-      ucp_am_send_nbx(conn.ep_, kAmNotify, nullptr, 0, op->bytes.data(), op->bytes.size(), &p),
-      conn.id(), "notification failed");
+  ucs_status_ptr_t r =
+      ucp_am_send_nbx(conn.ep_, kAmNotify, nullptr, 0, op->bytes.data(), op->bytes.size(), &p);
+  if (UCS_PTR_IS_ERR(r)) --conn.tx_seq_;
+  finish_user(u, op, r, conn.id(), "notification failed");
 }
 
 // Ordering for ucp_put_nbx (RDMA, or put forced where UCX emulates it): a
@@ -1538,10 +2113,13 @@ void UcxCore::announce(UcxConnection& conn, const UcxConnection::Unflushed* writ
   std::vector<uint64_t> ops;
   std::vector<uint8_t> payload;
   size_t k = 0;
+  // Numbers are taken as the batch is encoded; held until it is sent.
+  std::lock_guard<std::mutex> tx(conn.tx_mu_);
   auto send_batch = [&] {
     if (k == 0) return;
     store_le(payload.data(), k, 4);
     const bool sent = send_control(conn, kAmNotify, std::move(payload), OpCtx::kControl);
+    if (!sent) conn.tx_seq_ -= k;
     for (uint64_t id : ops) {
       complete(id, sent ? Status::Ok()
                         : Unavailable("the notification to " + conn.peer() + " could not be sent"));
@@ -1554,7 +2132,9 @@ void UcxCore::announce(UcxConnection& conn, const UcxConnection::Unflushed* writ
     if (!pending_.contains(writes[i].op_id)) continue;
     if (k == 0) payload.assign(4, 0);
     payload.resize(4 + (k + 1) * kWriteHeaderBytes);
-    encode_header(writes[i].header, payload.data() + 4 + k * kWriteHeaderBytes);
+    WriteHeader h = writes[i].header;
+    h.seq = conn.tx_seq_++;
+    encode_header(h, payload.data() + 4 + k * kWriteHeaderBytes);
     ops.push_back(writes[i].op_id);
     if (++k == kNotifyBatch) send_batch();
   }
@@ -1589,6 +2169,7 @@ Status UcxCore::send(UcxConnection& conn, std::span<const uint8_t> message, Comp
 }
 
 void UcxCore::start_send(UcxConnection& conn, UserOp u, std::span<const uint8_t> message) {
+  ucx_idle_.store(false, std::memory_order_relaxed);
   OpCtx* op = new_op(OpCtx::kSend);
   op->deadline = deadline();
   op->bytes.assign(message.begin(), message.end());  // send() copies before it returns
@@ -1598,10 +2179,14 @@ void UcxCore::start_send(UcxConnection& conn, UserOp u, std::span<const uint8_t>
   p.cb.send = send_cb;
   p.user_data = op;
   p.flags = UCP_AM_SEND_FLAG_REPLY;
-  finish_user(
-      u, op,
-      ucp_am_send_nbx(conn.ep_, kAmMessage, nullptr, 0, op->bytes.data(), op->bytes.size(), &p),
-      conn.id(), "send failed");
+  // Numbered like notifications, so a message never overtakes a write
+  // notified through the ring before it.
+  std::lock_guard<std::mutex> tx(conn.tx_mu_);
+  store_le(op->header, conn.tx_seq_++, kSeqHeaderBytes);
+  ucs_status_ptr_t r = ucp_am_send_nbx(conn.ep_, kAmMessage, op->header, kSeqHeaderBytes,
+                                       op->bytes.data(), op->bytes.size(), &p);
+  if (UCS_PTR_IS_ERR(r)) --conn.tx_seq_;
+  finish_user(u, op, r, conn.id(), "send failed");
 }
 
 // False when UCX refused the message at once.
@@ -1644,6 +2229,19 @@ bool UcxCore::validate_target(const WriteHeader& h, std::shared_ptr<UcxRegion>* 
   return true;
 }
 
+bool UcxCore::validate_target_cached(const WriteHeader& h, ValidTarget* last) {
+  if (h.region != last->region || h.secret != last->secret ||
+      last->unexported != unexported_.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> lock(export_mu_);
+    auto it = exported_.find(h.region);
+    std::shared_ptr<UcxRegion> r = it != exported_.end() ? it->second.lock() : nullptr;
+    if (!r || r->secret() != h.secret) return false;
+    *last =
+        ValidTarget{unexported_.load(std::memory_order_relaxed), h.region, h.secret, r->length()};
+  }
+  return h.offset <= last->length && h.length <= last->length - h.offset;
+}
+
 void UcxCore::reject_write(const UcxConnection* conn, const std::string& why) {
   const uint64_t n = ++rejected_writes_;
   // The first few say why; a flood from a broken peer stays one line in 1000.
@@ -1667,36 +2265,48 @@ ucs_status_t UcxCore::on_am(unsigned id, const void* header, size_t header_lengt
     return UCS_OK;
   }
   if (id == kAmWrite) return on_am_write(conn, header, header_length, data, length, param);
-  if (header_length != 0 || length > kMaxMessageBytes + 64) {
+  // A message's header is its sequence number; control messages have none.
+  const size_t want_header = id == kAmMessage ? kSeqHeaderBytes : 0;
+  if (header_length != want_header || length > kMaxMessageBytes + 64) {
     ++rejected_messages_;
     PSLD_LOG_WARN("ucx: dropped a malformed message (id {}, {} bytes) from {}", id, length,
                   conn->peer());
     return UCS_OK;
   }
+  const uint64_t seq =
+      want_header != 0 ? load_le(static_cast<const uint8_t*>(header), kSeqHeaderBytes) : 0;
   if (rndv) {
     // UCX chose rendezvous for a small message (a low UCX_RNDV_THRESH): fetch
     // it into a buffer and handle it when it lands.
     OpCtx* op = new_op(OpCtx::kRecvControl);
     op->conn = conn;
     op->am_id = id;
+    op->seq = seq;
     op->bytes.resize(length);
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     p.cb.recv_am = recv_am_cb;
     p.user_data = op;
+    // Its place in the sequence is taken now, so that a failed receive
+    // cannot hold up the ring; it is delivered when it lands.
+    if (id == kAmMessage && conn->state_ == UcxConnection::State::kReady) {
+      arrived_in_order(conn, seq);
+    }
     finish_request(op, ucp_am_recv_data_nbx(worker_, data, op->bytes.data(), length, &p));
     return UCS_OK;
   }
-  handle_control(conn, id, {static_cast<const uint8_t*>(data), length});
+  handle_control(conn, id, seq, {static_cast<const uint8_t*>(data), length});
   return UCS_OK;
 }
 
-void UcxCore::handle_control(const ConnPtr& conn, unsigned id, std::span<const uint8_t> payload) {
+void UcxCore::handle_control(const ConnPtr& conn, unsigned id, uint64_t seq,
+                             std::span<const uint8_t> payload) {
   if (conn->state_ == UcxConnection::State::kClosed) return;
   switch (id) {
     case kAmMessage: {
-      if (hold_early(*conn, id, payload)) return;
+      if (hold_early(*conn, id, seq, payload)) return;
       if (conn->state_ != UcxConnection::State::kReady) break;
+      arrived_in_order(conn, seq);
       Event e;
       e.kind = Event::kMessage;
       e.conn = conn;
@@ -1705,7 +2315,7 @@ void UcxCore::handle_control(const ConnPtr& conn, unsigned id, std::span<const u
       return;
     }
     case kAmNotify:
-      if (hold_early(*conn, id, payload)) return;
+      if (hold_early(*conn, id, 0, payload)) return;
       if (conn->state_ != UcxConnection::State::kReady) break;
       handle_notify(conn, payload);
       return;
@@ -1719,8 +2329,13 @@ void UcxCore::handle_control(const ConnPtr& conn, unsigned id, std::span<const u
       handle_hello_ack(conn, payload);
       return;
     case kAmBye:
+      // Every notification the peer published before its bye is delivered
+      // before the disconnect.
+      drain_ring(conn, std::numeric_limits<uint64_t>::max(), false);
       close_locked(*conn, Unavailable("peer closed the connection"), false);
       return;
+    case kAmWake:
+      return;  // its arrival woke the worker; progress() polls the rings next
     default:
       break;
   }
@@ -1740,19 +2355,8 @@ void UcxCore::handle_notify(const ConnPtr& conn, std::span<const uint8_t> payloa
   }
   for (uint64_t i = 0; i < n; ++i) {
     const WriteHeader h = decode_header(payload.data() + 4 + i * kWriteHeaderBytes);
-    std::shared_ptr<UcxRegion> region;
-    if (!validate_target(h, &region)) {
-      reject_write(conn.get(),
-                   "notification names no region we export, a wrong secret, or "
-                   "bytes outside the region");
-      continue;
-    }
-    Event e;
-    e.kind = Event::kWrite;
-    e.conn = conn;
-    e.notify = h.notify;
-    e.length = h.length;
-    events_.push_back(std::move(e));
+    arrived_in_order(conn, h.seq);
+    deliver_notification(conn, h);
   }
 }
 
@@ -1763,6 +2367,10 @@ ucs_status_t UcxCore::on_am_write(const ConnPtr& conn, const void* header, size_
     return UCS_OK;
   }
   const WriteHeader h = decode_header(static_cast<const uint8_t*>(header));
+  // A rendezvous write is notified when its bytes land, possibly after
+  // notifications numbered later; its number is taken now so that a failed
+  // receive cannot hold up the ring.
+  arrived_in_order(conn, h.seq);
   std::shared_ptr<UcxRegion> region;
   if (h.length != length || !validate_target(h, &region)) {
     reject_write(conn.get(),
@@ -1832,6 +2440,7 @@ void UcxCore::close_locked(UcxConnection& conn, const Status& why, bool send_bye
   const bool was_visible = conn.state_ == UcxConnection::State::kReady || conn.client_;
   conn.state_ = UcxConnection::State::kClosed;
   conn.open_ = false;
+  release_rings(conn);
   for (auto& r : pending_.fail_connection(conn.id(), why))
     push_completion(std::move(r));
   conn.queued_.clear();
@@ -1926,6 +2535,7 @@ void UcxCore::run_deferred() {
         force_close_ep(*conn);
       continue;
     }
+    dead_rings_.clear();
     break;
   }
 }
@@ -1972,12 +2582,21 @@ void UcxCore::check_deadlines(Clock::time_point now) {
 
 size_t UcxCore::progress() {
   std::lock_guard<std::mutex> progress_lock(progress_mu_);
+  // The fast path, while UCX is idle and peers write into our rings: no
+  // worker lock, no worker progress, just the rings (see kUcxPollPeriod).
+  if (ucx_idle_.load(std::memory_order_relaxed) &&
+      polled_version_ == rx_version_.load(std::memory_order_acquire) &&
+      poll_clock() - last_ucx_progress_ < kUcxPollPeriod) {
+    return poll_rings_unlocked();
+  }
   size_t work = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (worker_ == nullptr) return 0;
     drain_graveyard();
     work = ucp_worker_progress(worker_);
+    ucx_idle_.store(work == 0 && rings_attached_, std::memory_order_relaxed);
+    last_ucx_progress_ = poll_clock();
     run_deferred();
     // Deadlines are milliseconds away: look at them once per tick of the
     // coarse clock (a variable in the vDSO, no TSC read), not on every call of
@@ -1989,6 +2608,21 @@ size_t UcxCore::progress() {
     if (tick != last_deadline_tick_) {
       last_deadline_tick_ = tick;
       check_deadlines(Clock::now());
+    }
+    if (!rx_conns_.empty()) {
+      bool attached = false;
+      for (const ConnPtr& conn : rx_conns_) {
+        attached |= conn->rx_ring_->attached();
+        drain_ring(conn, std::numeric_limits<uint64_t>::max(), true);
+      }
+      rings_attached_ = attached;
+    }
+    const uint64_t version = rx_version_.load(std::memory_order_acquire);
+    if (polled_version_ != version) {
+      polled_.clear();
+      for (const ConnPtr& conn : rx_conns_)
+        polled_.push_back(Polled{conn, conn.get(), conn->rx_ring_, ValidTarget{}});
+      polled_version_ = version;
     }
     events_.swap(delivering_);
   }
@@ -2025,14 +2659,37 @@ void UcxCore::deliver(Event& e) {
 
 void UcxCore::wait(std::chrono::milliseconds timeout) {
   auto until = Clock::now() + timeout;
+  bool advertised = false;
+  auto stop_advertising = [&] {
+    if (advertised && --ring_sleepers_ == 0) set_rings_sleeping(false);
+    advertised = false;
+  };
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (worker_ == nullptr) return;
     if (!events_.empty()) return;
+    ucx_idle_.store(false,
+                    std::memory_order_relaxed);  // whatever wakes us, the next progress() asks UCX
     until = std::min(until, pending_.next_deadline());
     if (handshaking_ > 0) until = std::min(until, Clock::now() + std::chrono::milliseconds(10));
+    if (!rx_conns_.empty()) {
+      // Writers that publish a ring record from now on send kAmWake; one
+      // published before is seen here (the fence pairs with ring_notify's).
+      advertised = true;
+      if (ring_sleepers_++ == 0) set_rings_sleeping(true);
+      std::atomic_thread_fence(std::memory_order_seq_cst);
+      for (const ConnPtr& conn : rx_conns_) {
+        if (ring_has_next(*conn)) {
+          stop_advertising();
+          return;
+        }
+      }
+    }
     // Arming fails with BUSY when events are already pending: no sleep.
-    if (ucp_worker_arm(worker_) != UCS_OK) return;
+    if (ucp_worker_arm(worker_) != UCS_OK) {
+      stop_advertising();
+      return;
+    }
     sleepers_.fetch_add(1);
   }
   pollfd fds[2] = {{efd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
@@ -2045,6 +2702,10 @@ void UcxCore::wait(std::chrono::milliseconds timeout) {
   if (fds[1].revents & POLLIN) {
     uint64_t v = 0;
     [[maybe_unused]] ssize_t n = ::read(wake_fd_, &v, sizeof(v));
+  }
+  if (advertised) {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_advertising();
   }
   sleepers_.fetch_sub(1);
 }
@@ -2169,6 +2830,7 @@ Result<std::shared_ptr<UcxRegion>> UcxCore::make_region(uint8_t* data, size_t le
     if (auto core = weak.lock()) {
       std::lock_guard<std::mutex> lock(core->export_mu_);
       core->exported_.erase(id);
+      core->unexported_.fetch_add(1, std::memory_order_release);
     }
     delete p;
   });
@@ -2188,6 +2850,7 @@ Status UcxCore::invalidate(void* data, size_t length) {
   std::lock_guard<std::mutex> lock(export_mu_);
   for (auto& r : regions)
     exported_.erase(r->id());
+  unexported_.fetch_add(1, std::memory_order_release);
   return Status::Ok();
 }
 
@@ -2262,6 +2925,8 @@ void UcxCore::shutdown() {
       ready_.clear();
       failed_.clear();
       to_close_.clear();
+      rx_conns_.clear();
+      dead_rings_.clear();
     }
     events.swap(events_);
   }
@@ -2280,6 +2945,7 @@ void UcxCore::shutdown() {
   cache_.clear();
   std::lock_guard<std::mutex> lock(export_mu_);
   exported_.clear();
+  unexported_.fetch_add(1, std::memory_order_release);
 }
 
 // ---------------------------------------------------------------------------
@@ -2369,6 +3035,14 @@ Result<std::unique_ptr<Transport>> create_ucx_transport(const TransportOptions& 
   }
   if (options.common.op_timeout.count() <= 0) {
     return InvalidArgument("common.op_timeout must be positive");
+  }
+  const uint32_t slots = options.ucx.notify_ring_slots;
+  if (slots != 0 &&
+      (slots < kMinRingSlots || slots > kMaxRingSlots || (slots & (slots - 1)) != 0)) {
+    return InvalidArgument(
+        fmt::format("ucx.notify_ring_slots {} is not valid; use a power of two from {} to {}, or "
+                    "0 for no notification ring",
+                    slots, kMinRingSlots, kMaxRingSlots));
   }
   sockaddr_storage listen{};
   socklen_t listen_len = 0;

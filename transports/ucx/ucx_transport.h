@@ -26,6 +26,15 @@
 // UcxOptions.write_path forces one ("put" or "am"); Connection::write_path()
 // says which the connection uses. docs/transport-results.md has the figures.
 //
+// Notifications of "put" writes into a local peer's mapped memory go through
+// a notification ring where the peer offered one (UcxOptions::
+// notify_ring_slots): shared memory the receiver allocated and polls in
+// progress(), so a notification is a memory write, not an active message.
+// Every notification and message carries a per-connection sequence number,
+// so ring records, active-message fallbacks (ring full) and messages reach
+// the handler in the order they were issued. docs/transports.md ("ucx") has
+// the protocol.
+//
 // This header has no UCX types, so tests and tools may include it in any
 // build that has the backend.
 #pragma once
@@ -49,6 +58,12 @@ struct UcxCounters {
   uint64_t flushes = 0;            // ucp_ep_flush_nbx calls (one covers many puts)
   uint64_t rejected_writes = 0;    // incoming writes or notifications that failed validation
   uint64_t rejected_messages = 0;  // other malformed incoming active messages
+  // Notifications of shared-memory writes that went through the peer's
+  // notification ring, and those that fell back to an active message because
+  // the ring was full.
+  uint64_t notify_ring = 0;
+  uint64_t notify_ring_full = 0;
+  uint64_t ring_wakeups = 0;  // active messages sent to wake a receiver asleep in wait()
 };
 
 // InvalidArgument when `transport` is not a UCX transport.
