@@ -269,9 +269,10 @@ bool get(WireReader& r, TensorKey* m) {
 
 void put(WireWriter& w, const Ack& m) {
   w.u64(m.request);
+  w.u8(m.flags);
 }
 bool get(WireReader& r, Ack* m) {
-  return r.u64(&m->request);
+  return r.u64(&m->request) && r.u8(&m->flags) && (m->flags & ~kAckMapped) == 0;
 }
 
 void put(WireWriter& w, const PushMeta& m) {
@@ -288,7 +289,8 @@ void put(WireWriter& w, const PushMeta& m) {
 bool get(WireReader& r, PushMeta* m) {
   return r.u32(&m->tag) && r.u32(&m->slot) && read_dtype(r, &m->dtype) && r.u64(&m->key) &&
          r.u64(&m->round) && r.u64(&m->bytes) && r.u64(&m->epoch) && r.u8(&m->flags) &&
-         (m->flags & ~(kPushInit | kPushThenPull)) == 0 && r.u32(&m->pull_tag);
+         (m->flags & ~(kPushInit | kPushThenPull | kPushMapped)) == 0 &&
+         ((m->flags & kPushMapped) == 0 || (m->flags & kPushThenPull) != 0) && r.u32(&m->pull_tag);
 }
 
 void put(WireWriter& w, const PullRequest& m) {

@@ -49,7 +49,8 @@
 namespace psld::protocol {
 
 // 2: EpochChange carries a step and a lost server; TransferDone, EpochFinal
-// and StateOffer. 3: WorkerProgress and LowWatermark. 4: TensorKey.offset.
+// and StateOffer. 3: WorkerProgress and LowWatermark. 4: TensorKey.offset,
+// Ack.flags, kPushMapped.
 inline constexpr uint16_t kVersion = 4;
 
 enum class Role : uint8_t { kWorker = 1, kServer = 2, kCoordinator = 3 };
@@ -237,6 +238,12 @@ struct TensorKey {
 // Flags of a push.
 inline constexpr uint8_t kPushInit = 1;      // sets the initial value (round 0)
 inline constexpr uint8_t kPushThenPull = 2;  // push_pull: write the result back, tag = pull_tag
+// No write follows: the server reads the chunk in place from the worker's
+// tensor, which it maps (Ack kAckMapped). Only with kPushThenPull: the worker
+// leaves the tensor alone until the pull landed, so the server may read it
+// whenever the round lets it. `slot` is kNoSlot.
+inline constexpr uint8_t kPushMapped = 4;
+inline constexpr uint32_t kNoSlot = 0xffffffff;
 
 struct PushMeta {
   uint32_t tag = 0;  // the write's notify value
@@ -281,8 +288,13 @@ struct Error {
 };
 
 // Confirms a request that has no other answer (TensorKey).
+// Ack of a TensorKey: the server maps the tensor's memory (shared memory on
+// one host) and takes push_pulls of it in place (kPushMapped).
+inline constexpr uint8_t kAckMapped = 1;
+
 struct Ack {
   uint64_t request = 0;
+  uint8_t flags = 0;
 };
 // A placement epoch switch (DESIGN.md §7). Rounds >= switch_round of every
 // key are served under epoch `epoch` (the previous epoch with `delta`

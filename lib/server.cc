@@ -6,7 +6,6 @@
 #include <cstring>
 #include <set>
 #include <thread>
-#include <tuple>
 #include <unordered_map>
 
 #include "transports/log.h"
@@ -108,9 +107,15 @@ struct ServerService::WorkerConn {
   std::vector<uint8_t> slot_busy;
   std::map<uint32_t, protocol::PushMeta> metas;  // tag -> metadata waiting for its write
   std::map<uint32_t, uint64_t> early;  // tag -> length of a write waiting for its metadata
-  // Where each tensor's pulls land: the worker's memory and the tensor's
-  // offset in it.
-  std::map<TensorId, std::pair<std::shared_ptr<transport::RemoteRegion>, uint64_t>> tensors;
+  // Where each tensor's pulls land (the worker's memory and the tensor's
+  // offset in it), and where this process maps that memory, if it does
+  // (then push_pulls are read in place: protocol::kPushMapped).
+  struct TensorTarget {
+    std::shared_ptr<transport::RemoteRegion> remote;
+    uint64_t offset = 0;
+    const uint8_t* view = nullptr;
+  };
+  std::map<TensorId, TensorTarget> tensors;
 };
 
 Result<std::unique_ptr<ServerService>> ServerService::start(const RuntimeOptions& options) {
@@ -383,9 +388,45 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
       send_error(conn->id(), 0, remote.status().with_context("tensor key"));
       return;
     }
-    w->tensors[key->tensor] = {*remote, key->offset};
+    const uint8_t* view = transport().local_view(**remote);
+    if (view != nullptr && key->offset > (*remote)->length()) view = nullptr;
+    w->tensors[key->tensor] = {*remote, key->offset, view};
     lock.unlock();
-    (void)send(conn, protocol::Ack{key->request});
+    (void)send(conn,
+               protocol::Ack{key->request, view != nullptr ? protocol::kAckMapped : uint8_t{0}});
+  } else if (auto* mapped = std::get_if<protocol::PushMeta>(&message);
+             mapped != nullptr && (mapped->flags & protocol::kPushMapped)) {
+    // Read in place from the worker's tensor: no slot, no write to wait for.
+    uint64_t seen = max_round_seen_.load();
+    while (mapped->round > seen && !max_round_seen_.compare_exchange_weak(seen, mapped->round)) {
+    }
+    auto t = w->tensors.find(key_tensor(mapped->key));
+    const uint64_t at = t == w->tensors.end()
+                            ? 0
+                            : t->second.offset + static_cast<uint64_t>(key_chunk(mapped->key)) *
+                                                     session_.welcome().chunk_bytes;
+    if (t == w->tensors.end() || t->second.view == nullptr || mapped->bytes == 0 ||
+        mapped->bytes > session_.welcome().chunk_bytes ||
+        mapped->bytes % protocol::dtype_bytes(mapped->dtype) != 0 ||
+        at > t->second.remote->length() || mapped->bytes > t->second.remote->length() - at) {
+      lock.unlock();
+      send_error(conn->id(), mapped->tag,
+                 InvalidArgument(fmt::format(
+                     "an in-place push of {} bytes of key {:#x}: this server does not map that "
+                     "much of the tensor's memory",
+                     mapped->bytes, mapped->key)));
+      return;
+    }
+    PushWork work{conn->id(),       *mapped, t->second.view + at,
+                  t->second.remote, w->rank, transport::Clock::now()};
+    lock.unlock();
+    {
+      std::lock_guard<std::mutex> stats(stats_mu_);
+      ++stats_.pushes_in_place;
+      stats_.bytes_in += work.meta.bytes;
+    }
+    load_->begin_service();
+    dispatch(mapped->key, std::move(work));
   } else if (auto* meta = std::get_if<protocol::PushMeta>(&message)) {
     // Before the push is looked at: an epoch prepared after this line sees it.
     uint64_t seen = max_round_seen_.load();
@@ -411,8 +452,8 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
     }
     const uint64_t length = early->second;
     w->early.erase(early);
-    PushWork work{conn->id(), *meta, w->slots->data() + meta->slot * w->slot_bytes, w->rank,
-                  transport::Clock::now()};
+    PushWork work{conn->id(), *meta,   w->slots->data() + meta->slot * w->slot_bytes,
+                  nullptr,    w->rank, transport::Clock::now()};
     lock.unlock();
     if (length != meta->bytes) {
       load_->end_service();
@@ -466,7 +507,7 @@ void ServerService::on_write(const ConnectionPtr& conn, uint32_t tag, uint64_t l
     return;
   }
   PushWork work{conn->id(), meta->second, w.slots->data() + meta->second.slot * w.slot_bytes,
-                w.rank, transport::Clock::now()};
+                nullptr,    w.rank,       transport::Clock::now()};
   w.metas.erase(meta);
   lock.unlock();
   if (length != work.meta.bytes) {
@@ -688,6 +729,7 @@ ServerService::KeyState* ServerService::find_run(Shard& shard, Key key, uint64_t
 }
 
 void ServerService::free_slot(Shard& shard, uint64_t conn, uint32_t slot) {
+  if (slot == protocol::kNoSlot) return;  // read in place: it took no slot
   {
     std::lock_guard<std::mutex> lock(conns_mu_);
     auto it = conns_.find(conn);
@@ -1486,7 +1528,10 @@ void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
     if (it == conns_.end()) return;  // the worker is gone
     conn = it->second->conn;
     auto t = it->second->tensors.find(key_tensor(w.req.key));
-    if (t != it->second->tensors.end()) std::tie(remote, base) = t->second;
+    if (t != it->second->tensors.end()) {
+      remote = t->second.remote;
+      base = t->second.offset;
+    }
   }
   if (!remote) {
     send_error(w.conn, w.req.tag,

@@ -28,6 +28,7 @@ namespace psld {
 
 struct ServerStats {
   uint64_t pushes = 0;
+  uint64_t pushes_in_place = 0;  // of them, read from the worker's mapped tensor (kPushMapped)
   uint64_t pulls = 0;
   uint64_t bytes_in = 0;
   uint64_t bytes_out = 0;
@@ -66,7 +67,10 @@ class ServerService final : public Endpoint {
   struct PushWork {
     uint64_t conn = 0;
     protocol::PushMeta meta;
-    const uint8_t* data = nullptr;  // the landing slot
+    const uint8_t* data = nullptr;  // the landing slot, or the worker's mapped tensor
+    // A push read in place (protocol::kPushMapped): holds the mapping of the
+    // worker's memory that `data` points into.
+    std::shared_ptr<const transport::RemoteRegion> source;
     uint32_t worker = 0;
     transport::Clock::time_point arrived{};
     bool taken = false;     // the worker was told the push was accepted

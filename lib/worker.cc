@@ -167,7 +167,12 @@ void WorkerService::on_control(const ConnectionPtr& conn, protocol::Message&& me
       pump(*s);
     } else if (auto* a = std::get_if<protocol::Ack>(&message)) {
       auto it = acks_wanted_.find(a->request);
-      if (it != acks_wanted_.end()) it->second.erase(s->rank);
+      if (it != acks_wanted_.end()) {
+        it->second.erase(s->rank);
+        auto t = ack_tensor_.find(a->request);
+        if ((a->flags & protocol::kAckMapped) && t != ack_tensor_.end())
+          s->mapped.insert(t->second);
+      }
       cv_.notify_all();
     } else if (auto* e = std::get_if<protocol::Error>(&message)) {
       Status st(static_cast<StatusCode>(e->code),
@@ -455,6 +460,7 @@ Result<uint32_t> WorkerService::register_tensor(const std::string& name, DType d
     {
       std::lock_guard<std::mutex> lock(mu_);
       request = next_request_++;
+      ack_tensor_[request] = t.id;
       auto& want = acks_wanted_[request];
       for (auto& [r, s] : servers_) {
         if (s.lost) continue;
@@ -473,6 +479,7 @@ Result<uint32_t> WorkerService::register_tensor(const std::string& name, DType d
       return acks_wanted_[request].empty() || !session_.health().ok();
     });
     acks_wanted_.erase(request);
+    ack_tensor_.erase(request);
     PSLD_RETURN_IF_ERROR(session_.health());
     if (!acked) return Timeout(fmt::format("tensor '{}': not every server confirmed it", name));
   }
@@ -706,7 +713,7 @@ void WorkerService::pump(ServerConn& s) {
   if (s.lost) return;
   while (!s.backlog.empty()) {
     ChunkOp& op = s.backlog.front();
-    const bool needs_slot = op.kind != RequestKind::kPull;
+    const bool needs_slot = op.kind != RequestKind::kPull && !in_place(s, op);
     if (needs_slot && s.free_slots.empty()) return;  // waits for Credit
     uint32_t slot = 0;
     if (needs_slot) {
@@ -717,6 +724,13 @@ void WorkerService::pump(ServerConn& s) {
     s.backlog.pop_front();
     issue(s, std::move(next), slot);
   }
+}
+
+bool WorkerService::in_place(const ServerConn& s, const ChunkOp& op) const {
+  // Only a push whose request completes with a pull: until then the tensor
+  // is the library's, so the server may read it whenever the round lets it.
+  if (op.kind != RequestKind::kPushPull && op.kind != RequestKind::kInit) return false;
+  return s.mapped.count(tensors_[op.tensor].id) != 0;
 }
 
 void WorkerService::issue(ServerConn& s, ChunkOp op, uint32_t slot) {
@@ -760,6 +774,10 @@ void WorkerService::issue(ServerConn& s, ChunkOp op, uint32_t slot) {
   }
   loads_[s.rank].bytes_pushed += span.bytes;
   load_->record(s.rank, LoadMetric::kPushedBytes, static_cast<double>(span.bytes));
+  if (in_place(s, op)) {
+    flags |= protocol::kPushMapped;
+    slot = protocol::kNoSlot;
+  }
   protocol::PushMeta meta{
       push_tag, slot,    t.dtype, span.key, op.round, span.bytes, epochs_->latest().epoch(),
       flags,    pull_tag};
@@ -779,7 +797,8 @@ void WorkerService::issue(ServerConn& s, ChunkOp op, uint32_t slot) {
         flush();
       }
     };
-    if (st.ok()) st = conn->write(wr, done);
+    // In place: the metadata is all; the server reads the chunk itself.
+    if (st.ok() && !(meta.flags & protocol::kPushMapped)) st = conn->write(wr, done);
     if (!st.ok()) done(st);
   });
 }

@@ -120,6 +120,9 @@ class WorkerService final : public Endpoint {
     uint64_t slot_bytes = 0;
     std::deque<uint32_t> free_slots;
     std::deque<ChunkOp> backlog;  // waiting for credit
+    // Tensors the server maps (Ack kAckMapped): it reads their push_pulls in
+    // place, so those need no slot and no write.
+    std::set<TensorId> mapped;
     // The connection broke, or the coordinator removed the server: never
     // used again (docs/migration.md, "Abort").
     bool lost = false;
@@ -220,6 +223,9 @@ class WorkerService final : public Endpoint {
   std::map<std::string, uint32_t> tensor_by_name_;
   std::map<uint32_t, Pending> pending_;
   std::map<uint64_t, std::set<uint32_t>> acks_wanted_;  // TensorKey request -> servers to ack
+  std::map<uint64_t, TensorId> ack_tensor_;             // TensorKey request -> its tensor
+  // Whether server `s` reads op's push in place (protocol::kPushMapped). mu_ held.
+  bool in_place(const ServerConn& s, const ChunkOp& op) const;
   uint64_t next_request_ = 1;
   uint32_t next_tag_ = 1;
   // Control messages and writes are issued outside mu_: the transport may be

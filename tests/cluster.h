@@ -123,6 +123,30 @@ inline Result<std::vector<uint32_t>> register_zeroed(WorkerService& w,
   return handles;
 }
 
+// Like register_zeroed, with the tensors carved one after another from one
+// Worker::allocate block (zero-filled), which servers that map it read
+// push_pulls from in place; data[t] points at tensor t.
+inline Result<std::vector<uint32_t>> register_allocated(WorkerService& w,
+                                                        const std::vector<size_t>& elems,
+                                                        std::vector<float*>& data) {
+  size_t total = 0;
+  for (size_t n : elems)
+    total += n;
+  PSLD_ASSIGN_OR_RETURN(void* block, w.allocate(total * 4));
+  float* at = static_cast<float*>(block);
+  data.clear();
+  std::vector<uint32_t> handles;
+  for (size_t t = 0; t < elems.size(); ++t) {
+    data.push_back(at);
+    PSLD_ASSIGN_OR_RETURN(
+        uint32_t h, w.register_tensor("t" + std::to_string(t), protocol::DType::kF32, elems[t] * 4,
+                                      at, nullptr));
+    handles.push_back(h);
+    at += elems[t];
+  }
+  return handles;
+}
+
 // The transports a runtime test runs on: the loopback fabric, and UCX where
 // this build has it.
 inline std::vector<std::string> test_backends() {

@@ -69,9 +69,12 @@ int migrate(Cluster& c, const std::vector<std::pair<TensorId, uint32_t>>& chunks
 
 class Migration : public ::testing::TestWithParam<std::string> {};
 
-TEST_P(Migration, BspSumsStayExactThroughTwentyForcedMigrations) {
+// 4 workers train (BSP, sums checked every round) while 20 forced switches
+// move random chunks' arcs. `allocated`: the tensors are in Worker::allocate
+// memory, which loopback servers map, so push_pulls are read in place.
+void bsp_sums_through_migrations(const std::string& backend, bool allocated) {
   Cluster c(
-      4, 3, [](RuntimeOptions& o) { o.stats_interval = 20ms; }, GetParam());
+      4, 3, [](RuntimeOptions& o) { o.stats_interval = 20ms; }, backend);
   ASSERT_TRUE(c.start().ok());
   // Odd sizes; 64 KiB chunks: single-chunk keys and multi-chunk tensors.
   const std::vector<size_t> elems = {1, 7, 1000, 16384, 50001, 3000, 3001, 77777};
@@ -85,8 +88,16 @@ TEST_P(Migration, BspSumsStayExactThroughTwentyForcedMigrations) {
   std::thread mover;
   Status s = on_all(c, [&](size_t wi) -> Status {
     WorkerService& w = *c.workers[wi];
-    std::vector<std::vector<float>> data;
-    PSLD_ASSIGN_OR_RETURN(std::vector<uint32_t> handles, register_zeroed(w, elems, data));
+    std::vector<std::vector<float>> storage;
+    std::vector<float*> data;
+    std::vector<uint32_t> handles;
+    if (allocated) {
+      PSLD_ASSIGN_OR_RETURN(handles, register_allocated(w, elems, data));
+    } else {
+      PSLD_ASSIGN_OR_RETURN(handles, register_zeroed(w, elems, storage));
+      for (auto& v : storage)
+        data.push_back(v.data());
+    }
     if (wi == 0) {
       // Tensor ids are assigned in registration order from 1.
       std::lock_guard<std::mutex> lock(chunks_mu);
@@ -146,6 +157,22 @@ TEST_P(Migration, BspSumsStayExactThroughTwentyForcedMigrations) {
   if (mover.joinable()) mover.join();
   EXPECT_TRUE(s.ok()) << s.to_string();
   EXPECT_GE(c.coordinator->switches(), 20u);
+  uint64_t in_place = 0;
+  for (auto& srv : c.servers)
+    in_place += srv->stats().pushes_in_place;
+  if (allocated && backend == "loopback") {
+    EXPECT_GT(in_place, 0u);
+  } else if (!allocated) {
+    EXPECT_EQ(in_place, 0u);
+  }
+}
+
+TEST_P(Migration, BspSumsStayExactThroughTwentyForcedMigrations) {
+  bsp_sums_through_migrations(GetParam(), false);
+}
+
+TEST_P(Migration, PushPullsReadInPlaceStayExactThroughTwentyForcedMigrations) {
+  bsp_sums_through_migrations(GetParam(), true);
 }
 
 // Waits (up to 20 s, while training goes on and no switch is in flight)

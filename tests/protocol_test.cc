@@ -47,7 +47,7 @@ std::vector<Message> examples() {
       Credit{{1, 2, 3, 15}, {7, 8}},
       Moved{17, make_key(12, 4), 3},
       Error{17, 0, static_cast<uint8_t>(StatusCode::kOutOfRange), "slot 99 out of range"},
-      Ack{4},
+      Ack{4, kAckMapped},
       EpochChange{EpochStep::kAbort, 3, 120, {1, 2, 3}, 4},
       EpochVote{3, 120, true, 99},
       StateRequest{5, make_key(12, 4), 120, DType::kF16, 2048, {4, 5}},
@@ -92,6 +92,21 @@ TEST(Protocol, FieldsSurviveTheTrip) {
   auto h = decode(encode(Hello{Role::kServer, -1, 0, {}, 1, "h"}));
   ASSERT_TRUE(h.ok());
   EXPECT_EQ(std::get<Hello>(*h).rank_hint, -1);
+}
+
+TEST(Protocol, AnInPlacePushMustAskForItsPull) {
+  // Read in place only while the worker waits for the result: a plain push
+  // completes at once, and the worker could overwrite what is still unread.
+  const PushMeta ok{17,  kNoSlot, DType::kF32, make_key(12, 4),
+                    100, 4096,    2,           static_cast<uint8_t>(kPushThenPull | kPushMapped),
+                    18};
+  auto back = decode(encode(ok));
+  ASSERT_TRUE(back.ok()) << back.status().to_string();
+  EXPECT_EQ(std::get<PushMeta>(*back).flags, kPushThenPull | kPushMapped);
+  PushMeta plain = ok;
+  plain.flags = kPushMapped;
+  EXPECT_FALSE(decode(encode(plain)).ok());
+  EXPECT_FALSE(decode(encode(Ack{3, 2})).ok()) << "an unknown Ack flag";
 }
 
 TEST(Protocol, EveryTruncationIsRejected) {

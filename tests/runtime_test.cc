@@ -2,6 +2,7 @@
 // on a loopback fabric.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cmath>
@@ -182,6 +183,19 @@ TEST_P(Runtime, TensorsCarvedFromAllocatedMemoryGetExactSumsAndLeaveTheirNeighbo
     return Status::Ok();
   });
   EXPECT_TRUE(s.ok()) << s.to_string();
+  // The loopback fabric maps allocated memory, as shared memory would be:
+  // every push_pull was read in place there. UCX over tcp maps nothing.
+  uint64_t in_place = 0, pushes = 0;
+  for (auto& srv : c.servers) {
+    in_place += srv->stats().pushes_in_place;
+    pushes += srv->stats().pushes;
+  }
+  if (GetParam() == "loopback") {
+    // 2 workers x 10 rounds x 7 chunks (one each, and four for 50001 elements).
+    EXPECT_EQ(in_place, 140u) << "pushes " << pushes;
+  } else {
+    EXPECT_EQ(in_place, 0u);
+  }
   auto zero = c.workers[0]->allocate(0);
   EXPECT_EQ(zero.status().code(), StatusCode::kInvalidArgument);
 }
@@ -633,6 +647,62 @@ TEST_P(Runtime, ARequestForAKeyTheServerDoesNotOwnIsAnsweredMoved) {
     ASSERT_EQ(x[i], static_cast<float>(i % 4099)) << "element " << i;
   EXPECT_GT(server.stats().pushes, 1u);
   EXPECT_EQ(server.stats().rejected, 3u);
+}
+
+// UCX over shared memory: servers map the workers' Worker::allocate memory
+// and read push_pulls in place; pulls into it are memcpys. Heap tensors in
+// the same job still go through slots.
+TEST(RuntimeUcxShm, PushPullsOfAllocatedTensorsAreReadInPlaceAndExact) {
+  const auto backends = test_backends();
+  if (std::find(backends.begin(), backends.end(), "ucx") == backends.end()) {
+    GTEST_SKIP() << "built without UCX";
+  }
+  Cluster c(
+      2, 2, [](RuntimeOptions& o) { o.endpoint.options.ucx.tls = "sm,tcp"; }, "ucx");
+  ASSERT_TRUE(c.start().ok());
+  const std::vector<size_t> elems = {3, 4099, 40000};  // 1 + 1 + 3 chunks of 64 KiB
+  Status s = on_all(c, [&](size_t wi) -> Status {
+    WorkerService& w = *c.workers[wi];
+    std::vector<float*> data;
+    PSLD_ASSIGN_OR_RETURN(std::vector<uint32_t> handles, register_allocated(w, elems, data));
+    std::vector<float> heap(1000);
+    PSLD_ASSIGN_OR_RETURN(
+        uint32_t hh, w.register_tensor("heap", DType::kF32, heap.size() * 4, heap.data(), nullptr));
+    const float rank = static_cast<float>(w.rank());
+    for (int r = 1; r <= 20; ++r) {
+      std::vector<std::shared_ptr<RequestState>> reqs;
+      for (size_t t = 0; t < elems.size(); ++t) {
+        for (size_t i = 0; i < elems[t]; ++i)
+          data[t][i] = rank + static_cast<float>(r) + static_cast<float>(i % 9);
+        PSLD_ASSIGN_OR_RETURN(auto req, w.submit(handles[t], RequestKind::kPushPull));
+        reqs.push_back(req);
+      }
+      std::fill(heap.begin(), heap.end(), static_cast<float>(r));
+      PSLD_ASSIGN_OR_RETURN(auto hreq, w.submit(hh, RequestKind::kPushPull));
+      reqs.push_back(hreq);
+      for (auto& req : reqs)
+        PSLD_RETURN_IF_ERROR(req->wait(10s));
+      for (size_t t = 0; t < elems.size(); ++t) {
+        for (size_t i = 0; i < elems[t]; ++i) {
+          const float want = 1.0f + 2.0f * (static_cast<float>(r) + static_cast<float>(i % 9));
+          if (data[t][i] != want) {
+            return Internal("round " + std::to_string(r) + " tensor " + std::to_string(t) +
+                            " element " + std::to_string(i) + ": " + std::to_string(data[t][i]));
+          }
+        }
+      }
+      for (float v : heap) {
+        if (v != 2.0f * static_cast<float>(r)) return Internal("the heap tensor's sum is wrong");
+      }
+    }
+    return Status::Ok();
+  });
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  uint64_t in_place = 0;
+  for (auto& srv : c.servers)
+    in_place += srv->stats().pushes_in_place;
+  // 2 workers x 20 rounds x 5 chunks; the heap tensor's 40 pushes took slots.
+  EXPECT_EQ(in_place, 200u);
 }
 
 TEST(RuntimeLoopback, UnreachableCoordinatorIsAClearErrorAtStart) {

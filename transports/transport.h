@@ -217,6 +217,20 @@ class Transport {
   // nothing was registered for it.
   virtual Status invalidate(void* data, size_t length) = 0;
 
+  // Where a peer's region is mapped into this process, so that its bytes can
+  // be read in place, or nullptr. Only memory the peer got from
+  // allocate_memory can be mapped, and only where the transport maps it
+  // (UCX: a peer on this host over shared memory; loopback: always). The
+  // view stays valid while `remote` is held and until shutdown(). It has no
+  // ordering of its own: bytes the peer wrote before sending a control
+  // message are visible once that message was received. A wrapper that
+  // meters traffic (the emulated link) answers nullptr, so that nothing
+  // bypasses it.
+  virtual const uint8_t* local_view(const RemoteRegion& remote) const {
+    (void)remote;
+    return nullptr;
+  }
+
   // Runs completions and handler calls that are ready; returns how many.
   virtual size_t progress() = 0;
   // Sleeps until progress() may have work, or the timeout passes.

@@ -87,6 +87,8 @@ class LbRegion final : public MemoryRegion, public std::enable_shared_from_this<
   }
   uint64_t node_id() const { return node_id_; }
   uint64_t secret() const { return secret_; }
+  // From allocate_memory: the fabric owns the memory.
+  bool allocated() const { return owned_ != nullptr; }
 
  private:
   uint64_t node_id_;
@@ -96,12 +98,20 @@ class LbRegion final : public MemoryRegion, public std::enable_shared_from_this<
 
 class LbRemoteRegion final : public RemoteRegion {
  public:
-  LbRemoteRegion(size_t length, uint64_t region_id, uint64_t connection_id)
-      : RemoteRegion(length, region_id), connection_id_(connection_id) {}
+  // `mapped`: the peer's allocate_memory region, shared with this importer
+  // as shared memory would be (Transport::local_view); null otherwise.
+  LbRemoteRegion(size_t length, uint64_t region_id, uint64_t connection_id,
+                 std::shared_ptr<const MemoryRegion> mapped)
+      : RemoteRegion(length, region_id),
+        connection_id_(connection_id),
+        mapped_(std::move(mapped)) {}
   uint64_t connection_id() const { return connection_id_; }
+  const uint8_t* view() const { return mapped_ ? mapped_->data() : nullptr; }
 
  private:
   uint64_t connection_id_;
+  // Keeps the memory, as an attached segment outlives its exporter.
+  std::shared_ptr<const MemoryRegion> mapped_;
 };
 
 class LbConnection;
@@ -186,7 +196,10 @@ class LbConnection final : public Connection, public std::enable_shared_from_thi
     if (!target || target->secret() != secret || target->length() != length) {
       return NotFound("remote key names a region the peer does not export (deregistered?)");
     }
-    return std::shared_ptr<RemoteRegion>(std::make_shared<LbRemoteRegion>(length, region, id_));
+    std::shared_ptr<const MemoryRegion> mapped;
+    if (target->allocated()) mapped = target;
+    return std::shared_ptr<RemoteRegion>(
+        std::make_shared<LbRemoteRegion>(length, region, id_, std::move(mapped)));
   }
 
   Status check_write(const WriteRequest& req) const override;
@@ -436,6 +449,11 @@ class LoopbackTransport final : public Transport {
     if (p == nullptr) return ResourceExhausted(fmt::format("cannot allocate {} bytes", length));
     std::memset(p, 0, rounded);
     return std::shared_ptr<MemoryRegion>(make_region(p, length, kind, {p, std::free}));
+  }
+
+  const uint8_t* local_view(const RemoteRegion& remote) const override {
+    const auto* lb = dynamic_cast<const LbRemoteRegion*>(&remote);
+    return lb != nullptr ? lb->view() : nullptr;
   }
 
   Status invalidate(void* data, size_t length) override {

@@ -487,6 +487,9 @@ class UcxRemoteRegion final : public RemoteRegion,
   // The exporter's memory is mapped into ours (shared memory), so a put is a
   // memcpy by this process.
   bool mapped() const { return mapped_; }
+  // Where the region starts in this process (Transport::local_view); read
+  // without UcxCore::mapping_mu_: set at import, cleared only by shutdown().
+  const uint8_t* mapped_base() const { return mapped_base_; }
 
  private:
   friend class UcxCore;
@@ -3006,6 +3009,13 @@ class UcxTransport final : public Transport {
     return core_->allocate_memory(length, kind);
   }
   Status invalidate(void* data, size_t length) override { return core_->invalidate(data, length); }
+  const uint8_t* local_view(const RemoteRegion& remote) const override {
+    // Host memory the peer allocated and this process mapped (shared memory
+    // on one host); device memory is never read by this process's CPU.
+    const auto* r = dynamic_cast<const UcxRemoteRegion*>(&remote);
+    if (r == nullptr || !r->mapped() || r->kind() != MemoryKind::kHost) return nullptr;
+    return r->mapped_base();
+  }
   size_t progress() override { return core_->progress(); }
   void wait(std::chrono::milliseconds timeout) override { core_->wait(timeout); }
   void wake() override { core_->wake(); }
