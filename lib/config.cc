@@ -1232,9 +1232,9 @@ Status validate(const Config& c) {
         shown("liveness.heartbeat_timeout_ms"), shown("liveness.heartbeat_interval_ms")));
   }
   if (const uint32_t n = c.ucx.notify_ring_slots; n != 0 && (n < 16 || (n & (n - 1)) != 0)) {
-    errors.push_back(fmt::format(
-        "ucx.notify_ring_slots: {} is not 0 or a power of two from 16 to 65536",
-        shown("ucx.notify_ring_slots")));
+    errors.push_back(
+        fmt::format("ucx.notify_ring_slots: {} is not 0 or a power of two from 16 to 65536",
+                    shown("ucx.notify_ring_slots")));
   }
   if (c.balancer.interval_ms < c.stats.interval_ms) {
     errors.push_back(fmt::format(
