@@ -147,6 +147,37 @@ inline Result<std::vector<uint32_t>> register_allocated(WorkerService& w,
   return handles;
 }
 
+// `rounds` BSP push_pull rounds over every tensor (data[t]: elems[t] fp32
+// elements): each element i of round r is pushed as value(r, i) and must come
+// back exactly as want(r, i). The first wrong element is the error.
+inline Status exact_push_pull_rounds(WorkerService& w, const std::vector<uint32_t>& handles,
+                                     const std::vector<float*>& data,
+                                     const std::vector<size_t>& elems, int rounds,
+                                     const std::function<float(int, size_t)>& value,
+                                     const std::function<float(int, size_t)>& want) {
+  for (int r = 1; r <= rounds; ++r) {
+    std::vector<std::shared_ptr<RequestState>> reqs;
+    for (size_t t = 0; t < elems.size(); ++t) {
+      for (size_t i = 0; i < elems[t]; ++i)
+        data[t][i] = value(r, i);
+      PSLD_ASSIGN_OR_RETURN(auto req, w.submit(handles[t], RequestKind::kPushPull));
+      reqs.push_back(req);
+    }
+    for (auto& req : reqs)
+      PSLD_RETURN_IF_ERROR(req->wait(std::chrono::seconds(10)));
+    for (size_t t = 0; t < elems.size(); ++t) {
+      for (size_t i = 0; i < elems[t]; ++i) {
+        if (data[t][i] != want(r, i)) {
+          return Internal("round " + std::to_string(r) + " tensor " + std::to_string(t) +
+                          " element " + std::to_string(i) + ": " + std::to_string(data[t][i]) +
+                          " != " + std::to_string(want(r, i)));
+        }
+      }
+    }
+  }
+  return Status::Ok();
+}
+
 // The transports a runtime test runs on: the loopback fabric, and UCX where
 // this build has it.
 inline std::vector<std::string> test_backends() {

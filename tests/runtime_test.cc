@@ -47,33 +47,17 @@ TEST_P(Runtime, BspSumModeGivesExactSumsEveryRound) {
   constexpr int kRounds = 30;
   Status s = on_all(c, [&](size_t wi) -> Status {
     WorkerService& w = *c.workers[wi];
-    std::vector<std::vector<float>> data;
-    PSLD_ASSIGN_OR_RETURN(std::vector<uint32_t> handles, register_zeroed(w, elems, data));
+    std::vector<std::vector<float>> storage;
+    PSLD_ASSIGN_OR_RETURN(std::vector<uint32_t> handles, register_zeroed(w, elems, storage));
+    std::vector<float*> data;
+    for (auto& v : storage)
+      data.push_back(v.data());
     const float rank = static_cast<float>(w.rank());
-    for (int r = 1; r <= kRounds; ++r) {
-      std::vector<std::shared_ptr<RequestState>> reqs;
-      for (size_t t = 0; t < elems.size(); ++t) {
-        for (size_t i = 0; i < elems[t]; ++i) {
-          data[t][i] = rank * 1000.0f + static_cast<float>(r) + static_cast<float>(i % 13);
-        }
-        PSLD_ASSIGN_OR_RETURN(auto req, w.submit(handles[t], RequestKind::kPushPull));
-        reqs.push_back(req);
-      }
-      for (auto& req : reqs)
-        PSLD_RETURN_IF_ERROR(req->wait(10s));
-      // The sum over 4 workers of rank*1000 + r + i%13.
-      for (size_t t = 0; t < elems.size(); ++t) {
-        for (size_t i = 0; i < elems[t]; ++i) {
-          const float want = 6000.0f + 4.0f * (static_cast<float>(r) + static_cast<float>(i % 13));
-          if (data[t][i] != want) {
-            return Internal("round " + std::to_string(r) + " tensor " + std::to_string(t) +
-                            " element " + std::to_string(i) + ": " + std::to_string(data[t][i]) +
-                            " != " + std::to_string(want));
-          }
-        }
-      }
-    }
-    return Status::Ok();
+    // The sum over 4 workers of rank*1000 + r + i%13.
+    return exact_push_pull_rounds(
+        w, handles, data, elems, kRounds,
+        [&](int r, size_t i) { return rank * 1000.0f + static_cast<float>(r + i % 13); },
+        [&](int r, size_t i) { return 6000.0f + 4.0f * static_cast<float>(r + i % 13); });
   });
   EXPECT_TRUE(s.ok()) << s.to_string();
   uint64_t rounds = 0;
@@ -152,24 +136,10 @@ TEST_P(Runtime, TensorsCarvedFromAllocatedMemoryGetExactSumsAndLeaveTheirNeighbo
     }
     const float rank = static_cast<float>(w.rank());
     for (int r = 1; r <= 10; ++r) {
-      std::vector<std::shared_ptr<RequestState>> reqs;
-      for (size_t t = 0; t < elems.size(); ++t) {
-        for (size_t i = 0; i < elems[t]; ++i)
-          data[t][i] = rank * 100.0f + static_cast<float>(r) + static_cast<float>(i % 11);
-        PSLD_ASSIGN_OR_RETURN(auto req, w.submit(handles[t], RequestKind::kPushPull));
-        reqs.push_back(req);
-      }
-      for (auto& req : reqs)
-        PSLD_RETURN_IF_ERROR(req->wait(10s));
-      for (size_t t = 0; t < elems.size(); ++t) {
-        for (size_t i = 0; i < elems[t]; ++i) {
-          const float want = 100.0f + 2.0f * (static_cast<float>(r) + static_cast<float>(i % 11));
-          if (data[t][i] != want) {
-            return Internal("round " + std::to_string(r) + " tensor " + std::to_string(t) +
-                            " element " + std::to_string(i) + ": " + std::to_string(data[t][i]));
-          }
-        }
-      }
+      PSLD_RETURN_IF_ERROR(exact_push_pull_rounds(
+          w, handles, data, elems, 1,
+          [&](int, size_t i) { return rank * 100.0f + static_cast<float>(r + i % 11); },
+          [&](int, size_t i) { return 100.0f + 2.0f * static_cast<float>(r + i % 11); }));
       size_t g = 0;
       for (size_t t = 0; t <= elems.size(); ++t) {
         for (size_t i = 0; i < kGap; ++i) {
@@ -668,34 +638,19 @@ TEST(RuntimeUcxShm, PushPullsOfAllocatedTensorsAreReadInPlaceAndExact) {
     std::vector<float> heap(1000);
     PSLD_ASSIGN_OR_RETURN(
         uint32_t hh, w.register_tensor("heap", DType::kF32, heap.size() * 4, heap.data(), nullptr));
+    // The heap tensor rides along as a fourth tensor of the same rounds.
+    std::vector<uint32_t> all = handles;
+    all.push_back(hh);
+    data.push_back(heap.data());
+    std::vector<size_t> sizes = elems;
+    sizes.push_back(heap.size());
     const float rank = static_cast<float>(w.rank());
-    for (int r = 1; r <= 20; ++r) {
-      std::vector<std::shared_ptr<RequestState>> reqs;
-      for (size_t t = 0; t < elems.size(); ++t) {
-        for (size_t i = 0; i < elems[t]; ++i)
-          data[t][i] = rank + static_cast<float>(r) + static_cast<float>(i % 9);
-        PSLD_ASSIGN_OR_RETURN(auto req, w.submit(handles[t], RequestKind::kPushPull));
-        reqs.push_back(req);
-      }
-      std::fill(heap.begin(), heap.end(), static_cast<float>(r));
-      PSLD_ASSIGN_OR_RETURN(auto hreq, w.submit(hh, RequestKind::kPushPull));
-      reqs.push_back(hreq);
-      for (auto& req : reqs)
-        PSLD_RETURN_IF_ERROR(req->wait(10s));
-      for (size_t t = 0; t < elems.size(); ++t) {
-        for (size_t i = 0; i < elems[t]; ++i) {
-          const float want = 1.0f + 2.0f * (static_cast<float>(r) + static_cast<float>(i % 9));
-          if (data[t][i] != want) {
-            return Internal("round " + std::to_string(r) + " tensor " + std::to_string(t) +
-                            " element " + std::to_string(i) + ": " + std::to_string(data[t][i]));
-          }
-        }
-      }
-      for (float v : heap) {
-        if (v != 2.0f * static_cast<float>(r)) return Internal("the heap tensor's sum is wrong");
-      }
-    }
-    return Status::Ok();
+    return exact_push_pull_rounds(
+        w, all, data, sizes, 20,
+        [&](int r, size_t i) { return rank + static_cast<float>(r + static_cast<int>(i % 9)); },
+        [&](int r, size_t i) {
+          return 1.0f + 2.0f * static_cast<float>(r + static_cast<int>(i % 9));
+        });
   });
   EXPECT_TRUE(s.ok()) << s.to_string();
   uint64_t in_place = 0;
