@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <mutex>
 #include <string>
 
 #include "kernels/cuda/cuda_error.h"
@@ -44,8 +45,13 @@ bool built() {
 
 KernelStatus device_status() {
   // Once per process: a GPU does not come or go under a running trainer, and
-  // the kernels ask on every launch.
-  static const KernelStatus probed = probe_devices();
+  // the kernels ask on every launch. std::call_once rather than a static
+  // local: its pthread_once is visible to ThreadSanitizer, whereas the guard
+  // of a static local is an inline load in this nvcc-compiled (and so not
+  // instrumented) file, and a thread reading the result would look racy.
+  static std::once_flag once;
+  static KernelStatus probed;
+  std::call_once(once, [] { (void)(probed = probe_devices()); });
   return probed;
 }
 

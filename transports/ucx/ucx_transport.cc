@@ -529,8 +529,11 @@ class RxRing {
     return base_ + kRingHeaderBytes + (position & (slots_ - 1)) * kRingRecordBytes;
   }
   // Whether the record at ring position `position` is there.
+  // seq_cst, not just acquire: with the stamp's store and the sleep flag's
+  // store and load it is one side of the sleep handshake (ring_notify and
+  // wait()); on x86-64 it is the same plain load.
   bool ready(uint64_t position) const {
-    return ring_word(slot(position), kRingStampAt).load(std::memory_order_acquire) == position + 1;
+    return ring_word(slot(position), kRingStampAt).load(std::memory_order_seq_cst) == position + 1;
   }
   bool attached() const {
     return ring_word(base_, kRingAttachedAt).load(std::memory_order_relaxed) != 0;
@@ -1720,13 +1723,15 @@ UcxCore::RingResult UcxCore::ring_notify(UcxConnection& conn, WriteHeader h) {
   h.seq = conn.tx_seq_++;
   uint8_t* slot = r->base + kRingHeaderBytes + (r->written & (r->slots - 1)) * kRingRecordBytes;
   encode_header(h, slot);
-  ring_word(slot, kRingStampAt).store(r->written + 1, std::memory_order_release);
+  // The sleep handshake with wait(), Dekker-style: this stamp's store and the
+  // flag's load here, the flag's store and the stamp's load there, all
+  // seq_cst (operations, not fences, which ThreadSanitizer cannot see), so
+  // the owner either sees this record after it said it sleeps, or we see
+  // that it sleeps.
+  ring_word(slot, kRingStampAt).store(r->written + 1, std::memory_order_seq_cst);
   ++r->written;
   ++notify_ring_;
-  // Pairs with the fence in wait(): the owner either sees this record after
-  // it said it sleeps, or we see that it sleeps.
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  const uint64_t epoch = ring_word(r->base, kRingSleepingAt).load(std::memory_order_relaxed);
+  const uint64_t epoch = ring_word(r->base, kRingSleepingAt).load(std::memory_order_seq_cst);
   if ((epoch & 1) == 0 || epoch == r->woken_epoch) return RingResult::kPublished;
   r->woken_epoch = epoch;
   return RingResult::kPublishedPeerAsleep;
@@ -2677,10 +2682,10 @@ void UcxCore::wait(std::chrono::milliseconds timeout) {
     if (handshaking_ > 0) until = std::min(until, Clock::now() + std::chrono::milliseconds(10));
     if (!rx_conns_.empty()) {
       // Writers that publish a ring record from now on send kAmWake; one
-      // published before is seen here (the fence pairs with ring_notify's).
+      // published before is seen here (seq_cst flag store and stamp loads,
+      // against ring_notify's stamp store and flag load).
       advertised = true;
       if (ring_sleepers_++ == 0) set_rings_sleeping(true);
-      std::atomic_thread_fence(std::memory_order_seq_cst);
       for (const ConnPtr& conn : rx_conns_) {
         if (ring_has_next(*conn)) {
           stop_advertising();
