@@ -627,6 +627,14 @@ TEST(RuntimeUcxShm, PushPullsOfAllocatedTensorsAreReadInPlaceAndExact) {
   if (std::find(backends.begin(), backends.end(), "ucx") == backends.end()) {
     GTEST_SKIP() << "built without UCX";
   }
+#if defined(__SANITIZE_THREAD__)
+  // UCX hands messages over shared memory through its own fifos, which are
+  // not instrumented: ThreadSanitizer sees no order between a worker's
+  // write and the answer that follows it and reports false races. The
+  // plain and ASan builds run this test; over tcp (every other UCX test
+  // here) the kernel's sockets give TSan the order.
+  GTEST_SKIP() << "UCX's shared-memory fifos are invisible to ThreadSanitizer";
+#endif
   Cluster c(
       2, 2, [](RuntimeOptions& o) { o.endpoint.options.ucx.tls = "sm,tcp"; }, "ucx");
   ASSERT_TRUE(c.start().ok());
