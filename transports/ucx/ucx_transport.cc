@@ -1607,38 +1607,68 @@ void UcxCore::drain_graveyard() {
 // ---------------------------------------------------------------------------
 // Notification ring
 
+namespace {
+
+// ucp_mem_map with UCP_MEM_MAP_ALLOCATE, then where the memory is. UCX picks
+// the allocator (UCX_ALLOC_PRIO: sysv, then posix shared memory, ...), so a
+// peer on this host can map host memory allocated this way. `cuda`: device
+// memory on the calling thread's current device (UCX's cuda_copy allocator).
+struct MappedAllocation {
+  ucp_mem_h memh = nullptr;
+  uint8_t* base = nullptr;
+};
+Result<MappedAllocation> map_allocated(ucp_context_h context, size_t length, bool cuda) {
+  ucp_mem_map_params_t mp{};
+  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                  UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+  mp.address = nullptr;
+  mp.length = length;
+  mp.flags = UCP_MEM_MAP_ALLOCATE;
+  if (cuda) {
+    mp.field_mask |= UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+    mp.memory_type = UCS_MEMORY_TYPE_CUDA;
+  }
+  MappedAllocation out;
+  const ucs_status_t st = ucp_mem_map(context, &mp, &out.memh);
+  if (st != UCS_OK) {
+    return ResourceExhausted(
+        fmt::format("UCX cannot allocate {} bytes: {}", length, ucs_status_string(st)));
+  }
+  ucp_mem_attr_t attr{};
+  attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+  if (ucp_mem_query(out.memh, &attr) != UCS_OK || attr.address == nullptr || attr.length < length) {
+    ucp_mem_unmap(context, out.memh);
+    return Internal("ucp_mem_query failed on memory UCX just allocated");
+  }
+  out.base = static_cast<uint8_t*>(attr.address);
+  return out;
+}
+
+}  // namespace
+
 std::shared_ptr<RxRing> UcxCore::allocate_ring() {
   const uint32_t slots = options_.ucx.notify_ring_slots;
   // Only a peer that can map our memory could use it.
   if (slots == 0 || !tls_may_use_shared_memory(options_.ucx.tls)) return nullptr;
   const size_t bytes = kRingHeaderBytes + size_t{slots} * kRingRecordBytes;
-  ucp_mem_map_params_t mp{};
-  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
-                  UCP_MEM_MAP_PARAM_FIELD_FLAGS;
-  mp.address = nullptr;
-  mp.length = bytes;
-  mp.flags = UCP_MEM_MAP_ALLOCATE;
-  ucp_mem_h memh = nullptr;
-  ucs_status_t st = ucp_mem_map(context_->handle, &mp, &memh);
-  if (st != UCS_OK) {
-    PSLD_LOG_WARN("ucx: no notification ring ({} bytes: {}); notifications use active messages",
-                  bytes, ucs_status_string(st));
+  auto mapped = map_allocated(context_->handle, bytes, false);
+  if (!mapped.ok()) {
+    PSLD_LOG_WARN("ucx: no notification ring ({}); notifications use active messages",
+                  mapped.status().message());
     return nullptr;
   }
-  ucp_mem_attr_t attr{};
-  attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+  const ucp_mem_h memh = mapped->memh;
   void* packed = nullptr;
   size_t packed_size = 0;
-  if (ucp_mem_query(memh, &attr) != UCS_OK || attr.address == nullptr || attr.length < bytes ||
-      ucp_rkey_pack(context_->handle, memh, &packed, &packed_size) != UCS_OK) {
+  if (ucp_rkey_pack(context_->handle, memh, &packed, &packed_size) != UCS_OK) {
     ucp_mem_unmap(context_->handle, memh);
-    PSLD_LOG_WARN("ucx: no notification ring (UCX could not describe the memory it allocated)");
+    PSLD_LOG_WARN("ucx: no notification ring (UCX could not pack a key for its memory)");
     return nullptr;
   }
   std::vector<uint8_t> key(static_cast<uint8_t*>(packed),
                            static_cast<uint8_t*>(packed) + packed_size);
   ucp_rkey_buffer_release(packed);
-  auto* base = static_cast<uint8_t*>(attr.address);
+  uint8_t* base = mapped->base;
   std::memset(base, 0, bytes);
   ring_word(base, 0).store(kRingMagic, std::memory_order_relaxed);
   ring_word(base, 8).store(slots, std::memory_order_relaxed);
@@ -2765,43 +2795,20 @@ Result<std::shared_ptr<MemoryRegion>> UcxCore::allocate_memory(size_t length, Me
     PSLD_ASSIGN_OR_RETURN(driver, CudaDriver::get());
   }
   if (shut_) return Unavailable("UCX transport is shut down");
-  // UCP_MEM_MAP_ALLOCATE lets UCX pick the allocator (UCX_ALLOC_PRIO: sysv,
-  // then posix shared memory, ...), so a peer on this host maps the region
-  // and a put into it is a plain memcpy.
-  ucp_mem_map_params_t mp{};
-  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
-                  UCP_MEM_MAP_PARAM_FIELD_FLAGS;
-  mp.address = nullptr;
-  mp.length = length;
-  mp.flags = UCP_MEM_MAP_ALLOCATE;
-  if (kind == MemoryKind::kCuda) {
-    // On the calling thread's current device (UCX's cuda_copy allocator).
-    mp.field_mask |= UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
-    mp.memory_type = UCS_MEMORY_TYPE_CUDA;
-  }
-  ucp_mem_h memh = nullptr;
-  ucs_status_t st = ucp_mem_map(context_->handle, &mp, &memh);
-  if (st != UCS_OK) {
-    return ResourceExhausted(
-        fmt::format("UCX cannot allocate {} bytes: {}", length, ucs_status_string(st)));
-  }
-  ucp_mem_attr_t attr{};
-  attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
-  st = ucp_mem_query(memh, &attr);
-  if (st != UCS_OK || attr.address == nullptr || attr.length < length) {
-    ucp_mem_unmap(context_->handle, memh);
-    return Internal("ucp_mem_query failed on memory UCX just allocated");
-  }
+  // A peer on this host maps host memory allocated this way, and a put into
+  // it is a plain memcpy (map_allocated).
+  PSLD_ASSIGN_OR_RETURN(MappedAllocation mapped,
+                        map_allocated(context_->handle, length, kind == MemoryKind::kCuda));
+  const ucp_mem_h memh = mapped.memh;
   if (driver != nullptr) {
-    if (Status z = driver->zero(attr.address, length); !z.ok()) {
+    if (Status z = driver->zero(mapped.base, length); !z.ok()) {
       ucp_mem_unmap(context_->handle, memh);
       return z.with_context("zeroing CUDA memory UCX allocated");
     }
   } else {
-    std::memset(attr.address, 0, length);
+    std::memset(mapped.base, 0, length);
   }
-  PSLD_ASSIGN_OR_RETURN(auto region,
-                        make_region(static_cast<uint8_t*>(attr.address), length, kind, memh));
+  PSLD_ASSIGN_OR_RETURN(auto region, make_region(mapped.base, length, kind, memh));
   return std::shared_ptr<MemoryRegion>(std::move(region));
 }
 
