@@ -871,6 +871,8 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   void release_rings(UcxConnection& conn);
   // Validates one notification and queues its on_write.
   void deliver_notification(const ConnPtr& conn, const WriteHeader& h);
+  // Queues on_write(conn, notify, length) for the next delivery. mu_ held.
+  void queue_write(ConnectionPtr conn, uint32_t notify, uint64_t length);
   bool send_control(UcxConnection& conn, unsigned id, std::vector<uint8_t> payload,
                     OpCtx::Kind kind);
   void handle_control(const ConnPtr& conn, unsigned id, uint64_t seq,
@@ -1286,12 +1288,7 @@ void UcxCore::on_request_done(OpCtx* op, ucs_status_t status) {
       break;
     case OpCtx::kRecvWrite:
       if (status == UCS_OK && op->conn && op->conn->state_ == UcxConnection::State::kReady) {
-        Event e;
-        e.kind = Event::kWrite;
-        e.conn = op->conn;
-        e.notify = op->notify;
-        e.length = op->length;
-        events_.push_back(std::move(e));
+        queue_write(op->conn, op->notify, op->length);
       } else if (status != UCS_OK) {
         PSLD_LOG_DEBUG("ucx: incoming write on connection {} failed: {}",
                        op->conn ? op->conn->id() : 0, ucs_status_string(status));
@@ -1875,11 +1872,15 @@ void UcxCore::deliver_notification(const ConnPtr& conn, const WriteHeader& h) {
                  "bytes outside the region");
     return;
   }
+  queue_write(conn, h.notify, h.length);
+}
+
+void UcxCore::queue_write(ConnectionPtr conn, uint32_t notify, uint64_t length) {
   Event e;
   e.kind = Event::kWrite;
-  e.conn = conn;
-  e.notify = h.notify;
-  e.length = h.length;
+  e.conn = std::move(conn);
+  e.notify = notify;
+  e.length = length;
   events_.push_back(std::move(e));
 }
 
@@ -2441,12 +2442,7 @@ ucs_status_t UcxCore::on_am_write(const ConnPtr& conn, const void* header, size_
     return UCS_OK;
   }
   if (length > 0) std::memcpy(dst, data, length);
-  Event e;
-  e.kind = Event::kWrite;
-  e.conn = conn;
-  e.notify = h.notify;
-  e.length = h.length;
-  events_.push_back(std::move(e));
+  queue_write(conn, h.notify, h.length);
   return UCS_OK;
 }
 
