@@ -673,6 +673,67 @@ TEST(UcxRing, AFullRingFallsBackToActiveMessagesAndUsesTheRingAgainOnceRead) {
     EXPECT_EQ(p.server_rec.writes[i].notify, i);
 }
 
+TEST(UcxRing, WritesRacingTheTransportsDestructionEndWithACleanError) {
+  // Small writes without completion go through the ring's fast path, which
+  // takes no reference to the transport's core and no mapping lock: the
+  // connection's ring being mapped is what keeps both alive. One thread
+  // writes as fast as it can (small ones, and every 16th too large for the
+  // fast path) while the sending transport is destroyed under it. Every
+  // write must succeed or fail with Unavailable, never touch unmapped or
+  // freed memory (ASan, TSan), and the receiver sees at most what succeeded.
+  for (int round = 0; round < 3; ++round) {
+    UcxPair p("sm,tcp");
+    ASSERT_NE(p.conn, nullptr);
+    constexpr size_t kLarge = 128 * 1024;
+    std::vector<uint8_t> buf(kLarge, 3);
+    auto src = p.client->register_memory(buf.data(), buf.size(), MemoryKind::kHost);
+    auto dst = p.server->allocate_memory(kLarge, MemoryKind::kHost);
+    ASSERT_TRUE(src.ok() && dst.ok());
+    ASSERT_EQ(p.conn->write_path(), "put");
+    auto remote = p.conn->import_region((*dst)->remote_key());
+    ASSERT_TRUE(remote.ok());
+    ASSERT_TRUE(p.conn->write({src->get(), 0, remote->get(), 0, 64, 0}, nullptr).ok());
+    ASSERT_TRUE(pump(
+        p.both(), [&] { return p.server_rec.num_writes() == 1; }, 10s));
+
+    std::atomic<bool> run{true};
+    std::thread server_thread([&] {
+      while (run.load())
+        p.server->progress();
+    });
+    std::atomic<uint64_t> ok{1};
+    Status last;
+    std::thread writer([&] {
+      for (uint32_t i = 1;; ++i) {
+        const uint64_t length = i % 16 == 0 ? kLarge : 64;
+        Status s = p.conn->write({src->get(), 0, remote->get(), 0, length, i}, nullptr);
+        if (!s.ok()) {
+          last = s;
+          return;
+        }
+        ok.fetch_add(1);
+      }
+    });
+    // Some thousands of writes in, then the client transport goes away.
+    const auto deadline = Clock::now() + 10s;
+    while (ok.load() < 2000 && Clock::now() < deadline) {
+      p.client->progress();
+    }
+    p.client.reset();
+    writer.join();
+    // What was published still arrives.
+    pump_for({p.server.get()}, 20ms);
+    run = false;
+    server_thread.join();
+    EXPECT_EQ(last.code(), StatusCode::kUnavailable) << last.to_string();
+    EXPECT_GE(ok.load(), 2000u);
+    EXPECT_LE(static_cast<uint64_t>(p.server_rec.num_writes()), ok.load());
+    EXPECT_EQ(counters(*p.server).rejected_writes, 0u);
+    remote->reset();
+    p.conn.reset();
+  }
+}
+
 TEST(UcxRing, OffWhenEitherSideSaysSoOrOverTcp) {
   for (uint32_t server_slots : {0u, kDefaultRingSlots}) {
     Recorder server_rec, client_rec;

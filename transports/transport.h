@@ -62,10 +62,15 @@ class MemoryRegion {
   // "ucp_mem_map (cuda)": for logs and for tests that must know which path a
   // GPU registration took.
   const std::string& registration() const { return registration_; }
+  // Identifies the backend class that made this region (an address the
+  // backend owns), so that a backend can check that a region is its own
+  // without a dynamic_cast on its write path; null if the backend sets none.
+  const void* backend() const { return backend_; }
 
  protected:
-  MemoryRegion(uint8_t* data, size_t length, MemoryKind kind, uint64_t id)
-      : data_(data), length_(length), kind_(kind), id_(id) {}
+  MemoryRegion(uint8_t* data, size_t length, MemoryKind kind, uint64_t id,
+               const void* backend = nullptr)
+      : data_(data), length_(length), kind_(kind), id_(id), backend_(backend) {}
   std::vector<uint8_t> remote_key_;
   std::string registration_;
 
@@ -74,6 +79,7 @@ class MemoryRegion {
   size_t length_;
   MemoryKind kind_;
   uint64_t id_;
+  const void* backend_;
 };
 
 // A peer's region, imported on one connection.
@@ -85,14 +91,17 @@ class RemoteRegion {
   size_t length() const { return length_; }
   // The exporting region's id() on the peer.
   uint64_t peer_region_id() const { return peer_region_id_; }
+  // As MemoryRegion::backend().
+  const void* backend() const { return backend_; }
 
  protected:
-  RemoteRegion(size_t length, uint64_t peer_region_id)
-      : length_(length), peer_region_id_(peer_region_id) {}
+  RemoteRegion(size_t length, uint64_t peer_region_id, const void* backend = nullptr)
+      : length_(length), peer_region_id_(peer_region_id), backend_(backend) {}
 
  private:
   size_t length_;
   uint64_t peer_region_id_;
+  const void* backend_;
 };
 
 // Called once per operation, on the thread that runs progress(), with Ok or

@@ -12,11 +12,12 @@
 // run_deferred(), which runs under mu_ right after the UCX call returned.
 //
 // Two exceptions, both for the notification ring (see kRingMagic): a write
-// publishes its ring record under its connection's tx_mu_ alone, and
-// progress() reads rings, and calls on_write for their records, without mu_
-// while UCX is idle. Only the thread in progress() (progress_mu_) reads
-// rings, so records and the events UCX's callbacks queue are still delivered
-// in order.
+// publishes its ring record under its connection's tx_mu_ alone (and a small
+// one without a completion is copied there too, without even a reference to
+// the core: UcxCore::write_through_ring), and progress() reads rings, and
+// calls on_write for their records, without mu_ while UCX is idle. Only the
+// thread in progress() (progress_mu_) reads rings, so records and the events
+// UCX's callbacks queue are still delivered in order.
 #include "transports/ucx/ucx_transport.h"
 
 #include <arpa/inet.h>
@@ -34,6 +35,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -113,14 +115,25 @@ constexpr size_t kAmEagerMax = 128 << 10;
 // eager limit (8 KiB on tcp and sm), so a batch is one message.
 constexpr size_t kNotifyBatch = 64;
 
-void store_le(uint8_t* p, uint64_t v, int n) {
-  for (int i = 0; i < n; ++i)
-    p[i] = static_cast<uint8_t>(v >> (8 * i));
+// Little-endian fields of `n` bytes (at most 8). On a little-endian host
+// these are single unaligned moves: the byte loops they replace were not
+// merged by the compiler and cost ~10 ns per ring record on each side.
+inline void store_le(uint8_t* p, uint64_t v, size_t n) {
+  if constexpr (std::endian::native == std::endian::little) {
+    std::memcpy(p, &v, n);
+  } else {
+    for (size_t i = 0; i < n; ++i)
+      p[i] = static_cast<uint8_t>(v >> (8 * i));
+  }
 }
-uint64_t load_le(const uint8_t* p, int n) {
+inline uint64_t load_le(const uint8_t* p, size_t n) {
   uint64_t v = 0;
-  for (int i = 0; i < n; ++i)
-    v |= static_cast<uint64_t>(p[i]) << (8 * i);
+  if constexpr (std::endian::native == std::endian::little) {
+    std::memcpy(&v, p, n);
+  } else {
+    for (size_t i = 0; i < n; ++i)
+      v |= static_cast<uint64_t>(p[i]) << (8 * i);
+  }
   return v;
 }
 void encode_header(const WriteHeader& h, uint8_t* p) {
@@ -181,6 +194,10 @@ constexpr size_t kRingRecordBytes = 64;
 constexpr size_t kRingStampAt = 56;
 constexpr uint32_t kMinRingSlots = 16;
 constexpr uint32_t kMaxRingSlots = 65536;
+// The largest write copied under its connection's tx_mu_ alone
+// (UcxCore::write_through_ring); larger ones copy in parallel.
+constexpr uint64_t kRingCopyMax = 64 * 1024;
+constexpr int kRingPollsPerCall = 4;
 // While a ring is in use and UCX has nothing to do, progress() calls
 // ucp_worker_progress at most once per this period and polls only the rings
 // in between: with tcp lanes on the endpoint a worker progress is an
@@ -192,6 +209,17 @@ constexpr uint32_t kMaxRingSlots = 65536;
 // UCX work, any new operation and any wait() make the next progress() poll
 // UCX again.
 //
+// The period backs off: it doubles, up to kUcxPollPeriodMax, each time the
+// worker had nothing to do, and is back to kUcxPollPeriod when it had. Only
+// rings in use: one worker progress per ~50 us (~1% of a busy poll's time,
+// against ~10% every 3 us; in the shared-memory ping-pong that was ~10 ns of
+// the one-way latency). A message from another peer then waits at most that
+// period for a progress() that polls the rings only.
+//
+// Each such call polls the rings up to kRingPollsPerCall times while they
+// are empty: a busy-polling caller then pays progress()'s lock and the clock
+// read once per several polls, and notices a record sooner.
+//
 // The period is read from the time-stamp counter where there is one: 10 ns
 // here against 22 ns for steady_clock, in a loop of ~40 ns. It is not
 // converted to time: 10,000 ticks are 2.5-10 us at the 1-4 GHz of any x86-64
@@ -201,6 +229,7 @@ uint64_t poll_clock() {
   return __rdtsc();
 }
 constexpr uint64_t kUcxPollPeriod = 10000;  // ticks
+constexpr uint64_t kUcxPollPeriodMax = 16 * kUcxPollPeriod;
 #else
 uint64_t poll_clock() {
   return static_cast<uint64_t>(
@@ -208,6 +237,7 @@ uint64_t poll_clock() {
           .count());
 }
 constexpr uint64_t kUcxPollPeriod = 4000;  // ns
+constexpr uint64_t kUcxPollPeriodMax = 16 * kUcxPollPeriod;
 #endif
 
 std::atomic_ref<uint64_t> ring_word(uint8_t* base, size_t at) {
@@ -431,12 +461,18 @@ struct UcxContext {
   }
 };
 
+// MemoryRegion::backend() and RemoteRegion::backend() of this backend's
+// regions: check_write tells its own regions by these, not by dynamic_cast
+// (two of them were ~10% of a shared-memory write).
+const char kUcxRegionTag = 'L';
+const char kUcxRemoteRegionTag = 'R';
+
 class UcxRegion final : public MemoryRegion, public std::enable_shared_from_this<UcxRegion> {
  public:
   UcxRegion(uint8_t* data, size_t length, MemoryKind kind, uint64_t id,
             std::shared_ptr<UcxContext> context, ucp_mem_h memh, uint64_t owner, uint64_t secret,
             std::vector<uint8_t> key)
-      : MemoryRegion(data, length, kind, id),
+      : MemoryRegion(data, length, kind, id, &kUcxRegionTag),
         context_(std::move(context)),
         memh_(memh),
         owner_(owner),
@@ -464,7 +500,7 @@ class UcxRemoteRegion final : public RemoteRegion,
   UcxRemoteRegion(size_t length, uint64_t region_id, MemoryKind kind, uint64_t connection_id,
                   uint64_t owner, uint64_t base, uint64_t secret, uint8_t* mapped, ucp_rkey_h rkey,
                   std::weak_ptr<UcxCore> core)
-      : RemoteRegion(length, region_id),
+      : RemoteRegion(length, region_id, &kUcxRemoteRegionTag),
         kind_(kind),
         connection_id_(connection_id),
         owner_(owner),
@@ -566,8 +602,8 @@ struct TxRing {
 
 class UcxConnection final : public Connection, public std::enable_shared_from_this<UcxConnection> {
  public:
-  UcxConnection(std::weak_ptr<UcxCore> core, bool client, std::string peer)
-      : core_(std::move(core)), client_(client), peer_(std::move(peer)) {}
+  UcxConnection(UcxCore* core, std::weak_ptr<UcxCore> weak_core, bool client, std::string peer)
+      : core_(std::move(weak_core)), core_raw_(core), client_(client), peer_(std::move(peer)) {}
 
   uint64_t id() const override { return id_; }
   std::string peer() const override { return peer_; }
@@ -611,6 +647,9 @@ class UcxConnection final : public Connection, public std::enable_shared_from_th
   };
   const uint64_t id_ = g_next_connection_id.fetch_add(1);
   std::weak_ptr<UcxCore> core_;
+  // The same core, for UcxCore::write_through_ring only, which uses it only
+  // while this connection's tx_ring_ is set (see there).
+  UcxCore* const core_raw_;
   const bool client_;
   const std::string peer_;
   std::atomic<bool> open_{true};
@@ -653,6 +692,12 @@ class UcxConnection final : public Connection, public std::enable_shared_from_th
   std::unique_ptr<TxRing> tx_ring_;
   // Set once the peer's ring is mapped: write() skips tx_mu_ when false.
   std::atomic<bool> tx_ring_mapped_{false};
+  // Records published in the peer's ring, and writes done by
+  // write_through_ring; counted here under tx_mu_ (no atomic read-modify-
+  // write on the write path), summed by UcxCore::counters(). Atomic only for
+  // counters(), which reads them without tx_mu_.
+  std::atomic<uint64_t> ring_records_{0};
+  std::atomic<uint64_t> ring_writes_{0};
   std::vector<Unflushed> unflushed_;  // puts issued, not yet covered by a flush
   bool flush_in_flight_ = false;
 };
@@ -745,12 +790,21 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   }
   UcxCounters counters() const {
     UcxCounters c;
-    c.writes_put = writes_put_.load();
+    uint64_t ring_records = retired_ring_records_.load();
+    uint64_t ring_writes = retired_ring_writes_.load();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& [id, conn] : conns_) {
+        ring_records += conn->ring_records_.load(std::memory_order_relaxed);
+        ring_writes += conn->ring_writes_.load(std::memory_order_relaxed);
+      }
+    }
+    c.writes_put = writes_put_.load() + ring_writes;
     c.writes_am = writes_am_.load();
     c.flushes = flushes_.load();
     c.rejected_writes = rejected_writes_.load();
     c.rejected_messages = rejected_messages_.load();
-    c.notify_ring = notify_ring_.load();
+    c.notify_ring = ring_records;
     c.notify_ring_full = notify_ring_full_.load();
     c.ring_wakeups = ring_wakeups_.load();
     return c;
@@ -804,13 +858,23 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
     Event e;
     e.kind = Event::kCompletion;
     e.ready = std::move(r);
-    events_.push_back(std::move(e));
+    queue_event(std::move(e));
   }
   void push_event(Event::Kind kind, const ConnPtr& conn) {
     Event e;
     e.kind = kind;
     e.conn = conn;
+    queue_event(std::move(e));
+  }
+  // Every event goes through here (mu_ held). An event queued outside
+  // progress() (a write's completion, a close) must make the next progress()
+  // take the path that delivers events, not the rings-only one: without
+  // this, a completion waited for the end of the UCX poll period (up to
+  // kUcxPollPeriodMax), and a window of writes refilled by their completions
+  // ran at half speed.
+  void queue_event(Event e) {
     events_.push_back(std::move(e));
+    ucx_idle_.store(false, std::memory_order_relaxed);
   }
 
   void start_write(UcxConnection& conn, UserOp u, const std::shared_ptr<UcxRegion>& src,
@@ -846,6 +910,21 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   enum class RingResult : uint8_t { kUnavailable, kFull, kPublished, kPublishedPeerAsleep };
   // Publishes a notification in the peer's ring; takes conn.tx_mu_, not mu_.
   RingResult ring_notify(UcxConnection& conn, WriteHeader h);
+  // Under conn.tx_mu_: whether the ring has no free slot (re-reading the
+  // owner's `consumed` when the cached copy says so), and publishing a record
+  // in it (never kFull: ask ring_full first).
+  static bool ring_full(TxRing& r);
+  RingResult ring_publish(UcxConnection& conn, TxRing& r, WriteHeader h);
+
+ public:
+  // Connection::write's fast path (see the definition); false, having done
+  // nothing, where write() must run.
+  static bool write_through_ring(UcxConnection& conn, const WriteRequest& req, Status* status);
+
+ private:
+  // Sends kAmWake for a record just published in the ring of a peer asleep
+  // in wait().
+  void wake_ring_owner(UcxConnection& conn);
   // Delivers the records of conn's ring in sequence order: those numbered
   // below `below`, and, when `stop_at_gap`, only while each is the next
   // number (a gap is an active message still on its way). mu_ held.
@@ -956,11 +1035,12 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   std::vector<ConnPtr> rx_conns_;
   // Set by progress() when UCX had nothing to do while a peer writes into one
   // of our rings; then progress() may poll only the rings for up to
-  // kUcxPollPeriod after last_ucx_progress_. Any thread clears it to have UCX
+  // ucx_poll_period_ after last_ucx_progress_. Any thread clears it to have UCX
   // progressed at once.
   std::atomic<bool> ucx_idle_{false};
-  uint64_t last_ucx_progress_ = 0;  // poll_clock(); progress_mu_
-  bool rings_attached_ = false;     // a peer writes into one of our rings; mu_
+  uint64_t last_ucx_progress_ = 0;             // poll_clock(); progress_mu_
+  uint64_t ucx_poll_period_ = kUcxPollPeriod;  // progress_mu_
+  bool rings_attached_ = false;                // a peer writes into one of our rings; mu_
   // Bumped (under mu_) whenever rx_conns_ changes; progress() then copies it.
   std::atomic<uint64_t> rx_version_{0};
   // The last target a ring's records named, as validate_target found it:
@@ -997,7 +1077,10 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   std::atomic<bool> graveyard_nonempty_{false};
 
   std::atomic<uint64_t> writes_put_{0}, writes_am_{0}, flushes_{0}, rejected_writes_{0},
-      rejected_messages_{0}, notify_ring_{0}, notify_ring_full_{0}, ring_wakeups_{0};
+      rejected_messages_{0}, notify_ring_full_{0}, ring_wakeups_{0};
+  // The per-connection ring counters of connections that let go of their
+  // rings (release_rings, mu_ held).
+  std::atomic<uint64_t> retired_ring_records_{0}, retired_ring_writes_{0};
 };
 
 namespace {
@@ -1322,7 +1405,8 @@ Result<ConnectionPtr> UcxCore::connect(std::span<const uint8_t> peer_address) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (worker_ == nullptr || shut_) return Unavailable("UCX transport is shut down");
-    conn = std::make_shared<UcxConnection>(weak_from_this(), true, fmt::format("ucx {}", where));
+    conn =
+        std::make_shared<UcxConnection>(this, weak_from_this(), true, fmt::format("ucx {}", where));
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
                     UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -1379,7 +1463,8 @@ void UcxCore::accept(ucp_conn_request_h request) {
   ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
   ep.err_handler.cb = ep_error_cb;
   ep.err_handler.arg = this;
-  auto conn = std::make_shared<UcxConnection>(weak_from_this(), false, fmt::format("ucx {}", who));
+  auto conn =
+      std::make_shared<UcxConnection>(this, weak_from_this(), false, fmt::format("ucx {}", who));
   ucs_status_t st = ucp_ep_create(worker_, &ep, &conn->ep_);
   if (st != UCS_OK) {
     PSLD_LOG_WARN("ucx: cannot accept a connection from {}: {}", who, ucs_status_string(st));
@@ -1739,28 +1824,36 @@ UcxCore::RingResult UcxCore::ring_notify(UcxConnection& conn, WriteHeader h) {
   std::lock_guard<std::mutex> tx(conn.tx_mu_);
   TxRing* r = conn.tx_ring_.get();
   if (r == nullptr) return RingResult::kUnavailable;
-  if (r->written - r->consumed >= r->slots) {
-    r->consumed = ring_word(r->base, kRingConsumedAt).load(std::memory_order_acquire);
-    // A peer's bogus `consumed` (ahead of `written`) reads as full: safe.
-    if (r->written - r->consumed >= r->slots) {
-      ++notify_ring_full_;
-      return RingResult::kFull;
-    }
+  if (ring_full(*r)) {
+    ++notify_ring_full_;
+    return RingResult::kFull;
   }
+  return ring_publish(conn, *r, h);
+}
+
+bool UcxCore::ring_full(TxRing& r) {
+  if (r.written - r.consumed < r.slots) return false;
+  r.consumed = ring_word(r.base, kRingConsumedAt).load(std::memory_order_acquire);
+  // A peer's bogus `consumed` (ahead of `written`) reads as full: safe.
+  return r.written - r.consumed >= r.slots;
+}
+
+UcxCore::RingResult UcxCore::ring_publish(UcxConnection& conn, TxRing& r, WriteHeader h) {
   h.seq = conn.tx_seq_++;
-  uint8_t* slot = r->base + kRingHeaderBytes + (r->written & (r->slots - 1)) * kRingRecordBytes;
+  uint8_t* slot = r.base + kRingHeaderBytes + (r.written & (r.slots - 1)) * kRingRecordBytes;
   encode_header(h, slot);
   // The sleep handshake with wait(), Dekker-style: this stamp's store and the
   // flag's load here, the flag's store and the stamp's load there, all
   // seq_cst (operations, not fences, which ThreadSanitizer cannot see), so
   // the owner either sees this record after it said it sleeps, or we see
   // that it sleeps.
-  ring_word(slot, kRingStampAt).store(r->written + 1, std::memory_order_seq_cst);
-  ++r->written;
-  ++notify_ring_;
-  const uint64_t epoch = ring_word(r->base, kRingSleepingAt).load(std::memory_order_seq_cst);
-  if ((epoch & 1) == 0 || epoch == r->woken_epoch) return RingResult::kPublished;
-  r->woken_epoch = epoch;
+  ring_word(slot, kRingStampAt).store(r.written + 1, std::memory_order_seq_cst);
+  ++r.written;
+  conn.ring_records_.store(conn.ring_records_.load(std::memory_order_relaxed) + 1,
+                           std::memory_order_relaxed);
+  const uint64_t epoch = ring_word(r.base, kRingSleepingAt).load(std::memory_order_seq_cst);
+  if ((epoch & 1) == 0 || epoch == r.woken_epoch) return RingResult::kPublished;
+  r.woken_epoch = epoch;
   return RingResult::kPublishedPeerAsleep;
 }
 
@@ -1854,6 +1947,10 @@ void UcxCore::release_rings(UcxConnection& conn) {
     std::lock_guard<std::mutex> lock(conn.tx_mu_);
     tx = std::move(conn.tx_ring_);
     conn.tx_ring_mapped_.store(false, std::memory_order_relaxed);
+    // Without the ring nothing counts these any more; counters() reads
+    // either the connection's or the retired figure (both under mu_).
+    retired_ring_records_ += conn.ring_records_.exchange(0, std::memory_order_relaxed);
+    retired_ring_writes_ += conn.ring_writes_.exchange(0, std::memory_order_relaxed);
   }
   if (tx) {
     // The owner's progress() goes back to polling UCX on every call.
@@ -1881,7 +1978,7 @@ void UcxCore::queue_write(ConnectionPtr conn, uint32_t notify, uint64_t length) 
   e.conn = std::move(conn);
   e.notify = notify;
   e.length = length;
-  events_.push_back(std::move(e));
+  queue_event(std::move(e));
 }
 
 // ---------------------------------------------------------------------------
@@ -1890,14 +1987,16 @@ void UcxCore::queue_write(ConnectionPtr conn, uint32_t notify, uint64_t length) 
 Status UcxCore::check_write(const UcxConnection& conn, const WriteRequest& req) const {
   if (!conn.is_open()) return Unavailable("connection to " + conn.peer() + " is closed");
   if (shut_) return Unavailable("UCX transport is shut down");
-  auto* local = dynamic_cast<const UcxRegion*>(req.local);
-  if (local == nullptr || local->owner() != instance_) {
+  if (req.local == nullptr || req.local->backend() != &kUcxRegionTag ||
+      static_cast<const UcxRegion*>(req.local)->owner() != instance_) {
     return InvalidArgument("write source is not a region registered with this transport");
   }
-  auto* remote = dynamic_cast<const UcxRemoteRegion*>(req.remote);
-  if (remote == nullptr || remote->connection_id() != conn.id()) {
+  auto* local = static_cast<const UcxRegion*>(req.local);
+  if (req.remote == nullptr || req.remote->backend() != &kUcxRemoteRegionTag ||
+      static_cast<const UcxRemoteRegion*>(req.remote)->connection_id() != conn.id()) {
     return InvalidArgument("write target was not imported on this connection");
   }
+  auto* remote = static_cast<const UcxRemoteRegion*>(req.remote);
   const uint64_t peer = conn.peer_instance_.load();
   if (peer != 0 && remote->owner() != peer) return foreign_key(conn);
   if (req.local_offset > local->length() || req.length > local->length() - req.local_offset) {
@@ -1998,6 +2097,61 @@ Status UcxCore::write(UcxConnection& conn, const WriteRequest& req, Completion d
   }
   maybe_wake();
   return Status::Ok();
+}
+
+// A small write with no completion to a peer on this host whose ring is
+// mapped here: check, memcpy into the peer's mapped region, publish the
+// record, all under the connection's tx_mu_ and nothing else. This is the
+// latency path (a shared-memory ping-pong), so it takes no reference to the
+// core (weak_ptr::lock is two atomic read-modify-writes), no mapping_mu_ and
+// no mu_:
+// - The core is alive, and the peer's region and ring are mapped, for as
+//   long as conn.tx_ring_ is set under tx_mu_: shutdown() runs
+//   release_rings for every connection (close_locked), which clears tx_ring_
+//   under tx_mu_, before it unmaps anything, and the core is destroyed only
+//   after shutdown(). A write that finds tx_ring_ null takes write().
+// - Copies are serialised per connection while tx_mu_ is held, hence the
+//   size limit: larger copies run under mapping_mu_ (shared) instead, in
+//   parallel.
+// Writes with a completion take write(): their completion is queued under mu_.
+bool UcxCore::write_through_ring(UcxConnection& conn, const WriteRequest& req, Status* status) {
+  std::unique_lock<std::mutex> tx(conn.tx_mu_);
+  TxRing* r = conn.tx_ring_.get();
+  if (r == nullptr) return false;
+  UcxCore& core = *conn.core_raw_;
+  if (Status s = core.check_write(conn, req); !s.ok()) {
+    *status = std::move(s);
+    return true;
+  }
+  const auto& src = static_cast<const UcxRegion&>(*req.local);
+  const auto& remote = static_cast<const UcxRemoteRegion&>(*req.remote);
+  // A full ring falls back to an active message; write() counts it.
+  if (!core.copies_into_mapping(conn, src, remote) || ring_full(*r)) return false;
+  if (req.length > 0) {
+    std::memcpy(remote.mapped_base_ + req.remote_offset, src.data() + req.local_offset, req.length);
+  }
+  const WriteHeader h{
+      remote.peer_region_id(), remote.secret(), req.remote_offset, req.length, req.notify, 0};
+  const RingResult ring = core.ring_publish(conn, *r, h);
+  conn.ring_writes_.store(conn.ring_writes_.load(std::memory_order_relaxed) + 1,
+                          std::memory_order_relaxed);
+  *status = Status::Ok();
+  if (ring != RingResult::kPublishedPeerAsleep) return true;
+  tx.unlock();
+  // Rare (once per sleep of the peer): now a reference to the core is needed.
+  if (auto c = conn.core_.lock()) c->wake_ring_owner(conn);
+  return true;
+}
+
+void UcxCore::wake_ring_owner(UcxConnection& conn) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (worker_ == nullptr || conn.state_ != UcxConnection::State::kReady) return;
+    ++ring_wakeups_;
+    send_control(conn, kAmWake, {}, OpCtx::kControl);
+    run_deferred();
+  }
+  maybe_wake();
 }
 
 void UcxCore::start_write(UcxConnection& conn, UserOp u, const std::shared_ptr<UcxRegion>& src,
@@ -2350,7 +2504,7 @@ void UcxCore::handle_control(const ConnPtr& conn, unsigned id, uint64_t seq,
       e.kind = Event::kMessage;
       e.conn = conn;
       e.bytes.assign(payload.begin(), payload.end());
-      events_.push_back(std::move(e));
+      queue_event(std::move(e));
       return;
     }
     case kAmNotify:
@@ -2485,7 +2639,7 @@ void UcxCore::close_locked(UcxConnection& conn, const Status& why, bool send_bye
     e.kind = Event::kDisconnect;
     e.conn = self;
     e.why = why;
-    events_.push_back(std::move(e));
+    queue_event(std::move(e));
   }
   // The bye tells the peer at once, whatever the lanes; UCX's own disconnect
   // (through the connection manager, or a closed socket) comes later or, over
@@ -2617,11 +2771,15 @@ void UcxCore::check_deadlines(Clock::time_point now) {
 size_t UcxCore::progress() {
   std::lock_guard<std::mutex> progress_lock(progress_mu_);
   // The fast path, while UCX is idle and peers write into our rings: no
-  // worker lock, no worker progress, just the rings (see kUcxPollPeriod).
+  // worker lock, no worker progress, just the rings (see kUcxPollPeriod and
+  // kRingPollsPerCall).
   if (ucx_idle_.load(std::memory_order_relaxed) &&
       polled_version_ == rx_version_.load(std::memory_order_acquire) &&
-      poll_clock() - last_ucx_progress_ < kUcxPollPeriod) {
-    return poll_rings_unlocked();
+      poll_clock() - last_ucx_progress_ < ucx_poll_period_) {
+    size_t n = 0;
+    for (int i = 0; i < kRingPollsPerCall && n == 0; ++i)
+      n = poll_rings_unlocked();
+    return n;
   }
   size_t work = 0;
   {
@@ -2629,7 +2787,8 @@ size_t UcxCore::progress() {
     if (worker_ == nullptr) return 0;
     drain_graveyard();
     work = ucp_worker_progress(worker_);
-    ucx_idle_.store(work == 0 && rings_attached_, std::memory_order_relaxed);
+    ucx_poll_period_ =
+        work == 0 ? std::min(2 * ucx_poll_period_, kUcxPollPeriodMax) : kUcxPollPeriod;
     last_ucx_progress_ = poll_clock();
     run_deferred();
     // Deadlines are milliseconds away: look at them once per tick of the
@@ -2658,6 +2817,9 @@ size_t UcxCore::progress() {
         polled_.push_back(Polled{conn, conn.get(), conn->rx_ring_, ValidTarget{}});
       polled_version_ = version;
     }
+    // Last, after whatever this call queued (queue_event cleared it): those
+    // events are delivered below, so they need no other progress().
+    ucx_idle_.store(work == 0 && rings_attached_, std::memory_order_relaxed);
     events_.swap(delivering_);
   }
   for (Event& e : delivering_)
@@ -2975,6 +3137,10 @@ Status UcxConnection::check_write(const WriteRequest& request) const {
 }
 
 Status UcxConnection::write(const WriteRequest& request, Completion done) {
+  if (!done && request.length <= kRingCopyMax && tx_ring_mapped_.load(std::memory_order_acquire)) {
+    Status status;
+    if (UcxCore::write_through_ring(*this, request, &status)) return status;
+  }
   auto core = core_.lock();
   if (!core) return Unavailable("UCX transport is gone");
   return core->write(*this, request, std::move(done));
