@@ -240,6 +240,12 @@ constexpr uint64_t kUcxPollPeriod = 4000;  // ns
 constexpr uint64_t kUcxPollPeriodMax = 16 * kUcxPollPeriod;
 #endif
 
+// Adds one to a counter that only the holder of a lock writes (and others
+// only read): a load and a store, not an atomic read-modify-write.
+void count_one(std::atomic<uint64_t>& counter) {
+  counter.store(counter.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+}
+
 std::atomic_ref<uint64_t> ring_word(uint8_t* base, size_t at) {
   return std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(base + at));
 }
@@ -923,8 +929,10 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
 
  private:
   // Sends kAmWake for a record just published in the ring of a peer asleep
-  // in wait().
+  // in wait(), if the worker and the connection are still up; the _locked
+  // one with mu_ held.
   void wake_ring_owner(UcxConnection& conn);
+  void wake_ring_owner_locked(UcxConnection& conn);
   // Delivers the records of conn's ring in sequence order: those numbered
   // below `below`, and, when `stop_at_gap`, only while each is the next
   // number (a gap is an active message still on its way). mu_ held.
@@ -1849,8 +1857,7 @@ UcxCore::RingResult UcxCore::ring_publish(UcxConnection& conn, TxRing& r, WriteH
   // that it sleeps.
   ring_word(slot, kRingStampAt).store(r.written + 1, std::memory_order_seq_cst);
   ++r.written;
-  conn.ring_records_.store(conn.ring_records_.load(std::memory_order_relaxed) + 1,
-                           std::memory_order_relaxed);
+  count_one(conn.ring_records_);
   const uint64_t epoch = ring_word(r.base, kRingSleepingAt).load(std::memory_order_seq_cst);
   if ((epoch & 1) == 0 || epoch == r.woken_epoch) return RingResult::kPublished;
   r.woken_epoch = epoch;
@@ -2051,11 +2058,7 @@ Status UcxCore::write(UcxConnection& conn, const WriteRequest& req, Completion d
         // Shut down meanwhile: its completions were run; this one cannot be.
         if (worker_ == nullptr) return Unavailable("UCX transport is shut down");
         ++writes_put_;
-        if (ring == RingResult::kPublishedPeerAsleep && worker_ != nullptr &&
-            conn.state_ == UcxConnection::State::kReady) {
-          ++ring_wakeups_;
-          send_control(conn, kAmWake, {}, OpCtx::kControl);
-        }
+        if (ring == RingResult::kPublishedPeerAsleep) wake_ring_owner_locked(conn);
         if (done) push_completion(PendingOps::Ready{std::move(done), Status::Ok()});
       } else {
         if (worker_ == nullptr || conn.state_ != UcxConnection::State::kReady) {
@@ -2133,8 +2136,7 @@ bool UcxCore::write_through_ring(UcxConnection& conn, const WriteRequest& req, S
   const WriteHeader h{
       remote.peer_region_id(), remote.secret(), req.remote_offset, req.length, req.notify, 0};
   const RingResult ring = core.ring_publish(conn, *r, h);
-  conn.ring_writes_.store(conn.ring_writes_.load(std::memory_order_relaxed) + 1,
-                          std::memory_order_relaxed);
+  count_one(conn.ring_writes_);
   *status = Status::Ok();
   if (ring != RingResult::kPublishedPeerAsleep) return true;
   tx.unlock();
@@ -2146,12 +2148,16 @@ bool UcxCore::write_through_ring(UcxConnection& conn, const WriteRequest& req, S
 void UcxCore::wake_ring_owner(UcxConnection& conn) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (worker_ == nullptr || conn.state_ != UcxConnection::State::kReady) return;
-    ++ring_wakeups_;
-    send_control(conn, kAmWake, {}, OpCtx::kControl);
+    wake_ring_owner_locked(conn);
     run_deferred();
   }
   maybe_wake();
+}
+
+void UcxCore::wake_ring_owner_locked(UcxConnection& conn) {
+  if (worker_ == nullptr || conn.state_ != UcxConnection::State::kReady) return;
+  ++ring_wakeups_;
+  send_control(conn, kAmWake, {}, OpCtx::kControl);
 }
 
 void UcxCore::start_write(UcxConnection& conn, UserOp u, const std::shared_ptr<UcxRegion>& src,
@@ -2168,10 +2174,7 @@ void UcxCore::start_write(UcxConnection& conn, UserOp u, const std::shared_ptr<U
                                 ? ring_notify(conn, h)
                                 : RingResult::kUnavailable;
     if (ring == RingResult::kPublished || ring == RingResult::kPublishedPeerAsleep) {
-      if (ring == RingResult::kPublishedPeerAsleep) {
-        ++ring_wakeups_;
-        send_control(conn, kAmWake, {}, OpCtx::kControl);
-      }
+      if (ring == RingResult::kPublishedPeerAsleep) wake_ring_owner_locked(conn);
       complete_user(u, Status::Ok());
       return;
     }
