@@ -44,6 +44,7 @@ constexpr std::array<std::string_view, 4> kLogNames = {"error", "warn", "info", 
 constexpr std::array<std::string_view, 3> kTransportNames = {"ucx", "verbs", "loopback"};
 constexpr std::array<std::string_view, 3> kWritePathNames = {"auto", "put", "am"};
 constexpr std::array<std::string_view, 3> kGpuPathNames = {"auto", "direct", "staged"};
+constexpr std::array<std::string_view, 2> kServerDeviceNames = {"cpu", "cuda"};
 
 // PSLD_ variables that are not configuration keys, read elsewhere. Any other
 // PSLD_ variable that is not a key is an error (a typo). Add new ones here.
@@ -291,6 +292,9 @@ const std::vector<Field>& fields() {
       plain(PSLD_KEY(server.mode),
             "optimizer: the server applies optimizer.*; sum: it only sums (summation service)"),
       integer(PSLD_KEY(server.threads), 1, 1024, "aggregation and update threads per server"),
+      named(PSLD_KEY(server.device), kServerDeviceNames,
+            "where servers keep their keys and run reduce and optimizer: cpu, or cuda (GPU "
+            "memory and the CUDA kernels; pushes and pulls still go through host memory)"),
 
       plain(PSLD_KEY(optimizer.kind),
             "server update rule, PyTorch semantics; sgd with momentum > 0 is SGD with momentum"),

@@ -14,6 +14,16 @@ std::string_view gpu_path_name(GpuPath path) {
   return "unknown";
 }
 
+std::string_view server_device_name(ServerDeviceKind kind) {
+  switch (kind) {
+    case ServerDeviceKind::kCpu:
+      return "cpu";
+    case ServerDeviceKind::kCuda:
+      return "cuda";
+  }
+  return "unknown";
+}
+
 RuntimeOptions runtime_options_from_config(const Config& c) {
   RuntimeOptions o;
   o.endpoint.transport = c.job.transport;
@@ -59,6 +69,7 @@ RuntimeOptions runtime_options_from_config(const Config& c) {
   o.optimizer.eps = static_cast<float>(c.optimizer.eps);
   o.optimizer.weight_decay = static_cast<float>(c.optimizer.weight_decay);
   o.server_threads = static_cast<uint32_t>(c.server.threads);
+  o.server_device = c.server.device == "cuda" ? ServerDeviceKind::kCuda : ServerDeviceKind::kCpu;
   o.heartbeat_interval = std::chrono::milliseconds(c.liveness.heartbeat_interval_ms);
   o.heartbeat_timeout = std::chrono::milliseconds(c.liveness.heartbeat_timeout_ms);
   o.connect_timeout = std::chrono::milliseconds(c.liveness.connect_timeout_ms);

@@ -13,6 +13,7 @@
 #include "lib/balancer.h"
 #include "lib/endpoint.h"
 #include "lib/placement.h"
+#include "lib/server_device.h"
 #include "psld/config.h"
 #include "psld/keys.h"
 #include "transports/stager.h"
@@ -40,6 +41,14 @@ enum class GpuPath : uint8_t {
 };
 std::string_view gpu_path_name(GpuPath path);
 
+// Where a server keeps its keys and runs its kernels (docs/gpu.md, "GPU
+// servers"; config server.device).
+enum class ServerDeviceKind : uint8_t {
+  kCpu,   // host memory, the CPU kernels
+  kCuda,  // GPU memory, the CUDA kernels (lib/server_device.h)
+};
+std::string_view server_device_name(ServerDeviceKind kind);
+
 struct RuntimeOptions {
   EndpointOptions endpoint;         // transport name and options (listen address, ...)
   std::string coordinator_address;  // text form of the coordinator's transport address
@@ -55,6 +64,7 @@ struct RuntimeOptions {
   ServerMode mode = ServerMode::kSum;
   OptimizerOptions optimizer;
   uint32_t server_threads = 1;
+  ServerDeviceKind server_device = ServerDeviceKind::kCpu;
   std::chrono::milliseconds heartbeat_interval{500};
   std::chrono::milliseconds heartbeat_timeout{5000};
   std::chrono::milliseconds connect_timeout{10000};
@@ -82,6 +92,10 @@ struct RuntimeOptions {
   // both to run the staged path on host memory posing as device memory.
   std::function<transport::MemoryKind(const void*)> memory_kind_of;
   std::function<Result<std::unique_ptr<transport::CopyEngine>>()> copy_engine;
+  // The device of a server with server_device = kCuda (default:
+  // create_cuda_server_device with one lane per server thread). Tests
+  // replace it with a fake GPU.
+  std::function<Result<std::unique_ptr<ServerDevice>>(size_t lanes)> server_device_factory;
 };
 
 // Resolves a validated Config into the runtime's options.

@@ -178,6 +178,7 @@ TEST(Config, EveryKeyCanBeSetFromEachSource) {
       {"data.gpu_path", "staged"},
       {"server.mode", "sum"},
       {"server.threads", "4"},
+      {"server.device", "cuda"},
       {"optimizer.kind", "adam"},
       {"optimizer.lr", "0.25"},
       {"optimizer.momentum", "0.5"},
@@ -616,6 +617,8 @@ TEST(Config, EveryValidationRuleNamesItsKey) {
        "one of auto, put, am"},
       {"gpu_path", [](Config& c) { c.data.gpu_path = "gpudirect"; }, "data.gpu_path",
        "one of auto, direct, staged"},
+      {"server device", [](Config& c) { c.server.device = "gpu"; }, "server.device",
+       "one of cpu, cuda"},
       {"ring 8", [](Config& c) { c.ucx.notify_ring_slots = 8; }, "ucx.notify_ring_slots",
        "not 0 or a power of two from 16 to 65536"},
       {"ring 1000", [](Config& c) { c.ucx.notify_ring_slots = 1000; }, "ucx.notify_ring_slots",
@@ -935,6 +938,7 @@ Config everything_changed() {
   c.data.gpu_path = "direct";
   c.server.mode = ServerMode::kSum;
   c.server.threads = 7;
+  c.server.device = "cuda";
   c.optimizer.kind = OptimizerKind::kMomentum;
   c.optimizer.lr = 0.1;  // not exact in binary: must still round-trip
   c.optimizer.momentum = 0.95;
@@ -1035,6 +1039,15 @@ TEST(Config, BalancerKeysDefaultToTheBalancersOptionsAndReachThem) {
   EXPECT_EQ(set.max_step_fraction, 0.5);
   EXPECT_EQ(set.horizon_rounds, 400);
   EXPECT_TRUE(set.validate().ok());
+}
+
+// server.device reaches the servers' options: cpu by default.
+TEST(Config, ServerDeviceDefaultsToCpuAndReachesTheServers) {
+  EXPECT_EQ(runtime_options_from_config(Config{}).server_device, ServerDeviceKind::kCpu);
+  auto c = load(FakeEnv{{"PSLD_SERVER_DEVICE", "cuda"}}, {});
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_EQ(runtime_options_from_config(*c).server_device, ServerDeviceKind::kCuda);
+  EXPECT_EQ(server_device_name(ServerDeviceKind::kCuda), "cuda");
 }
 
 TEST(Config, ConfigKeysDescribeTheDefaults) {

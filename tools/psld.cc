@@ -32,6 +32,7 @@
 #include "bench/bench_util.h"
 #include "bench/stragglers.h"
 #include "lib/device_staging.h"
+#include "lib/server_device.h"
 #include "psld/config.h"
 #include "psld/coordinator.h"
 #include "psld/server.h"
@@ -82,6 +83,18 @@ int cmd_config(int argc, char** argv) {
   // What the data path would do with tensors in GPU memory (docs/gpu.md).
   std::printf("\n# CUDA tensors: %s\n",
               psld::describe_gpu_path(psld::runtime_options_from_config(*config)).c_str());
+  // Where servers keep their keys (docs/gpu.md, "GPU servers").
+  if (config->server.device == "cuda") {
+    auto device = psld::describe_server_device();
+    if (device.ok()) {
+      std::printf("# server keys: in GPU memory (server.device = cuda): %s\n", device->c_str());
+    } else {
+      std::printf("# server keys: server.device = cuda, but a server cannot start here: %s\n",
+                  device.status().message().c_str());
+    }
+  } else {
+    std::printf("# server keys: in host memory (server.device = cpu)\n");
+  }
   return 0;
 }
 

@@ -128,6 +128,10 @@ struct DataConfig {
 struct ServerConfig {
   ServerMode mode = ServerMode::kOptimizer;
   int threads = 1;  // aggregation and update threads per server; 1..1024
+  // Where the server keeps its keys and runs reduce and optimizer
+  // (docs/gpu.md, "GPU servers"): "cpu", or "cuda" (GPU memory and the CUDA
+  // kernels on the process's current device).
+  std::string device = "cpu";
 
   bool operator==(const ServerConfig&) const = default;
 };

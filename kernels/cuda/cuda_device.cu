@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdio>
 #include <mutex>
 #include <string>
 
@@ -123,6 +124,68 @@ KernelStatus stream_synchronize(void* stream) {
   if (!s.ok()) return s;
   const cudaError_t e = cudaStreamSynchronize(static_cast<cudaStream_t>(stream));
   if (e != cudaSuccess) return cuda_failure("cudaStreamSynchronize", e);
+  return {};
+}
+
+KernelStatus copy_async(void* dst, const void* src, size_t bytes, void* stream) {
+  if (bytes == 0) return {};
+  KernelStatus s = device_status();
+  if (!s.ok()) return s;
+  const cudaError_t e =
+      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream));
+  if (e != cudaSuccess) {
+    return cuda_failure("cudaMemcpyAsync(" + std::to_string(bytes) + " bytes)", e);
+  }
+  return {};
+}
+
+KernelStatus zero(void* p, size_t bytes) {
+  if (bytes == 0) return {};
+  KernelStatus s = device_status();
+  if (!s.ok()) return s;
+  const cudaError_t e = cudaMemset(p, 0, bytes);
+  if (e != cudaSuccess) return cuda_failure("cudaMemset(" + std::to_string(bytes) + " bytes)", e);
+  return {};
+}
+
+KernelStatus host_alloc(size_t bytes, void** out) {
+  *out = nullptr;
+  KernelStatus s = device_status();
+  if (!s.ok()) return s;
+  const cudaError_t e = cudaHostAlloc(out, bytes, cudaHostAllocPortable);
+  if (e != cudaSuccess) {
+    *out = nullptr;
+    return cuda_failure("cudaHostAlloc(" + std::to_string(bytes) + " bytes)", e);
+  }
+  return {};
+}
+
+KernelStatus host_free(void* p) {
+  if (p == nullptr) return {};
+  KernelStatus s = device_status();
+  if (!s.ok()) return s;
+  const cudaError_t e = cudaFreeHost(p);
+  if (e != cudaSuccess) return cuda_failure("cudaFreeHost", e);
+  return {};
+}
+
+KernelStatus describe_device(std::string* out) {
+  out->clear();
+  KernelStatus s = device_status();
+  if (!s.ok()) return s;
+  int device = 0;
+  if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) {
+    return cuda_failure("cudaGetDevice", e);
+  }
+  cudaDeviceProp prop{};
+  if (const cudaError_t e = cudaGetDeviceProperties(&prop, device); e != cudaSuccess) {
+    return cuda_failure("cudaGetDeviceProperties", e);
+  }
+  char memory[32];
+  std::snprintf(memory, sizeof(memory), "%.1f GiB",
+                static_cast<double>(prop.totalGlobalMem) / (1024.0 * 1024.0 * 1024.0));
+  *out = "cuda device " + std::to_string(device) + ": " + prop.name + ", " + memory + ", sm_" +
+         std::to_string(prop.major) + std::to_string(prop.minor);
   return {};
 }
 

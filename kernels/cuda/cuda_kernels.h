@@ -34,6 +34,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/kernel_status.h"
@@ -79,6 +80,18 @@ KernelStatus stream_create(void** out);  // a non-blocking stream; *out = nullpt
 KernelStatus stream_destroy(void* stream);
 // Waits for the stream's work; reports an error raised by a kernel on it.
 KernelStatus stream_synchronize(void* stream);
+// cudaMemcpyAsync on `stream`, the direction taken from the pointers. From
+// pageable host memory the runtime stages the bytes and may return only
+// once they are read; from pinned or device memory it returns at once.
+KernelStatus copy_async(void* dst, const void* src, size_t bytes, void* stream);
+// cudaMemset to zero; synchronous.
+KernelStatus zero(void* p, size_t bytes);
+// Page-locked host memory (cudaHostAlloc, portable), and cudaFreeHost.
+KernelStatus host_alloc(size_t bytes, void** out);  // *out = nullptr on error
+KernelStatus host_free(void* p);                    // nullptr is fine
+// The calling thread's current device in words, for start-up lines:
+// "cuda device 0: NVIDIA H200, 139.8 GiB, sm_90".
+KernelStatus describe_device(std::string* out);
 
 }  // namespace psld::kernels::cuda
 

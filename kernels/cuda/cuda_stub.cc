@@ -86,4 +86,22 @@ KernelStatus stream_synchronize(void*) {
   return without_cuda("cuda stream_synchronize");
 }
 
+KernelStatus copy_async(void*, const void*, size_t bytes, void*) {
+  return bytes == 0 ? KernelStatus{} : without_cuda("cuda copy_async");
+}
+KernelStatus zero(void*, size_t bytes) {
+  return bytes == 0 ? KernelStatus{} : without_cuda("cuda zero");
+}
+KernelStatus host_alloc(size_t, void** out) {
+  *out = nullptr;
+  return without_cuda("cuda host_alloc");
+}
+KernelStatus host_free(void* p) {
+  return p == nullptr ? KernelStatus{} : without_cuda("cuda host_free");
+}
+KernelStatus describe_device(std::string* out) {
+  out->clear();
+  return device_status();
+}
+
 }  // namespace psld::kernels::cuda
