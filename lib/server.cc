@@ -26,6 +26,64 @@ double ns_since(transport::Clock::time_point t) {
   return static_cast<double>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(transport::Clock::now() - t).count());
 }
+
+// A key's array: host memory (new[]), or the server's device memory when it
+// has a device (server.device = cuda).
+template <typename T>
+struct ArrayFree {
+  ServerDevice* device = nullptr;
+  void operator()(T* p) const {
+    if (device != nullptr) {
+      device->free(p);
+    } else {
+      delete[] p;
+    }
+  }
+};
+template <typename T>
+using Array = std::unique_ptr<T[], ArrayFree<T>>;
+
+// n zeroed elements.
+template <typename T>
+Result<Array<T>> make_array(ServerDevice* device, size_t n) {
+  if (device == nullptr) return Array<T>(new T[n](), ArrayFree<T>{});
+  PSLD_ASSIGN_OR_RETURN(void* p, device->allocate(std::max<size_t>(n, 1) * sizeof(T)));
+  return Array<T>(static_cast<T*>(p), ArrayFree<T>{device});
+}
+
+Status ensure_array(ServerDevice* device, Array<float>& a, size_t n) {
+  if (a) return Status::Ok();
+  PSLD_ASSIGN_OR_RETURN(a, make_array<float>(device, n));
+  return Status::Ok();
+}
+
+// Pinned host memory of the device (a key's output, which pulls are written from).
+struct HostFree {
+  ServerDevice* device = nullptr;
+  void operator()(uint8_t* p) const { device->free_host(p); }
+};
+using HostBuffer = std::unique_ptr<uint8_t, HostFree>;
+
+// The key-state operations, on the host (at once) or queued on the device's
+// lane; finish_on() waits for the lane.
+Status copy_on(ServerDevice* device, size_t lane, void* dst, const void* src, size_t bytes) {
+  if (device != nullptr) return device->copy(dst, src, bytes, lane);
+  std::memcpy(dst, src, bytes);
+  return Status::Ok();
+}
+
+// fn(where, stream) calls one kernel of kernels/dispatch.h; on the host it
+// runs at once, with no std::function in between.
+template <typename Fn>
+Status run_on(ServerDevice* device, size_t lane, const Fn& fn) {
+  if (device != nullptr) return device->launch(lane, ServerDevice::Launch(fn));
+  const kn::KernelStatus s = fn(kn::MemoryKind::kHost, nullptr);
+  return s.ok() ? Status::Ok() : Internal(s.message);
+}
+
+Status finish_on(ServerDevice* device, size_t lane) {
+  return device != nullptr ? device->synchronize(lane) : Status::Ok();
+}
 }  // namespace
 
 struct ServerService::KeyState {
@@ -34,12 +92,14 @@ struct ServerService::KeyState {
   DType dtype = DType::kF32;
   uint64_t bytes = 0;  // of the chunk in the workers' dtype
   size_t n = 0;        // elements
-  // Allocated once: param (or out16) is registered with the transport as the
-  // source of pull writes, so it must never move.
-  std::unique_ptr<float[]> param;
-  std::unique_ptr<float[]> acc;
-  std::unique_ptr<float[]> m, v;  // optimizer state, allocated on first use
-  std::unique_ptr<uint16_t[]> out16;
+  // Allocated once, in host memory or on the server's device: the source of
+  // pull writes (param or out16 on the host; out_host with a device) is
+  // registered with the transport, so it must never move.
+  Array<float> param;
+  Array<float> acc;
+  Array<float> m, v;      // optimizer state, allocated on first use
+  Array<uint16_t> out16;  // fp16/bf16 keys: param converted
+  HostBuffer out_host;    // with a device: the output, copied from the device
   std::shared_ptr<transport::MemoryRegion> out_region;
   // BSP sum mode, fp32: acc is registered too, and a round is applied by
   // swapping param and acc (and their regions) instead of copying.
@@ -75,6 +135,9 @@ struct ServerService::KeyState {
   uint64_t offered_round = 0;
   uint64_t shipping_round = 0;
   uint64_t shipped_round = 0;
+  // A device operation on the key failed (a CUDA error): every request for
+  // it is answered with this.
+  Status failed;
 };
 
 struct ServerService::Shard {
@@ -87,6 +150,9 @@ struct ServerService::Shard {
   std::unordered_map<Key, std::vector<std::unique_ptr<KeyState>>> keys;
   std::map<uint64_t, std::vector<uint32_t>> credits;   // connection -> freed slots
   std::map<uint64_t, std::vector<uint32_t>> accepted;  // connection -> plain push tags taken
+  // With a device: where pushes are copied to before they are reduced.
+  Array<uint8_t> stage;
+  uint64_t stage_bytes = 0;
   // The keys (runs) this shard still has to ship for the transfer at
   // out_round (0: none scanned yet).
   uint64_t out_round = 0;
@@ -126,6 +192,22 @@ Result<std::unique_ptr<ServerService>> ServerService::start(const RuntimeOptions
     return InvalidArgument("server_threads must be in [1, 256]");
   }
   std::unique_ptr<ServerService> s(new ServerService(options));
+  if (options.server_device == ServerDeviceKind::kCuda) {
+    auto device = options.server_device_factory
+                      ? options.server_device_factory(options.server_threads)
+                      : create_cuda_server_device(options.server_threads);
+    if (!device.ok()) {
+      return FailedPrecondition(
+          fmt::format("server.device = cuda, but the GPU cannot be used: {} (server.device = "
+                      "cpu keeps the keys in host memory)",
+                      device.status().message()));
+    }
+    if ((*device)->lanes() < options.server_threads) {
+      return Internal(fmt::format("the server device has {} lanes for {} server threads",
+                                  (*device)->lanes(), options.server_threads));
+    }
+    s->device_ = std::move(device).value();
+  }
   PSLD_ASSIGN_OR_RETURN(s->load_, LoadRecorder::make(protocol::Role::kServer));
   PSLD_RETURN_IF_ERROR(s->Endpoint::start(options.endpoint));
   for (uint32_t i = 0; i < options.server_threads; ++i) {
@@ -154,7 +236,8 @@ Result<std::unique_ptr<ServerService>> ServerService::start(const RuntimeOptions
       out.emplace_back(std::move(r));
     return out;
   });
-  PSLD_LOG_INFO("server {} listening at {}", s->rank(), s->address());
+  PSLD_LOG_INFO("server {} listening at {}; keys {}", s->rank(), s->address(),
+                s->device_ ? "on " + s->device_->describe() : std::string("in host memory"));
   return s;
 }
 
@@ -681,23 +764,40 @@ ServerService::KeyState& ServerService::key_state(Shard& shard, Key key, DType d
   k.dtype = dtype;
   k.bytes = bytes;
   k.n = bytes / protocol::dtype_bytes(dtype);
-  k.param = std::make_unique<float[]>(k.n);  // zero-initialised
-  k.acc = std::make_unique<float[]>(k.n);
   k.pushed.assign(session_.welcome().num_workers, false);
   k.last_round.assign(session_.welcome().num_workers, 0);
   k.applied.assign(session_.welcome().num_workers, 0);
-  if (dtype != DType::kF32) k.out16 = std::make_unique<uint16_t[]>(k.n);
-  void* out =
-      dtype == DType::kF32 ? static_cast<void*>(k.param.get()) : static_cast<void*>(k.out16.get());
-  auto region = transport().register_memory(out, bytes, transport::MemoryKind::kHost);
-  if (region.ok()) {
-    k.out_region = *region;
+  // Zeroed: a key pulled before any push reads zeros.
+  Status made = [&]() -> Status {
+    ServerDevice* dev = device_.get();
+    PSLD_ASSIGN_OR_RETURN(k.param, make_array<float>(dev, k.n));
+    PSLD_ASSIGN_OR_RETURN(k.acc, make_array<float>(dev, k.n));
+    if (dtype != DType::kF32) {
+      PSLD_ASSIGN_OR_RETURN(k.out16, make_array<uint16_t>(dev, k.n));
+    }
+    if (dev != nullptr) {
+      PSLD_ASSIGN_OR_RETURN(void* out, dev->allocate_host(bytes));
+      std::memset(out, 0, bytes);
+      k.out_host = HostBuffer(static_cast<uint8_t*>(out), HostFree{dev});
+    }
+    return Status::Ok();
+  }();
+  if (!made.ok()) {
+    fail_key(shard, k, made.with_context(fmt::format("allocating {} bytes", bytes)));
   } else {
-    PSLD_LOG_ERROR("server {}: cannot register key {:#x}: {}", rank(), key,
-                   region.status().to_string());
+    void* out = k.out_host             ? static_cast<void*>(k.out_host.get())
+                : dtype == DType::kF32 ? static_cast<void*>(k.param.get())
+                                       : static_cast<void*>(k.out16.get());
+    auto region = transport().register_memory(out, bytes, transport::MemoryKind::kHost);
+    if (region.ok()) {
+      k.out_region = *region;
+    } else {
+      PSLD_LOG_ERROR("server {}: cannot register key {:#x}: {}", rank(), key,
+                     region.status().to_string());
+    }
   }
   if (dtype == DType::kF32 && options_.mode == ServerMode::kSum &&
-      options_.sync == SyncMode::kBsp && k.out_region) {
+      options_.sync == SyncMode::kBsp && k.out_region && !device_) {
     auto acc = transport().register_memory(k.acc.get(), bytes, transport::MemoryKind::kHost);
     if (acc.ok()) k.acc_region = *acc;  // else: apply copies, as for other keys
   }
@@ -798,29 +898,30 @@ void ServerService::install_state(Shard& shard, KeyState& k) {
   uint64_t version = 0;
   std::memcpy(&version, k.incoming->data(), sizeof(version));
   const float* in = reinterpret_cast<const float*>(k.incoming->data() + kStateHeader);
-  std::memcpy(k.param.get(), in, k.n * sizeof(float));
   const OptimizerKind kind = options_.optimizer.kind;
   const bool optimizer = options_.mode == ServerMode::kOptimizer;
-  if (optimizer && kind != OptimizerKind::kSgd) {
-    k.m = std::make_unique<float[]>(k.n);
-    std::memcpy(k.m.get(), in + k.n, k.n * sizeof(float));
-  }
-  if (optimizer && (kind == OptimizerKind::kAdam || kind == OptimizerKind::kAdamW)) {
-    k.v = std::make_unique<float[]>(k.n);
-    std::memcpy(k.v.get(), in + 2 * k.n, k.n * sizeof(float));
-  }
-  if (optimizer && kind == OptimizerKind::kSgd && options_.optimizer.momentum > 0) {
-    k.m = std::make_unique<float[]>(k.n);
-    std::memcpy(k.m.get(), in + k.n, k.n * sizeof(float));
-  }
-  if (k.dtype == DType::kF16) kn::f32_to_f16(k.out16.get(), k.param.get(), k.n);
-  if (k.dtype == DType::kBF16) kn::f32_to_bf16(k.out16.get(), k.param.get(), k.n);
+  const bool with_m = optimizer && (kind != OptimizerKind::kSgd || options_.optimizer.momentum > 0);
+  const bool with_v = optimizer && (kind == OptimizerKind::kAdam || kind == OptimizerKind::kAdamW);
+  ServerDevice* dev = device_.get();
+  const size_t lane = shard.index;
+  const size_t bytes = k.n * sizeof(float);
+  Status st = k.failed;
+  if (st.ok()) st = copy_on(dev, lane, k.param.get(), in, bytes);
+  if (st.ok() && with_m) st = ensure_array(dev, k.m, k.n);
+  if (st.ok() && with_m) st = copy_on(dev, lane, k.m.get(), in + k.n, bytes);
+  if (st.ok() && with_v) st = ensure_array(dev, k.v, k.n);
+  if (st.ok() && with_v) st = copy_on(dev, lane, k.v.get(), in + 2 * k.n, bytes);
+  if (st.ok()) st = publish(shard, k);  // waits for the copies out of `incoming`
   // BSP: version is the round, state_round - 1. Async: the updates applied,
   // which Adam's bias correction counts; every worker pushed up to the switch.
   k.version = version;
   std::fill(k.last_round.begin(), k.last_round.end(), k.state_round - 1);
   k.awaiting_state = false;
   k.incoming.reset();
+  if (!st.ok()) {
+    fail_key(shard, k, st.with_context("installing the state that migrated here"));
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(stats_mu_);
     ++stats_.states_in;
@@ -842,7 +943,7 @@ void ServerService::resume(Shard& shard, KeyState& k) {
 }
 
 bool ServerService::ready_to_ship(const KeyState& k, uint64_t switch_round) const {
-  if (k.awaiting_state || k.awaiting_final) return false;
+  if (k.awaiting_state || k.awaiting_final || !k.failed.ok()) return false;
   if (options_.sync == SyncMode::kBsp) return k.version >= switch_round - 1;
   // Async and staleness: every worker's pushes of this run's rounds up to the
   // switch are applied (counted: pushes may be applied out of round order).
@@ -859,7 +960,7 @@ void ServerService::maybe_ship(Shard& shard, KeyState& k) {
     std::vector<StateWork> still;
     for (auto& w : k.successors) {
       if (ready_to_ship(k, w.req.switch_round)) {
-        ship_state(k, w);
+        ship_state(shard, k, w);
       } else {
         still.push_back(std::move(w));
       }
@@ -871,7 +972,7 @@ void ServerService::maybe_ship(Shard& shard, KeyState& k) {
 
 // Parameter, then the two moments (zeros when the optimizer keeps none),
 // fp32, into the successor's region with one write.
-void ServerService::ship_state(KeyState& k, const StateWork& w) {
+void ServerService::ship_state(Shard& shard, KeyState& k, const StateWork& w) {
   const uint64_t bytes = kStateHeader + 3 * k.n * sizeof(float);
   auto staging = transport().allocate_memory(bytes, transport::MemoryKind::kHost);
   ConnectionPtr conn = worker_connection(w.conn);
@@ -883,16 +984,24 @@ void ServerService::ship_state(KeyState& k, const StateWork& w) {
   std::memset((*staging)->data(), 0, kStateHeader);
   std::memcpy((*staging)->data(), &k.version, sizeof(k.version));
   float* out = reinterpret_cast<float*>((*staging)->data() + kStateHeader);
-  std::memcpy(out, k.param.get(), k.n * sizeof(float));
+  ServerDevice* dev = device_.get();
+  const size_t lane = shard.index;
+  const size_t array_bytes = k.n * sizeof(float);
+  Status copied = copy_on(dev, lane, out, k.param.get(), array_bytes);
   if (k.m) {
-    std::memcpy(out + k.n, k.m.get(), k.n * sizeof(float));
+    if (copied.ok()) copied = copy_on(dev, lane, out + k.n, k.m.get(), array_bytes);
   } else {
-    std::memset(out + k.n, 0, k.n * sizeof(float));
+    std::memset(out + k.n, 0, array_bytes);
   }
   if (k.v) {
-    std::memcpy(out + 2 * k.n, k.v.get(), k.n * sizeof(float));
+    if (copied.ok()) copied = copy_on(dev, lane, out + 2 * k.n, k.v.get(), array_bytes);
   } else {
-    std::memset(out + 2 * k.n, 0, k.n * sizeof(float));
+    std::memset(out + 2 * k.n, 0, array_bytes);
+  }
+  if (copied.ok()) copied = finish_on(dev, lane);
+  if (!copied.ok()) {
+    fail_key(shard, k, copied.with_context("copying the state to ship"));
+    return;
   }
   PSLD_LOG_DEBUG("server {}: shipping key {:#x} as of round {}", rank(), k.key, k.version);
   // Both regions must outlive the write (an emulated link queues it).
@@ -1265,34 +1374,105 @@ void ServerService::flush_credits(Shard& shard) {
   shard.accepted.clear();
 }
 
-// Copies (first push of a round) or adds a pushed chunk into the accumulator.
-void ServerService::reduce_push(KeyState& k, const PushWork& w) {
-  const bool first = k.pushes == 0;
-  switch (k.dtype) {
-    case DType::kF32:
-      if (first) {
-        std::memcpy(k.acc.get(), w.data, k.bytes);
-      } else {
-        kn::reduce_f32(k.acc.get(), reinterpret_cast<const float*>(w.data), k.n);
-      }
-      break;
-    case DType::kF16:
-      if (first) {
-        kn::f16_to_f32(k.acc.get(), reinterpret_cast<const uint16_t*>(w.data), k.n);
-      } else {
-        kn::reduce_f16(k.acc.get(), reinterpret_cast<const uint16_t*>(w.data), k.n);
-      }
-      break;
-    case DType::kBF16:
-      if (first) {
-        kn::bf16_to_f32(k.acc.get(), reinterpret_cast<const uint16_t*>(w.data), k.n);
-      } else {
-        kn::reduce_bf16(k.acc.get(), reinterpret_cast<const uint16_t*>(w.data), k.n);
-      }
-      break;
+// With a device the chunk is first copied to the shard's staging buffer in
+// GPU memory (pushes land in host memory), then reduced there.
+Status ServerService::reduce_push(Shard& shard, KeyState& k, const PushWork& w) {
+  PSLD_RETURN_IF_ERROR(k.failed);
+  ServerDevice* dev = device_.get();
+  const size_t lane = shard.index;
+  const void* src = w.data;
+  if (dev != nullptr) {
+    if (shard.stage_bytes < k.bytes) {
+      PSLD_RETURN_IF_ERROR(dev->synchronize(lane));  // nothing reads the old one any more
+      shard.stage.reset();
+      shard.stage_bytes = 0;
+      PSLD_ASSIGN_OR_RETURN(shard.stage, make_array<uint8_t>(dev, k.bytes));
+      shard.stage_bytes = k.bytes;
+    }
+    PSLD_RETURN_IF_ERROR(dev->copy(shard.stage.get(), w.data, k.bytes, lane));
+    src = shard.stage.get();
   }
+  const bool first = k.pushes == 0;
+  float* acc = k.acc.get();
+  const size_t n = k.n;
+  Status st;
+  switch (k.dtype) {
+    case DType::kF32: {
+      const auto* x = static_cast<const float*>(src);
+      st = first ? copy_on(dev, lane, acc, x, k.bytes)
+                 : run_on(dev, lane, [=](kn::MemoryKind where, void* stream) {
+                     return kn::reduce_f32(where, acc, x, n, stream);
+                   });
+      break;
+    }
+    case DType::kF16: {
+      const auto* x = static_cast<const uint16_t*>(src);
+      st = run_on(dev, lane, [=](kn::MemoryKind where, void* stream) {
+        return first ? kn::f16_to_f32(where, acc, x, n, stream)
+                     : kn::reduce_f16(where, acc, x, n, stream);
+      });
+      break;
+    }
+    case DType::kBF16: {
+      const auto* x = static_cast<const uint16_t*>(src);
+      st = run_on(dev, lane, [=](kn::MemoryKind where, void* stream) {
+        return first ? kn::bf16_to_f32(where, acc, x, n, stream)
+                     : kn::reduce_bf16(where, acc, x, n, stream);
+      });
+      break;
+    }
+  }
+  if (st.ok()) st = finish_on(dev, lane);
+  PSLD_RETURN_IF_ERROR(st.with_context("reducing a push"));
   ++k.pushes;
   pace_compute(k.bytes);
+  return Status::Ok();
+}
+
+Status ServerService::publish(const Shard& shard, KeyState& k) {
+  ServerDevice* dev = device_.get();
+  const size_t lane = shard.index;
+  const float* param = k.param.get();
+  uint16_t* out16 = k.out16.get();
+  const size_t n = k.n;
+  if (k.dtype == DType::kF16) {
+    PSLD_RETURN_IF_ERROR(run_on(dev, lane, [=](kn::MemoryKind where, void* stream) {
+      return kn::f32_to_f16(where, out16, param, n, stream);
+    }));
+  }
+  if (k.dtype == DType::kBF16) {
+    PSLD_RETURN_IF_ERROR(run_on(dev, lane, [=](kn::MemoryKind where, void* stream) {
+      return kn::f32_to_bf16(where, out16, param, n, stream);
+    }));
+  }
+  if (dev == nullptr) return Status::Ok();
+  const void* out = k.dtype == DType::kF32 ? static_cast<const void*>(param) : out16;
+  PSLD_RETURN_IF_ERROR(dev->copy(k.out_host.get(), out, k.bytes, lane));
+  return dev->synchronize(lane);
+}
+
+void ServerService::fail_key(Shard& shard, KeyState& k, const Status& why) {
+  if (k.failed.ok()) {
+    k.failed = why.with_context(fmt::format("server {}, key {:#x} ({})", rank(), k.key,
+                                            device_ ? device_->describe() : "host memory"));
+    PSLD_LOG_ERROR("{}; every request for this key fails from now on", k.failed.to_string());
+  }
+  for (const PullWork& p : k.waiting)
+    send_error(p.conn, p.req.tag, k.failed);
+  k.waiting.clear();
+  auto refuse = [&](const PushWork& w) {
+    free_slot(shard, w.conn, w.meta.slot);
+    send_error(w.conn, w.meta.tag, k.failed);
+  };
+  for (const auto& [round, pushes] : k.parked) {
+    for (const PushWork& w : pushes)
+      refuse(w);
+  }
+  k.parked.clear();
+  for (const PushWork& w : k.deferred)
+    refuse(w);
+  k.deferred.clear();
+  k.apply_pending = false;
 }
 
 void ServerService::process_push(Shard& shard, PushWork& w) {
@@ -1311,6 +1491,11 @@ void ServerService::process_push(Shard& shard, PushWork& w) {
                InvalidArgument(fmt::format("key {:#x} holds {} bytes of {}, the push has {} of {}",
                                            meta.key, k.bytes, protocol::dtype_name(k.dtype),
                                            meta.bytes, protocol::dtype_name(meta.dtype))));
+    return;
+  }
+  if (!k.failed.ok()) {
+    free_slot(shard, w.conn, meta.slot);
+    send_error(w.conn, meta.tag, k.failed);
     return;
   }
   {
@@ -1349,14 +1534,18 @@ void ServerService::process_push(Shard& shard, PushWork& w) {
   if (meta.flags & protocol::kPushInit) {
     // The initial value, round 0: written into the parameter as is.
     k.pushes = 0;
-    reduce_push(k, w);
-    std::memcpy(k.param.get(), k.acc.get(), k.n * sizeof(float));
-    k.pushes = 0;
-    if (k.out16) {
-      if (k.dtype == DType::kF16) kn::f32_to_f16(k.out16.get(), k.param.get(), k.n);
-      if (k.dtype == DType::kBF16) kn::f32_to_bf16(k.out16.get(), k.param.get(), k.n);
+    Status st = reduce_push(shard, k, w);
+    if (st.ok()) {
+      st = copy_on(device_.get(), shard.index, k.param.get(), k.acc.get(), k.n * sizeof(float));
     }
+    if (st.ok()) st = publish(shard, k);
+    k.pushes = 0;
     free_slot(shard, w.conn, meta.slot);
+    if (!st.ok()) {
+      fail_key(shard, k, st.with_context("the initial value"));
+      send_error(w.conn, meta.tag, k.failed);
+      return;
+    }
     if (then_pull) {
       follow.req.round = 0;
       serve_pull(shard, k, follow);
@@ -1386,10 +1575,15 @@ void ServerService::process_push(Shard& shard, PushWork& w) {
       return;
     }
     const auto start = transport::Clock::now();
-    reduce_push(k, w);
+    Status st = reduce_push(shard, k, w);
     load_->record(k.arc, LoadMetric::kBusyNs, ns_since(start));
-    k.pushed[w.worker] = true;
     free_slot(shard, w.conn, meta.slot);
+    if (!st.ok()) {
+      fail_key(shard, k, st);
+      send_error(w.conn, meta.tag, k.failed);
+      return;
+    }
+    k.pushed[w.worker] = true;
     if (then_pull) k.waiting.push_back(follow);
     if (k.pushes == k.pushed.size()) try_apply(shard, k);
     return;
@@ -1403,9 +1597,14 @@ void ServerService::process_push(Shard& shard, PushWork& w) {
   }
   k.pushes = 0;
   const auto start = transport::Clock::now();
-  reduce_push(k, w);
+  Status st = reduce_push(shard, k, w);
   load_->record(k.arc, LoadMetric::kBusyNs, ns_since(start));
   free_slot(shard, w.conn, meta.slot);
+  if (!st.ok()) {
+    fail_key(shard, k, st);
+    send_error(w.conn, meta.tag, k.failed);
+    return;
+  }
   k.last_round[w.worker] = std::max(k.last_round[w.worker], meta.round);
   ++k.applied[w.worker];
   if (then_pull) k.waiting.push_back(follow);
@@ -1425,7 +1624,15 @@ void ServerService::apply_round(Shard& shard, KeyState& k) {
   const auto start = transport::Clock::now();
   const bool sum_mode = options_.mode == ServerMode::kSum;
   const bool bsp = options_.sync == SyncMode::kBsp;
-  if (sum_mode) {
+  ServerDevice* dev = device_.get();
+  const size_t lane = shard.index;
+  float* param = k.param.get();
+  const float* acc = k.acc.get();
+  const size_t n = k.n;
+  Status st = k.failed;
+  if (!st.ok()) {
+    // Nothing to apply: fail_key answered what waited.
+  } else if (sum_mode) {
     if (bsp) {
       // The round's sum. No pull write reads param now (apply waits for
       // them), and the next round's first push overwrites acc whole.
@@ -1433,38 +1640,56 @@ void ServerService::apply_round(Shard& shard, KeyState& k) {
         std::swap(k.param, k.acc);
         std::swap(k.out_region, k.acc_region);
       } else {
-        std::memcpy(k.param.get(), k.acc.get(), k.n * sizeof(float));
+        st = copy_on(dev, lane, param, acc, n * sizeof(float));
       }
     } else {
-      kn::reduce_f32(k.param.get(), k.acc.get(), k.n);  // the running total
+      st = run_on(dev, lane, [=](kn::MemoryKind where, void* stream) {
+        return kn::reduce_f32(where, param, acc, n, stream);  // the running total
+      });
     }
   } else {
     const OptimizerOptions& o = options_.optimizer;
     switch (o.kind) {
-      case OptimizerKind::kSgd:
-        kn::sgd_f32(k.param.get(), k.acc.get(), k.n, {o.lr, o.weight_decay});
+      case OptimizerKind::kSgd: {
+        const kn::SgdParams p{o.lr, o.weight_decay};
+        st = run_on(dev, lane, [=](kn::MemoryKind where, void* stream) {
+          return kn::sgd_f32(where, param, acc, n, p, stream);
+        });
         break;
+      }
       case OptimizerKind::kMomentum: {
-        if (!k.m) k.m = std::make_unique<float[]>(k.n);
-        kn::MomentumParams p{o.lr,           o.momentum, o.dampening,
-                             o.weight_decay, o.nesterov, k.version == 0};
-        kn::momentum_f32(k.param.get(), k.m.get(), k.acc.get(), k.n, p);
+        st = ensure_array(dev, k.m, n);
+        if (!st.ok()) break;
+        float* m = k.m.get();
+        const kn::MomentumParams p{o.lr,           o.momentum, o.dampening,
+                                   o.weight_decay, o.nesterov, k.version == 0};
+        st = run_on(dev, lane, [=](kn::MemoryKind where, void* stream) {
+          return kn::momentum_f32(where, param, m, acc, n, p, stream);
+        });
         break;
       }
       case OptimizerKind::kAdam:
       case OptimizerKind::kAdamW: {
-        if (!k.m) k.m = std::make_unique<float[]>(k.n);
-        if (!k.v) k.v = std::make_unique<float[]>(k.n);
-        kn::AdamParams p{o.lr,         o.beta1,        o.beta2,
-                         o.eps,        o.weight_decay, o.kind == OptimizerKind::kAdamW,
-                         k.version + 1};
-        kn::adam_f32(k.param.get(), k.m.get(), k.v.get(), k.acc.get(), k.n, p);
+        st = ensure_array(dev, k.m, n);
+        if (st.ok()) st = ensure_array(dev, k.v, n);
+        if (!st.ok()) break;
+        float* m = k.m.get();
+        float* v = k.v.get();
+        const kn::AdamParams p{o.lr,         o.beta1,        o.beta2,
+                               o.eps,        o.weight_decay, o.kind == OptimizerKind::kAdamW,
+                               k.version + 1};
+        st = run_on(dev, lane, [=](kn::MemoryKind where, void* stream) {
+          return kn::adam_f32(where, param, m, v, acc, n, p, stream);
+        });
         break;
       }
     }
   }
-  if (k.dtype == DType::kF16) kn::f32_to_f16(k.out16.get(), k.param.get(), k.n);
-  if (k.dtype == DType::kBF16) kn::f32_to_bf16(k.out16.get(), k.param.get(), k.n);
+  if (st.ok()) st = publish(shard, k);
+  if (!st.ok()) {
+    fail_key(shard, k, st.with_context(fmt::format("applying round {}", k.version + 1)));
+    return;
+  }
   ++k.version;
   k.pushes = 0;
   std::fill(k.pushed.begin(), k.pushed.end(), false);
@@ -1508,6 +1733,10 @@ void ServerService::process_pull(Shard& shard, PullWork& w) {
                InvalidArgument(fmt::format("key {:#x} holds {} bytes of {}, the pull asks {} of {}",
                                            w.req.key, k.bytes, protocol::dtype_name(k.dtype),
                                            w.req.bytes, protocol::dtype_name(w.req.dtype))));
+    return;
+  }
+  if (!k.failed.ok()) {
+    send_error(w.conn, w.req.tag, k.failed);
     return;
   }
   if (!k.awaiting_state && !k.awaiting_final && pull_ready(k, w.req)) {

@@ -1,7 +1,8 @@
 // The parameter server (DESIGN.md §4): grants each worker connection a ring
 // of landing slots, reduces pushed chunks into per-key accumulators with the
-// CPU kernels, applies the round (sum or optimizer) and writes results
-// straight into the workers' registered tensors.
+// CPU kernels (or, with server.device = cuda, in GPU memory with the CUDA
+// kernels: lib/server_device.h), applies the round (sum or optimizer) and
+// writes results straight into the workers' registered tensors.
 //
 // Threads: the transport's progress thread only pairs notifications with
 // their metadata and queues work; `server_threads` shard threads own the keys
@@ -23,6 +24,7 @@
 #include "lib/epoch_log.h"
 #include "lib/load_stats.h"
 #include "lib/member.h"
+#include "lib/server_device.h"
 
 namespace psld {
 
@@ -145,7 +147,15 @@ class ServerService final : public Endpoint {
   // The key's state, created on first use; `round` is the round of the
   // request that creates it (a key gained by migration waits for its state).
   KeyState& key_state(Shard& shard, Key key, protocol::DType dtype, uint64_t bytes, uint64_t round);
-  void reduce_push(KeyState& k, const PushWork& w);
+  // Copies (the first push of a round) or adds a pushed chunk into the
+  // accumulator, and waits for it: the landing slot may be reused after.
+  Status reduce_push(Shard& shard, KeyState& k, const PushWork& w);
+  // Brings the pull source up to date with the parameter (fp16/bf16
+  // conversion; with a device, the copy to host memory) and waits for it.
+  Status publish(const Shard& shard, KeyState& k);
+  // A device operation on the key failed: answers what waits for it, and
+  // every later request, with `why` (docs/gpu.md, "GPU servers").
+  void fail_key(Shard& shard, KeyState& k, const Status& why);
   // Holds the calling shard thread as long as a server of the emulated
   // compute capacity would take to reduce `bytes`.
   void pace_compute(uint64_t bytes);
@@ -177,7 +187,7 @@ class ServerService final : public Endpoint {
   // Serves what waited for the key's state (or for EpochFinal).
   void resume(Shard& shard, KeyState& k);
   bool ready_to_ship(const KeyState& k, uint64_t switch_round) const;
-  void ship_state(KeyState& k, const StateWork& w);
+  void ship_state(Shard& shard, KeyState& k, const StateWork& w);
   void maybe_ship(Shard& shard, KeyState& k);
   // The transfer this server is an old owner in (docs/migration.md).
   void scan_outgoing(Shard& shard, uint64_t switch_round);
@@ -251,6 +261,10 @@ class ServerService final : public Endpoint {
   mutable std::mutex conns_mu_;
   std::map<uint64_t, std::shared_ptr<WorkerConn>> conns_;
 
+  // server.device = cuda: where keys live and kernels run (lane i: shard
+  // i); null: host memory and the CPU kernels. Declared before shards_ so
+  // that the keys' device memory is freed before the device goes.
+  std::unique_ptr<ServerDevice> device_;
   std::vector<std::unique_ptr<Shard>> shards_;
   std::atomic<bool> stopping_{false};
 

@@ -17,6 +17,7 @@
 #include "kernels/dispatch.h"
 #include "lib/device_staging.h"
 #include "tests/cluster.h"
+#include "tests/fake_gpu.h"
 
 namespace psld {
 namespace {
@@ -24,54 +25,6 @@ namespace {
 using namespace std::chrono_literals;
 using protocol::DType;
 using transport::MemoryKind;
-
-class FakeDevice {
- public:
-  explicit FakeDevice(size_t bytes) : bytes_(bytes) {
-    void* p = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    base_ = p == MAP_FAILED ? nullptr : static_cast<uint8_t*>(p);
-  }
-  ~FakeDevice() {
-    if (base_ != nullptr) munmap(base_, bytes_);
-  }
-  bool ok() const { return base_ != nullptr; }
-  bool contains(const void* p) const {
-    const auto* b = static_cast<const uint8_t*>(p);
-    return b >= base_ && b < base_ + bytes_;
-  }
-  // "cudaMalloc": 256-byte aligned, never freed.
-  void* alloc(size_t bytes) {
-    std::lock_guard<std::mutex> lock(mu_);
-    used_ = (used_ + 255) & ~size_t{255};
-    if (used_ + bytes > bytes_) return nullptr;
-    void* p = base_ + used_;
-    used_ += bytes;
-    return p;
-  }
-  // "cudaMemcpy", the only way in or out.
-  void copy(void* dst, const void* src, size_t n) {
-    std::lock_guard<std::mutex> lock(mu_);
-    mprotect(base_, bytes_, PROT_READ | PROT_WRITE);
-    std::memcpy(dst, src, n);
-    mprotect(base_, bytes_, PROT_NONE);
-  }
-  template <typename T>
-  void upload(T* device, const std::vector<T>& host) {
-    copy(device, host.data(), host.size() * sizeof(T));
-  }
-  template <typename T>
-  std::vector<T> download(const T* device, size_t n) {
-    std::vector<T> out(n);
-    copy(out.data(), device, n * sizeof(T));
-    return out;
-  }
-
- private:
-  uint8_t* base_ = nullptr;
-  size_t bytes_;
-  std::mutex mu_;
-  size_t used_ = 0;
-};
 
 // What the fake engines of one job did, and how they should misbehave.
 struct EngineLog {

@@ -174,6 +174,31 @@ TEST(Launch, TheExactWorkerCatchesAWrongSum) {
   EXPECT_EQ(r.output.find("round 1 tensor"), std::string::npos) << tail(r.output);
 }
 
+// `psld config` says where servers keep their keys; a job whose servers ask
+// for a GPU this machine lacks fails at once and says why.
+TEST(Launch, ServerDeviceIsReportedAndAMissingGpuFailsTheJobClearly) {
+  RunResult r = run({psld(), "config"}, {}, std::chrono::seconds(20));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("# server keys: in host memory (server.device = cpu)"), std::string::npos)
+      << r.output;
+  r = run({psld(), "config", "--server.device=cuda"}, {}, std::chrono::seconds(20));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  if (r.output.find("# server keys: in GPU memory (server.device = cuda): cuda device ") !=
+      std::string::npos) {
+    GTEST_SKIP() << "a CUDA device is present: a GPU server starts here";
+  }
+  EXPECT_NE(r.output.find("# server keys: server.device = cuda, but a server cannot start here: "),
+            std::string::npos)
+      << r.output;
+  r = run({psld(), "launch", "-w", "1", "-s", "1", "--", "true"}, {"PSLD_SERVER_DEVICE=cuda"},
+          std::chrono::seconds(60));
+  EXPECT_FALSE(r.timed_out) << r.output;
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("server.device = cuda, but the GPU cannot be used: "), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("the job failed: server 0"), std::string::npos) << r.output;
+}
+
 TEST(Launch, BadUsageIsExplained) {
   RunResult r = run({psld(), "launch", "-w", "0", "--", "true"}, {}, std::chrono::seconds(20));
   EXPECT_NE(r.exit_code, 0);

@@ -14,6 +14,7 @@
 
 #include "lib/epoch_log.h"
 #include "tests/cluster.h"
+#include "tests/fake_gpu.h"
 
 namespace psld {
 namespace {
@@ -420,6 +421,35 @@ TEST_P(Migration, AdamParametersAndMomentsMoveBitExactly) {
   EXPECT_GE(with.switches, 12u);
   const AdamJob without = adam_job(GetParam(), 0, with.rounds, nullptr);
   expect_bit_identical(with.params, without.params);
+}
+
+// Keys move between servers that keep them in GPU memory (servers 0 and 2,
+// on the fake GPU of tests/fake_gpu.h, which crashes the test if the host
+// touches that memory) and one that keeps them in host memory: parameters
+// and Adam moments cross every way bit-exactly.
+TEST_P(Migration, AdamMovesBitExactlyBetweenGpuAndCpuServers) {
+  FakeDevice arena(size_t{1} << 30);
+  ASSERT_TRUE(arena.ok()) << "mmap of the fake device failed";
+  auto log = std::make_shared<ServerDeviceLog>();
+  const AdamJob with = adam_job(
+      GetParam(), 0, 0,
+      [](Cluster& c, const auto& chunks, const std::atomic<bool>& stop) {
+        EXPECT_EQ(migrate(c, chunks, 12, 13, stop), 12);
+      },
+      [&](uint32_t i, RuntimeOptions& o) {
+        if (i == 1) return;
+        o.server_device = ServerDeviceKind::kCuda;
+        o.server_device_factory = [&arena,
+                                   log](size_t lanes) -> Result<std::unique_ptr<ServerDevice>> {
+          return std::unique_ptr<ServerDevice>(new FakeServerDevice(arena, lanes, log));
+        };
+      });
+  EXPECT_GE(with.switches, 12u);
+  const AdamJob without = adam_job(GetParam(), 0, with.rounds, nullptr);
+  expect_bit_identical(with.params, without.params);
+  EXPECT_GT(log->launches.load(), 0u);
+  EXPECT_EQ(log->live.load(), 0) << "device allocations never freed";
+  EXPECT_EQ(log->live_host.load(), 0) << "pinned host allocations never freed";
 }
 
 TEST_P(Migration, AsyncModeConservesEveryPushAcrossMigrations) {
