@@ -4,11 +4,12 @@
 //   ps_bench [--tls tcp|shm|all] [--workers W --servers S] [--sizes 4K,...,64M]
 //            [--mode push_pull|push|pull|all|raw] [--seconds T] [--repeat N]
 //            [--chunk-bytes B] [--slots N] [--raw-threads N]
-//            [--tensor-memory psld|heap] [--quick]
+//            [--tensor-memory psld|heap] [--server-device cpu|cuda] [--quick]
 //
 // One process holds a coordinator, S servers and W workers on the `ucx`
 // transport (tcp: UCX_TLS=tcp; shm: UCX_TLS=sm,tcp), server mode sum, BSP,
-// like ps-lite's test_benchmark. For every tensor size each worker registers
+// like ps-lite's test_benchmark (--server-device cuda: the servers keep
+// their keys in GPU memory, docs/gpu.md "GPU servers"). For every tensor size each worker registers
 // a set of fp32 tensors of that size that puts `slots_per_worker` chunks on
 // every server (picked from the coordinator's epoch-0 placement, so that no
 // server owns more than its share), and runs rounds of the mode over the set:
@@ -111,13 +112,14 @@ struct Options {
   uint32_t slots = 16;
   uint32_t raw_threads = 0;  // 0: one sleeping progress thread per transport
   bool psld_memory = true;   // tensors in Worker::allocate memory, else malloc'd
+  ServerDeviceKind server_device = ServerDeviceKind::kCpu;
 };
 
 constexpr std::string_view kUsage =
     "usage: ps_bench [--tls tcp|shm|all] [--workers W --servers S] [--sizes 4K,...,64M]\n"
     "                [--mode push_pull|push|pull|all|raw] [--seconds T] [--repeat N]\n"
     "                [--chunk-bytes B] [--slots N] [--raw-threads N]\n"
-    "                [--tensor-memory psld|heap] [--quick]\n"
+    "                [--tensor-memory psld|heap] [--server-device cpu|cuda] [--quick]\n"
     "\n"
     "  --tls         tcp (UCX_TLS=tcp), shm (UCX_TLS=sm,tcp) or all (default: all)\n"
     "  --workers, --servers  one job shape, given together (default: 2x2 and 4x2)\n"
@@ -133,6 +135,8 @@ constexpr std::string_view kUsage =
     "                as the runtime has (default); N = N busy-polling threads\n"
     "  --tensor-memory  where the workers' tensors are: psld = Worker::allocate (servers on\n"
     "                this host write pulls into it directly; default), heap = aligned_alloc\n"
+    "  --server-device where servers keep their keys: cpu (default) or cuda (GPU memory,\n"
+    "                server.device = cuda; needs a GPU)\n"
     "  --quick       a short run for CI: 2x2, sizes 64K,1M,4M, 0.2 s per point\n"
     "                (flags given explicitly still win)\n";
 
@@ -224,8 +228,9 @@ Result<Options> parse_args(int argc, char** argv) {
       arg.resize(eq);
     } else {
       static const char* const kTakesValue[] = {
-          "--tls",    "--workers",     "--servers", "--sizes",       "--mode",         "--seconds",
-          "--repeat", "--chunk-bytes", "--slots",   "--raw-threads", "--tensor-memory"};
+          "--tls",   "--workers",     "--servers",       "--sizes",
+          "--mode",  "--seconds",     "--repeat",        "--chunk-bytes",
+          "--slots", "--raw-threads", "--tensor-memory", "--server-device"};
       const bool known = std::any_of(std::begin(kTakesValue), std::end(kTakesValue),
                                      [&](const char* f) { return arg == f; });
       if (!known) return bad_flag(fmt::format("unknown argument '{}'", arg));
@@ -249,6 +254,11 @@ Result<Options> parse_args(int argc, char** argv) {
         return bad_flag(fmt::format("--tensor-memory '{}' is not psld or heap", value));
       }
       tensor_memory = value;
+    } else if (arg == "--server-device") {
+      if (value != "cpu" && value != "cuda") {
+        return bad_flag(fmt::format("--server-device '{}' is not cpu or cuda", value));
+      }
+      o.server_device = value == "cuda" ? ServerDeviceKind::kCuda : ServerDeviceKind::kCpu;
     } else if (arg == "--raw-threads") {
       PSLD_ASSIGN_OR_RETURN(raw_threads, parse_uint(arg, value, 0, 256));
     } else if (arg == "--slots") {
@@ -611,6 +621,7 @@ class Cluster {
     base.slots_per_worker = opts.slots;
     base.sync = SyncMode::kBsp;
     base.mode = ServerMode::kSum;
+    base.server_device = opts.server_device;
     // Generous: two cores run every member's threads at full load.
     base.heartbeat_timeout = 20s;
     base.connect_timeout = 30s;
@@ -869,7 +880,8 @@ Status run(const Options& o, Watchdog& watchdog, std::vector<Row>& rows) {
       Result<std::unique_ptr<Cluster>> cluster = std::unique_ptr<Cluster>();
       if (!o.modes.empty()) cluster = Cluster::start(o, m, shape);
       if (!cluster.ok()) return cluster.status().with_context("starting the job, " + where);
-      progress("{}: ready; raw writes use {}", where, (*rig)->path());
+      progress("{}: ready; raw writes use {}; server keys in {} memory", where, (*rig)->path(),
+               o.server_device == ServerDeviceKind::kCuda ? "GPU" : "host");
       for (uint64_t size : o.sizes) {
         const uint64_t chunk = std::min(size, o.chunk_bytes);
         watchdog.arm(point_limit, fmt::format("{} {}", where, human_size(size)));
