@@ -3,6 +3,9 @@
 // stopped in order by the destructor.
 #pragma once
 
+#include <gtest/gtest.h>
+
+#include <bit>
 #include <chrono>
 #include <functional>
 #include <future>
@@ -176,6 +179,21 @@ inline Status exact_push_pull_rounds(WorkerService& w, const std::vector<uint32_
     }
   }
   return Status::Ok();
+}
+
+// Two runs' tensors hold the very same floats, bit for bit; the first
+// difference fails the test.
+inline void expect_bit_identical(const std::vector<std::vector<float>>& a,
+                                 const std::vector<std::vector<float>>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  ASSERT_FALSE(a.empty());
+  for (size_t t = 0; t < a.size(); ++t) {
+    ASSERT_EQ(a[t].size(), b[t].size());
+    for (size_t i = 0; i < a[t].size(); ++i) {
+      ASSERT_EQ(std::bit_cast<uint32_t>(a[t][i]), std::bit_cast<uint32_t>(b[t][i]))
+          << "tensor " << t << " element " << i << ": " << a[t][i] << " vs " << b[t][i];
+    }
+  }
 }
 
 // The transports a runtime test runs on: the loopback fabric, and UCX where

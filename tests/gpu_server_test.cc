@@ -10,7 +10,6 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include <bit>
 #include <cstring>
 
 #include "kernels/cpu/cpu_kernels.h"
@@ -223,20 +222,6 @@ std::vector<std::vector<float>> optimizer_job(const std::string& backend, Optimi
   });
   EXPECT_TRUE(s.ok()) << s.to_string();
   return result;
-}
-
-void expect_bit_identical(const std::vector<std::vector<float>>& gpu,
-                          const std::vector<std::vector<float>>& cpu) {
-  ASSERT_EQ(gpu.size(), cpu.size());
-  ASSERT_FALSE(gpu.empty());
-  for (size_t t = 0; t < gpu.size(); ++t) {
-    ASSERT_EQ(gpu[t].size(), cpu[t].size());
-    for (size_t i = 0; i < gpu[t].size(); ++i) {
-      ASSERT_EQ(std::bit_cast<uint32_t>(gpu[t][i]), std::bit_cast<uint32_t>(cpu[t][i]))
-          << "tensor " << t << " element " << i << ": " << gpu[t][i] << " on the GPU servers, "
-          << cpu[t][i] << " on the CPU ones";
-    }
-  }
 }
 
 TEST_P(GpuServers, AdamIsBitIdenticalToServersOnTheCpu) {

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <bit>
 #include <functional>
 #include <optional>
 #include <random>
@@ -398,19 +397,6 @@ AdamJob adam_job(const std::string& backend, uint32_t standby, uint64_t rounds, 
   job.switches = c.coordinator->switches();
   job.placement = c.coordinator->current_placement();
   return job;
-}
-
-void expect_bit_identical(const std::vector<std::vector<float>>& a,
-                          const std::vector<std::vector<float>>& b) {
-  ASSERT_EQ(a.size(), b.size());
-  ASSERT_FALSE(a.empty());
-  for (size_t t = 0; t < a.size(); ++t) {
-    ASSERT_EQ(a[t].size(), b[t].size());
-    for (size_t i = 0; i < a[t].size(); ++i) {
-      ASSERT_EQ(std::bit_cast<uint32_t>(a[t][i]), std::bit_cast<uint32_t>(b[t][i]))
-          << "tensor " << t << " element " << i << ": " << a[t][i] << " vs " << b[t][i];
-    }
-  }
 }
 
 TEST_P(Migration, AdamParametersAndMomentsMoveBitExactly) {
