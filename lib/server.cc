@@ -64,6 +64,13 @@ struct HostFree {
 };
 using HostBuffer = std::unique_ptr<uint8_t, HostFree>;
 
+// Host memory the device page-locked (ServerDevice::pin).
+struct Unpin {
+  ServerDevice* device = nullptr;
+  void operator()(uint8_t* p) const { device->unpin(p); }
+};
+using PinnedRange = std::unique_ptr<uint8_t, Unpin>;
+
 // The key-state operations, on the host (at once) or queued on the device's
 // lane; finish_on() waits for the lane.
 Status copy_on(ServerDevice* device, size_t lane, void* dst, const void* src, size_t bytes) {
@@ -168,6 +175,9 @@ struct ServerService::WorkerConn {
   bool hello = false;
   uint32_t rank = 0;
   std::shared_ptr<transport::MemoryRegion> slots;
+  // With a device: the slots page-locked for its copies; unpinned before
+  // the slots go (declared after them).
+  PinnedRange pinned;
   uint32_t num_slots = 0;
   uint64_t slot_bytes = 0;
   std::vector<uint8_t> slot_busy;
@@ -423,10 +433,24 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
       send_error(conn->id(), 0, slots.status().with_context("allocating landing slots"));
       return;
     }
+    PinnedRange pinned;
+    if (device_) {
+      uint8_t* base = (*slots)->data();
+      Status st = device_->pin(base, options_.slots_per_worker * slot_bytes);
+      if (st.ok()) {
+        pinned = PinnedRange(base, Unpin{device_.get()});
+      } else if (!pin_warned_.exchange(true)) {
+        PSLD_LOG_WARN(
+            "server {}: landing slots stay pageable, so pushes reach the GPU through the CUDA "
+            "runtime's bounce buffer: {}",
+            rank(), st.to_string());
+      }
+    }
     std::lock_guard<std::mutex> lock(conns_mu_);
     w->hello = true;
     w->rank = hello->worker_rank;
     w->slots = *slots;
+    w->pinned = std::move(pinned);
     w->num_slots = options_.slots_per_worker;
     w->slot_bytes = slot_bytes;
     w->slot_busy.assign(w->num_slots, 0);

@@ -258,13 +258,15 @@ class ServerService final : public Endpoint {
   std::map<std::pair<uint64_t, uint32_t>, std::pair<Key, uint64_t>> incoming_;  // peers_mu_
   uint32_t next_state_tag_ = 1;  // guarded by peers_mu_
 
+  // server.device = cuda: where keys live and kernels run (lane i: shard
+  // i); null: host memory and the CPU kernels. Declared before conns_ and
+  // shards_ so that the pinned slots and the keys' device memory are given
+  // back before the device goes.
+  std::unique_ptr<ServerDevice> device_;
+  std::atomic<bool> pin_warned_{false};  // said once that slots could not be pinned
   mutable std::mutex conns_mu_;
   std::map<uint64_t, std::shared_ptr<WorkerConn>> conns_;
 
-  // server.device = cuda: where keys live and kernels run (lane i: shard
-  // i); null: host memory and the CPU kernels. Declared before shards_ so
-  // that the keys' device memory is freed before the device goes.
-  std::unique_ptr<ServerDevice> device_;
   std::vector<std::unique_ptr<Shard>> shards_;
   std::atomic<bool> stopping_{false};
 

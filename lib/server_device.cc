@@ -56,6 +56,8 @@ class CudaServerDevice final : public ServerDevice {
     return p;
   }
   void free_host(void* p) override { (void)cu::host_free(p); }
+  Status pin(void* p, size_t bytes) override { return to_status(cu::host_register(p, bytes)); }
+  void unpin(void* p) override { (void)cu::host_unregister(p); }
 
   Status copy(void* dst, const void* src, size_t bytes, size_t lane) override {
     if (lane >= streams_.size()) return InvalidArgument("server device: no such lane");

@@ -44,6 +44,11 @@ class ServerDevice {
   // write without a bounce; free_host(nullptr) is fine.
   virtual Result<void*> allocate_host(size_t bytes) = 0;
   virtual void free_host(void* p) = 0;
+  // Page-locks host memory allocated elsewhere (the landing slots) so that
+  // copies from it run without the runtime's bounce; unpin() before the
+  // memory goes. An error leaves the memory pageable: copies still work.
+  virtual Status pin(void* p, size_t bytes) = 0;
+  virtual void unpin(void* p) = 0;
   // Queue a copy (any direction, the kind of each pointer decides) or a
   // kernel on `lane`, after everything queued there before. An error here
   // is a launch that failed; a fault while the work runs is reported by

@@ -22,6 +22,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -92,8 +93,11 @@ class FakeDevice {
 
 // What the fake server devices of a job did, and how they should misbehave.
 struct ServerDeviceLog {
-  std::atomic<int64_t> live{0};       // device allocations not yet freed
-  std::atomic<int64_t> live_host{0};  // pinned host allocations not yet freed
+  std::atomic<int64_t> live{0};                 // device allocations not yet freed
+  std::atomic<int64_t> live_host{0};            // pinned host allocations not yet freed
+  std::atomic<uint64_t> pins{0};                // host ranges pinned
+  std::atomic<int64_t> live_pins{0};            // of them, not yet unpinned
+  std::atomic<uint64_t> copies_from_pinned{0};  // copies whose source was in a pinned range
   std::atomic<uint64_t> launches{0};
   std::atomic<uint64_t> copies{0};
   std::atomic<uint64_t> syncs{0};
@@ -133,10 +137,23 @@ class FakeServerDevice final : public ServerDevice {
     std::free(p);
     log_->live_host.fetch_sub(1);
   }
+  Status pin(void* p, size_t bytes) override {
+    if (p == nullptr || bytes == 0) return InvalidArgument("fake GPU: nothing to pin");
+    std::lock_guard<std::mutex> lock(mu_);
+    pinned_[static_cast<const uint8_t*>(p)] = bytes;
+    log_->pins.fetch_add(1);
+    log_->live_pins.fetch_add(1);
+    return Status::Ok();
+  }
+  void unpin(void* p) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (pinned_.erase(static_cast<const uint8_t*>(p)) == 1) log_->live_pins.fetch_sub(1);
+  }
 
   Status copy(void* dst, const void* src, size_t bytes, size_t lane) override {
     if (lane >= lanes_.size()) return InvalidArgument("fake GPU: no such lane");
     log_->copies.fetch_add(1);
+    if (is_pinned(src)) log_->copies_from_pinned.fetch_add(1);
     return queue(lane, [dst, src, bytes]() -> Status {
       std::memcpy(dst, src, bytes);
       return Status::Ok();
@@ -169,6 +186,14 @@ class FakeServerDevice final : public ServerDevice {
   }
 
  private:
+  bool is_pinned(const void* p) {
+    const auto* b = static_cast<const uint8_t*>(p);
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = pinned_.upper_bound(b);
+    if (it == pinned_.begin()) return false;
+    --it;
+    return b < it->first + it->second;
+  }
   Status queue(size_t lane, std::function<Status()> op) {
     std::lock_guard<std::mutex> lock(mu_);
     lanes_[lane].push_back(std::move(op));
@@ -179,6 +204,7 @@ class FakeServerDevice final : public ServerDevice {
   std::shared_ptr<ServerDeviceLog> log_;
   std::mutex mu_;
   std::vector<std::deque<std::function<Status()>>> lanes_;
+  std::map<const uint8_t*, size_t> pinned_;  // start -> bytes
 };
 
 }  // namespace psld

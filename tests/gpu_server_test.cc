@@ -46,6 +46,7 @@ class GpuServers : public ::testing::TestWithParam<std::string> {
   void expect_all_freed() {
     EXPECT_EQ(log_->live.load(), 0) << "device allocations never freed";
     EXPECT_EQ(log_->live_host.load(), 0) << "pinned host allocations never freed";
+    EXPECT_EQ(log_->live_pins.load(), 0) << "landing slots never unpinned";
     EXPECT_EQ(log_->bad_frees.load(), 0u);
   }
 
@@ -152,6 +153,10 @@ TEST_P(GpuServers, SumsOfEveryDtypeAreExactWithKeysInGpuMemory) {
     // into the accumulator, and a copy out per update.
     EXPECT_GT(log_->launches.load(), 0u);
     EXPECT_GT(log_->copies.load(), 0u);
+    // Each worker's landing slots on each server, pinned, and the pushes
+    // copied from them.
+    EXPECT_EQ(log_->pins.load(), 2u * 2u);
+    EXPECT_GE(log_->copies_from_pinned.load(), 2u * 8u * 12u);
     uint64_t pushes = 0;
     for (auto& srv : c.servers)
       pushes += srv->stats().pushes;

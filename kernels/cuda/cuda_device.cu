@@ -169,6 +169,26 @@ KernelStatus host_free(void* p) {
   return {};
 }
 
+KernelStatus host_register(void* p, size_t bytes) {
+  if (bytes == 0) return {};
+  KernelStatus s = device_status();
+  if (!s.ok()) return s;
+  const cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterDefault);
+  if (e != cudaSuccess) {
+    return cuda_failure("cudaHostRegister(" + std::to_string(bytes) + " bytes)", e);
+  }
+  return {};
+}
+
+KernelStatus host_unregister(void* p) {
+  if (p == nullptr) return {};
+  KernelStatus s = device_status();
+  if (!s.ok()) return s;
+  const cudaError_t e = cudaHostUnregister(p);
+  if (e != cudaSuccess) return cuda_failure("cudaHostUnregister", e);
+  return {};
+}
+
 KernelStatus describe_device(std::string* out) {
   out->clear();
   KernelStatus s = device_status();

@@ -89,6 +89,9 @@ KernelStatus zero(void* p, size_t bytes);
 // Page-locked host memory (cudaHostAlloc, portable), and cudaFreeHost.
 KernelStatus host_alloc(size_t bytes, void** out);  // *out = nullptr on error
 KernelStatus host_free(void* p);                    // nullptr is fine
+// Page-locks host memory allocated elsewhere (cudaHostRegister), and undoes it.
+KernelStatus host_register(void* p, size_t bytes);
+KernelStatus host_unregister(void* p);
 // The calling thread's current device in words, for start-up lines:
 // "cuda device 0: NVIDIA H200, 139.8 GiB, sm_90".
 KernelStatus describe_device(std::string* out);

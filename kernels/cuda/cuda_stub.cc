@@ -99,6 +99,12 @@ KernelStatus host_alloc(size_t, void** out) {
 KernelStatus host_free(void* p) {
   return p == nullptr ? KernelStatus{} : without_cuda("cuda host_free");
 }
+KernelStatus host_register(void*, size_t bytes) {
+  return bytes == 0 ? KernelStatus{} : without_cuda("cuda host_register");
+}
+KernelStatus host_unregister(void* p) {
+  return p == nullptr ? KernelStatus{} : without_cuda("cuda host_unregister");
+}
 KernelStatus describe_device(std::string* out) {
   out->clear();
   return device_status();
