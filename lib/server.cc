@@ -449,8 +449,8 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
     std::lock_guard<std::mutex> lock(conns_mu_);
     w->hello = true;
     w->rank = hello->worker_rank;
+    w->pinned = std::move(pinned);  // first: a second hello unpins the old slots before they go
     w->slots = *slots;
-    w->pinned = std::move(pinned);
     w->num_slots = options_.slots_per_worker;
     w->slot_bytes = slot_bytes;
     w->slot_busy.assign(w->num_slots, 0);
