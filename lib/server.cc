@@ -84,8 +84,7 @@ Status copy_on(ServerDevice* device, size_t lane, void* dst, const void* src, si
 template <typename Fn>
 Status run_on(ServerDevice* device, size_t lane, const Fn& fn) {
   if (device != nullptr) return device->launch(lane, ServerDevice::Launch(fn));
-  const kn::KernelStatus s = fn(kn::MemoryKind::kHost, nullptr);
-  return s.ok() ? Status::Ok() : Internal(s.message);
+  return status_from_kernel(fn(kn::MemoryKind::kHost, nullptr));
 }
 
 Status finish_on(ServerDevice* device, size_t lane) {

@@ -59,6 +59,10 @@ class ServerDevice {
   virtual Status synchronize(size_t lane) = 0;
 };
 
+// A kernel's status as psld's: no device or no CUDA build is Unavailable,
+// a bad argument InvalidArgument, a CUDA error Internal.
+Status status_from_kernel(const kernels::KernelStatus& s);
+
 // The calling thread's current CUDA device with `lanes` non-blocking
 // streams. Unavailable with the reason where there is no device, or in a
 // build without CUDA.
