@@ -735,6 +735,11 @@ uint64_t CoordinatorService::switches() const {
   return switches_;
 }
 
+uint64_t CoordinatorService::last_switch_round() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return last_switch_round_;
+}
+
 LoadHistory CoordinatorService::load_history() const {
   std::lock_guard<std::mutex> lock(mu_);
   return load_;

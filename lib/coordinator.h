@@ -59,6 +59,8 @@ class CoordinatorService final : public Endpoint {
   bool transferring() const;
   // Epoch switches committed so far (aborts not counted).
   uint64_t switches() const;
+  // The round the last committed switch takes effect at (0: none yet).
+  uint64_t last_switch_round() const;
   // Transfers aborted because a server gaining keys died.
   uint64_t aborts() const;
   const Placement* placement() const { return placement_ ? &*placement_ : nullptr; }
