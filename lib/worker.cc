@@ -507,12 +507,20 @@ Result<uint32_t> WorkerService::register_tensor(const std::string& name, DType d
 }
 
 Result<std::shared_ptr<RequestState>> WorkerService::submit(uint32_t handle, RequestKind kind) {
-  PSLD_RETURN_IF_ERROR(session_.health());
   std::shared_ptr<RequestState> req;
   std::vector<std::function<void()>> copy_out;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopped_) return FailedPrecondition("the worker was shut down");
+    // Under mu_: a job that fails sets the session's health, then fails
+    // everything in flight under mu_. A request that sees the failure here
+    // fails what is in flight itself (the control thread may not have got
+    // to it yet); one that does not is in flight when that happens.
+    if (Status h = session_.health(); !h.ok()) {
+      fail_everything(h);
+      cv_.notify_all();
+      return h;
+    }
     if (handle >= tensors_.size()) return InvalidArgument("unknown tensor handle");
     Tensor& t = tensors_[handle];
     const uint64_t chunks = t.layout->num_chunks();
