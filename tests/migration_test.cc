@@ -960,6 +960,9 @@ TEST_P(MigrationAbort, AnOldOwnerDyingMidTransferFailsTheJobClearly) {
       }
       if (wi == 0 && r == 3) {
         controller = std::thread([&] {
+          // Held open on loopback, where it would otherwise end within a
+          // millisecond of the commit, before a loaded host gets to the kill.
+          slow_transfer(c, GetParam());
           control = scale_out_and_kill(c, moving, victim, KillAt::kCommit).status();
           if (!control.ok()) stop = true;
         });
