@@ -541,8 +541,7 @@ class UcxRemoteRegion final : public RemoteRegion,
   uint64_t base_;
   uint64_t secret_;
   bool mapped_;
-  uint8_t* mapped_base_;          // where base() is mapped here; guarded by UcxCore::mapping_mu_
-  bool fallback_logged_ = false;  // guarded by UcxCore::mu_
+  uint8_t* mapped_base_;  // where base() is mapped here; guarded by UcxCore::mapping_mu_
   ucp_rkey_h rkey_;  // guarded by UcxCore::rkey_mu_ for destruction; read under UcxCore::mu_
   std::weak_ptr<UcxCore> core_;
 };
@@ -669,6 +668,9 @@ class UcxConnection final : public Connection, public std::enable_shared_from_th
   // without mu_.
   std::atomic<uint64_t> peer_instance_{0};
   RmaKind rma_ = RmaKind::kEmulated;
+  // A write went by am to a region the peer did not allocate through the
+  // transport: said once per connection (a peer may have thousands).
+  bool am_fallback_logged_ = false;
   Clock::time_point handshake_deadline_;
   bool bye_in_flight_ = false;
   Clock::time_point bye_deadline_;
@@ -2186,11 +2188,12 @@ void UcxCore::start_write(UcxConnection& conn, UserOp u, const std::shared_ptr<U
   // put was forced (UCX then emulates it).
   const bool put = conn.path_.load() == WritePath::kPut &&
                    (forced_ == WritePath::kPut || conn.rma_ == RmaKind::kRdma);
-  if (!put && conn.path_.load() == WritePath::kPut && !remote->fallback_logged_) {
-    remote->fallback_logged_ = true;
+  if (!put && conn.path_.load() == WritePath::kPut && !conn.am_fallback_logged_) {
+    conn.am_fallback_logged_ = true;
     PSLD_LOG_INFO(
         "ucx: region {} of {} is not shared memory this process can map (the peer registered it "
-        "with register_memory, not allocate_memory); writes to it use am",
+        "with register_memory, not allocate_memory); writes to it, and to any other such region "
+        "of this connection, use am",
         remote->peer_region_id(), conn.peer());
   }
   if (put) {
