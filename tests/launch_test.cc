@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -72,8 +73,24 @@ std::string exact_worker() {
 }
 
 // The end of a long output: enough to see what failed.
+// The end of a job's output for a failure message, without its info and
+// debug lines: with PSLD_LOG=info they can bury the one line saying why.
 std::string tail(const std::string& s, size_t n = 6000) {
-  return s.size() <= n ? s : "...\n" + s.substr(s.size() - n);
+  std::string kept;
+  size_t dropped = 0;
+  std::istringstream in(s);
+  for (std::string line; std::getline(in, line);) {
+    if (line.find("[psld info]") != std::string::npos ||
+        line.find("[psld debug]") != std::string::npos) {
+      ++dropped;
+      continue;
+    }
+    kept += line;
+    kept += '\n';
+  }
+  if (kept.size() > n) kept = "...\n" + kept.substr(kept.size() - n);
+  if (dropped > 0) kept += "(" + std::to_string(dropped) + " info and debug lines left out)\n";
+  return kept;
 }
 
 // Every "lanes ..." line the ucx transport logs at info level, one per connection.
