@@ -6,6 +6,7 @@
 
 #include <cstdio>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "kernels/cuda/cuda_error.h"
@@ -56,6 +57,27 @@ KernelStatus device_status() {
   return probed;
 }
 
+namespace {
+
+// Makes one CUDA runtime call once a device is usable. An error names the
+// call, with the bytes it moves or allocates where it has some.
+template <typename Call>
+KernelStatus runtime_call(const char* what, std::optional<size_t> bytes, Call&& call) {
+  KernelStatus s = device_status();
+  if (!s.ok()) return s;
+  const cudaError_t e = call();
+  if (e == cudaSuccess) return {};
+  std::string name = what;
+  if (bytes) {
+    name += '(';
+    name += std::to_string(*bytes);
+    name += " bytes)";
+  }
+  return cuda_failure(name, e);
+}
+
+}  // namespace
+
 bool is_device_pointer(const void* p) {
   if (p == nullptr || !device_status().ok()) return false;
   cudaPointerAttributes attributes{};
@@ -71,122 +93,77 @@ bool is_device_pointer(const void* p) {
 
 KernelStatus device_alloc(size_t bytes, void** out) {
   *out = nullptr;
-  KernelStatus s = device_status();
-  if (!s.ok()) return s;
-  const cudaError_t e = cudaMalloc(out, bytes);
-  if (e != cudaSuccess) {
-    *out = nullptr;
-    return cuda_failure("cudaMalloc(" + std::to_string(bytes) + " bytes)", e);
-  }
-  return {};
+  KernelStatus s = runtime_call("cudaMalloc", bytes, [&] { return cudaMalloc(out, bytes); });
+  if (!s.ok()) *out = nullptr;
+  return s;
 }
 
 KernelStatus device_free(void* p) {
   if (p == nullptr) return {};
-  KernelStatus s = device_status();
-  if (!s.ok()) return s;
-  const cudaError_t e = cudaFree(p);
-  if (e != cudaSuccess) return cuda_failure("cudaFree", e);
-  return {};
+  return runtime_call("cudaFree", std::nullopt, [&] { return cudaFree(p); });
 }
 
 KernelStatus copy(void* dst, const void* src, size_t bytes) {
   if (bytes == 0) return {};
-  KernelStatus s = device_status();
-  if (!s.ok()) return s;
-  const cudaError_t e = cudaMemcpy(dst, src, bytes, cudaMemcpyDefault);
-  if (e != cudaSuccess) return cuda_failure("cudaMemcpy(" + std::to_string(bytes) + " bytes)", e);
-  return {};
+  return runtime_call("cudaMemcpy", bytes,
+                      [&] { return cudaMemcpy(dst, src, bytes, cudaMemcpyDefault); });
 }
 
 KernelStatus stream_create(void** out) {
   *out = nullptr;
-  KernelStatus s = device_status();
-  if (!s.ok()) return s;
   cudaStream_t stream = nullptr;
-  const cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-  if (e != cudaSuccess) return cuda_failure("cudaStreamCreateWithFlags", e);
-  *out = stream;
-  return {};
+  KernelStatus s = runtime_call("cudaStreamCreateWithFlags", std::nullopt, [&] {
+    return cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  });
+  if (s.ok()) *out = stream;
+  return s;
 }
 
 KernelStatus stream_destroy(void* stream) {
   if (stream == nullptr) return {};
-  KernelStatus s = device_status();
-  if (!s.ok()) return s;
-  const cudaError_t e = cudaStreamDestroy(static_cast<cudaStream_t>(stream));
-  if (e != cudaSuccess) return cuda_failure("cudaStreamDestroy", e);
-  return {};
+  return runtime_call("cudaStreamDestroy", std::nullopt,
+                      [&] { return cudaStreamDestroy(static_cast<cudaStream_t>(stream)); });
 }
 
 KernelStatus stream_synchronize(void* stream) {
-  KernelStatus s = device_status();
-  if (!s.ok()) return s;
-  const cudaError_t e = cudaStreamSynchronize(static_cast<cudaStream_t>(stream));
-  if (e != cudaSuccess) return cuda_failure("cudaStreamSynchronize", e);
-  return {};
+  return runtime_call("cudaStreamSynchronize", std::nullopt,
+                      [&] { return cudaStreamSynchronize(static_cast<cudaStream_t>(stream)); });
 }
 
 KernelStatus copy_async(void* dst, const void* src, size_t bytes, void* stream) {
   if (bytes == 0) return {};
-  KernelStatus s = device_status();
-  if (!s.ok()) return s;
-  const cudaError_t e =
-      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream));
-  if (e != cudaSuccess) {
-    return cuda_failure("cudaMemcpyAsync(" + std::to_string(bytes) + " bytes)", e);
-  }
-  return {};
+  return runtime_call("cudaMemcpyAsync", bytes, [&] {
+    return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream));
+  });
 }
 
 KernelStatus zero(void* p, size_t bytes) {
   if (bytes == 0) return {};
-  KernelStatus s = device_status();
-  if (!s.ok()) return s;
-  const cudaError_t e = cudaMemset(p, 0, bytes);
-  if (e != cudaSuccess) return cuda_failure("cudaMemset(" + std::to_string(bytes) + " bytes)", e);
-  return {};
+  return runtime_call("cudaMemset", bytes, [&] { return cudaMemset(p, 0, bytes); });
 }
 
 KernelStatus host_alloc(size_t bytes, void** out) {
   *out = nullptr;
-  KernelStatus s = device_status();
-  if (!s.ok()) return s;
-  const cudaError_t e = cudaHostAlloc(out, bytes, cudaHostAllocPortable);
-  if (e != cudaSuccess) {
-    *out = nullptr;
-    return cuda_failure("cudaHostAlloc(" + std::to_string(bytes) + " bytes)", e);
-  }
-  return {};
+  KernelStatus s = runtime_call("cudaHostAlloc", bytes,
+                                [&] { return cudaHostAlloc(out, bytes, cudaHostAllocPortable); });
+  if (!s.ok()) *out = nullptr;
+  return s;
 }
 
 KernelStatus host_free(void* p) {
   if (p == nullptr) return {};
-  KernelStatus s = device_status();
-  if (!s.ok()) return s;
-  const cudaError_t e = cudaFreeHost(p);
-  if (e != cudaSuccess) return cuda_failure("cudaFreeHost", e);
-  return {};
+  return runtime_call("cudaFreeHost", std::nullopt, [&] { return cudaFreeHost(p); });
 }
 
 KernelStatus host_register(void* p, size_t bytes) {
   if (bytes == 0) return {};
-  KernelStatus s = device_status();
-  if (!s.ok()) return s;
-  const cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterDefault);
-  if (e != cudaSuccess) {
-    return cuda_failure("cudaHostRegister(" + std::to_string(bytes) + " bytes)", e);
-  }
-  return {};
+  return runtime_call("cudaHostRegister", bytes,
+                      [&] { return cudaHostRegister(p, bytes, cudaHostRegisterDefault); });
 }
 
 KernelStatus host_unregister(void* p) {
   if (p == nullptr) return {};
-  KernelStatus s = device_status();
-  if (!s.ok()) return s;
-  const cudaError_t e = cudaHostUnregister(p);
-  if (e != cudaSuccess) return cuda_failure("cudaHostUnregister", e);
-  return {};
+  return runtime_call("cudaHostUnregister", std::nullopt, [&] { return cudaHostUnregister(p); });
 }
 
 KernelStatus describe_device(std::string* out) {
