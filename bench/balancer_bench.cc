@@ -14,7 +14,7 @@
 
 #include <benchmark/benchmark.h>
 
-#include "lib/balancer.h"
+#include "lib/balancer/balancer.h"
 
 namespace psld {
 namespace {

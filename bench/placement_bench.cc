@@ -9,7 +9,7 @@
 
 #include <benchmark/benchmark.h>
 
-#include "lib/placement.h"
+#include "lib/placement/placement.h"
 
 namespace psld {
 namespace {

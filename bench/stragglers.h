@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "bench/profiles.h"
-#include "lib/placement.h"
+#include "lib/placement/placement.h"
 #include "psld/keys.h"
 
 namespace psld::bench {

@@ -21,10 +21,10 @@
 
 #include "bench/bench_util.h"
 #include "bench/stragglers.h"
-#include "lib/coordinator.h"
-#include "lib/server.h"
-#include "lib/worker.h"
-#include "transports/emulated_link.h"
+#include "lib/coordinator/coordinator.h"
+#include "lib/server/server.h"
+#include "lib/worker/worker.h"
+#include "transports/emulated_link/emulated_link.h"
 #include "transports/loopback/loopback.h"
 
 namespace psld::bench {

@@ -2,7 +2,7 @@
 // true rates and keys with true loads; each decision it reports one window
 // per server (load / rate, with optional noise from a seeded RNG) and the
 // load of every arc, applies the plan, and goes on.
-#include "lib/balancer.h"
+#include "lib/balancer/balancer.h"
 
 #include <algorithm>
 #include <cmath>
@@ -17,7 +17,7 @@
 
 #include <gtest/gtest.h>
 
-#include "lib/hash.h"
+#include "base/hash.h"
 
 namespace psld {
 namespace {

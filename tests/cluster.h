@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "lib/coordinator.h"
-#include "lib/server.h"
-#include "lib/worker.h"
+#include "lib/coordinator/coordinator.h"
+#include "lib/server/server.h"
+#include "lib/worker/worker.h"
 #include "transports/loopback/loopback.h"
 
 namespace psld {

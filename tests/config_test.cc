@@ -16,8 +16,8 @@
 #include <string>
 #include <vector>
 
-#include "lib/balancer.h"
-#include "lib/runtime_options.h"
+#include "lib/balancer/balancer.h"
+#include "lib/config/runtime_options.h"
 
 namespace psld {
 namespace {
@@ -150,7 +150,7 @@ TEST(Config, KeysEnvNamesAndFlagsFollowOneRule) {
   }
   EXPECT_TRUE(keys.count("job.num_workers"));
   EXPECT_TRUE(keys.count("optimizer.lr"));
-  EXPECT_TRUE(envs.count("PSLD_LOG"));  // the variable transports/log.cc reads
+  EXPECT_TRUE(envs.count("PSLD_LOG"));  // the variable base/log.cc reads
   EXPECT_GE(keys.size(), 40u);
 }
 

@@ -1,4 +1,4 @@
-// Tensors in CUDA memory on the worker's staged path (lib/device_staging.h),
+// Tensors in CUDA memory on the worker's staged path (lib/worker/device_staging.h),
 // run without a GPU: "device memory" is an arena that is inaccessible
 // (PROT_NONE) except inside the fake copy engine's copies, so psld touching
 // it any other way (a transport reading a push from it, a memcpy of an
@@ -15,7 +15,7 @@
 #include <mutex>
 
 #include "kernels/dispatch.h"
-#include "lib/device_staging.h"
+#include "lib/worker/device_staging.h"
 #include "tests/cluster.h"
 #include "tests/fake_gpu.h"
 

@@ -1,6 +1,6 @@
 // The emulated link: token-bucket bandwidth and added latency over any
 // backend (loopback here, so the link is the only limit).
-#include "transports/emulated_link.h"
+#include "transports/emulated_link/emulated_link.h"
 
 #include <gtest/gtest.h>
 

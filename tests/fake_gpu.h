@@ -5,7 +5,7 @@
 // any other way (a memcpy, a transport reading from it, a CPU kernel called
 // on it) crashes the test.
 //
-// FakeServerDevice is a server's device (lib/server_device.h) on that arena:
+// FakeServerDevice is a server's device (lib/server/server_device.h) on that arena:
 // copies and kernels are only queued, and run when the lane is synchronized,
 // as on a CUDA stream, so a server that uses a result before waiting for it
 // reads stale bytes and exact results fail. Its kernels are the CPU ones
@@ -27,7 +27,7 @@
 #include <mutex>
 #include <vector>
 
-#include "lib/server_device.h"
+#include "lib/server/server_device.h"
 
 namespace psld {
 

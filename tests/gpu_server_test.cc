@@ -1,5 +1,5 @@
 // Servers that keep their keys in GPU memory and reduce and update them with
-// the GPU's kernels (server.device = cuda; lib/server_device.h), run on the
+// the GPU's kernels (server.device = cuda; lib/server/server_device.h), run on the
 // fake GPU of tests/fake_gpu.h: the keys' memory is inaccessible to the host
 // and the fake's copies and kernels run only when the server waits for them,
 // so a server that touches a key from the host crashes the test and one that

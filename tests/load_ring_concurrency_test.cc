@@ -5,7 +5,7 @@
 #include <thread>
 #include <vector>
 
-#include "lib/load_ring.h"
+#include "lib/stats/load_ring.h"
 
 namespace psld {
 namespace {

@@ -1,4 +1,4 @@
-#include "lib/load_ring.h"
+#include "lib/stats/load_ring.h"
 
 #include <gtest/gtest.h>
 

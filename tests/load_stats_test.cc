@@ -5,8 +5,8 @@
 #include <set>
 #include <thread>
 
-#include "lib/load_history.h"
-#include "lib/load_stats.h"
+#include "lib/stats/load_history.h"
+#include "lib/stats/load_stats.h"
 
 namespace psld {
 namespace {

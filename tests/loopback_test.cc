@@ -8,7 +8,7 @@
 
 #include "tests/transport_test_util.h"
 #include "transports/loopback/loopback.h"
-#include "transports/progress_thread.h"
+#include "transports/common/progress_thread.h"
 
 namespace psld::transport::testing {
 namespace {

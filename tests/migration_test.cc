@@ -11,7 +11,7 @@
 #include <random>
 #include <thread>
 
-#include "lib/epoch_log.h"
+#include "lib/placement/epoch_log.h"
 #include "tests/cluster.h"
 #include "tests/fake_gpu.h"
 

@@ -12,7 +12,7 @@
 #include <string_view>
 #include <vector>
 
-#include "lib/placement.h"
+#include "lib/placement/placement.h"
 
 namespace psld::scenarios {
 

@@ -1,4 +1,4 @@
-#include "lib/placement.h"
+#include "lib/placement/placement.h"
 
 #include <fcntl.h>
 #include <spawn.h>
@@ -18,7 +18,7 @@
 
 #include <gtest/gtest.h>
 
-#include "lib/hash.h"
+#include "base/hash.h"
 
 extern char** environ;
 

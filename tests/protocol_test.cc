@@ -1,4 +1,4 @@
-#include "lib/protocol.h"
+#include "lib/protocol/protocol.h"
 
 #include <gtest/gtest.h>
 

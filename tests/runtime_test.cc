@@ -13,10 +13,10 @@
 #include <numeric>
 #include <thread>
 
-#include "lib/coordinator.h"
-#include "lib/load_history.h"
-#include "lib/server.h"
-#include "lib/worker.h"
+#include "lib/coordinator/coordinator.h"
+#include "lib/stats/load_history.h"
+#include "lib/server/server.h"
+#include "lib/worker/worker.h"
 #include "tests/cluster.h"
 #include "transports/loopback/loopback.h"
 

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "kernels/cuda/cuda_kernels.h"
-#include "transports/cuda_copy_engine.h"
+#include "gpu/cuda_copy_engine.h"
 
 namespace psld::transport {
 namespace {

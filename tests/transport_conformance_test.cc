@@ -11,7 +11,7 @@
 
 #include "kernels/cuda/cuda_kernels.h"
 #include "tests/transport_test_util.h"
-#include "transports/emulated_link.h"
+#include "transports/emulated_link/emulated_link.h"
 
 namespace psld::transport::testing {
 

@@ -177,7 +177,7 @@ struct BalancerConfig {
   bool enabled = false;
   int64_t interval_ms = 1000;  // how often it plans; at least stats.interval_ms
   // The options a job may want to tune; docs/balancer.md explains each, and
-  // the defaults are lib/balancer.h's BalancerOptions.
+  // the defaults are lib/balancer/balancer.h's BalancerOptions.
   double straggler_threshold = 0.15;  // predicted time above the others' by this fraction ...
   uint32_t straggler_windows = 3;     // ... for this many windows in a row
   double horizon_rounds = 100;        // rounds a migration's cost is amortised over

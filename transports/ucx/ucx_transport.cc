@@ -53,11 +53,11 @@
 #include <unordered_map>
 #include <vector>
 
-#include "transports/cuda_driver.h"
-#include "transports/log.h"
-#include "transports/pending_ops.h"
-#include "transports/registration_cache.h"
-#include "transports/wire.h"
+#include "gpu/cuda_driver.h"
+#include "base/log.h"
+#include "transports/common/pending_ops.h"
+#include "transports/common/registration_cache.h"
+#include "base/wire.h"
 
 namespace psld::transport {
 namespace {

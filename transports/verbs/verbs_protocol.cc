@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <charconv>
 
-#include "transports/wire.h"
+#include "base/wire.h"
 
 namespace psld::transport::verbs {
 

@@ -34,10 +34,10 @@
 #include <thread>
 #include <unordered_map>
 
-#include "transports/cuda_driver.h"
-#include "transports/log.h"
-#include "transports/pending_ops.h"
-#include "transports/registration_cache.h"
+#include "gpu/cuda_driver.h"
+#include "base/log.h"
+#include "transports/common/pending_ops.h"
+#include "transports/common/registration_cache.h"
 #include "transports/verbs/send_queue.h"
 #include "transports/verbs/side_channel.h"
 #include "transports/verbs/verbs_protocol.h"

@@ -1,0 +1,220 @@
+// The public classes of include/psld/ over the services in lib/.
+#include <future>
+
+#include "lib/coordinator/coordinator.h"
+#include "lib/config/runtime_options.h"
+#include "lib/server/server.h"
+#include "lib/worker/worker.h"
+#include "psld/coordinator.h"
+#include "psld/server.h"
+#include "psld/worker.h"
+#include "base/log.h"
+
+namespace psld {
+
+namespace {
+Status check_config(const Config& config) {
+  PSLD_RETURN_IF_ERROR(validate(config).with_context("invalid configuration"));
+  LogLevel level;
+  if (parse_log_level(config.log, &level)) set_log_level(level);
+  return Status::Ok();
+}
+}  // namespace
+
+// ---- Request
+
+Status Request::wait(std::chrono::milliseconds timeout) const {
+  return state_ ? state_->wait(timeout) : Status::Ok();
+}
+
+bool Request::test() const {
+  return state_ ? state_->test() : true;
+}
+
+// ---- Worker
+
+Result<std::unique_ptr<Worker>> Worker::join(const Config& config) {
+  PSLD_RETURN_IF_ERROR(check_config(config));
+  const RuntimeOptions options = runtime_options_from_config(config);
+  std::unique_ptr<Worker> w(new Worker());
+  if (!config.job.colocate_servers) {
+    PSLD_ASSIGN_OR_RETURN(w->impl_, WorkerService::start(options));
+    return w;
+  }
+  if (options.rank < 0) {
+    return InvalidArgument(
+        "job.colocate_servers needs this worker's rank at start: run it under a launcher "
+        "(mpirun, srun, torchrun) or set job.rank");
+  }
+  if (options.rank == 0) {
+    RuntimeOptions c = options;
+    c.endpoint.options.common.listen_address = config.job.coordinator;
+    auto coordinator = CoordinatorService::start(c);
+    if (!coordinator.ok()) {
+      return coordinator.status().with_context("worker 0 runs the coordinator of a colocated job");
+    }
+    w->coordinator_ = std::move(coordinator).value();
+  }
+  // Both block until the whole job joined, so they start side by side.
+  auto server =
+      std::async(std::launch::async, [&options] { return ServerService::start(options); });
+  auto worker = WorkerService::start(options);
+  auto started = server.get();
+  if (!started.ok()) {
+    return started.status().with_context("the server colocated with worker " +
+                                         std::to_string(options.rank));
+  }
+  w->server_ = std::move(started).value();
+  if (!worker.ok()) return worker.status();
+  w->impl_ = std::move(worker).value();
+  PSLD_LOG_INFO("worker {} runs server {}{}", w->impl_->rank(), w->server_->rank(),
+                w->coordinator_ ? " and the coordinator" : "");
+  return w;
+}
+
+Worker::~Worker() {
+  if (!server_ && !coordinator_) {
+    (void)shutdown();
+    return;
+  }
+  // A colocated worker destroyed without shutdown() is leaving abnormally (an
+  // error return, an exception): waiting for the job to end would hold this
+  // process while the others wait for it. It leaves as a crash would, without
+  // a goodbye, so the job fails at once naming this worker.
+  if (impl_) impl_->stop();
+  if (server_) server_->shutdown();
+  if (coordinator_) coordinator_->shutdown();
+}
+
+uint32_t Worker::rank() const {
+  return impl_->rank();
+}
+uint32_t Worker::num_workers() const {
+  return impl_->num_workers();
+}
+
+Result<TensorHandle> Worker::register_tensor(std::string_view name, DType dtype, size_t bytes,
+                                             void* data, const void* init) {
+  if (dtype != DType::kFloat32 && dtype != DType::kFloat16 && dtype != DType::kBFloat16) {
+    return InvalidArgument("dtype must be kFloat32, kFloat16 or kBFloat16");
+  }
+  PSLD_ASSIGN_OR_RETURN(
+      uint32_t index, impl_->register_tensor(std::string(name), static_cast<protocol::DType>(dtype),
+                                             bytes, data, init));
+  return TensorHandle{index};
+}
+
+Result<Request> Worker::push(TensorHandle t) {
+  PSLD_ASSIGN_OR_RETURN(auto state, impl_->submit(t.index, RequestKind::kPush));
+  return Request(std::move(state));
+}
+
+Result<Request> Worker::pull(TensorHandle t) {
+  PSLD_ASSIGN_OR_RETURN(auto state, impl_->submit(t.index, RequestKind::kPull));
+  return Request(std::move(state));
+}
+
+Result<Request> Worker::push_pull(TensorHandle t) {
+  PSLD_ASSIGN_OR_RETURN(auto state, impl_->submit(t.index, RequestKind::kPushPull));
+  return Request(std::move(state));
+}
+
+Status Worker::barrier(std::chrono::milliseconds timeout) {
+  return impl_->barrier(timeout);
+}
+Status Worker::health() const {
+  return impl_->health();
+}
+
+Result<void*> Worker::allocate(size_t bytes) {
+  return impl_->allocate(bytes);
+}
+
+std::string Worker::gpu_path() const {
+  return impl_->gpu_path();
+}
+
+std::vector<ServerLoad> Worker::server_loads() const {
+  std::vector<ServerLoad> out;
+  for (const auto& l : impl_->server_loads()) {
+    ServerLoad s;
+    s.server = l.server;
+    s.bytes_pushed = l.bytes_pushed;
+    s.answers = l.answers;
+    s.mean_answer_us = l.answers ? static_cast<double>(l.answer_latency_ns) / l.answers / 1e3 : 0;
+    out.push_back(s);
+  }
+  return out;
+}
+Status Worker::shutdown() {
+  Status status = impl_ ? impl_->shutdown() : Status::Ok();
+  // The coordinator ends the job once every worker finished and then tells
+  // the servers to stop; until then this process's server still serves the
+  // other workers. A failed job ends both waits too.
+  if (coordinator_) {
+    Status job = coordinator_->wait(std::chrono::hours(24 * 365));
+    if (status.ok()) status = job;
+  }
+  if (server_) {
+    Status served = server_->wait(std::chrono::hours(24 * 365));
+    if (status.ok()) status = served;
+    server_->shutdown();
+    server_.reset();
+  }
+  if (coordinator_) {
+    coordinator_->shutdown();
+    coordinator_.reset();
+  }
+  return status;
+}
+
+// ---- Server
+
+Result<std::unique_ptr<Server>> Server::start(const Config& config) {
+  PSLD_RETURN_IF_ERROR(check_config(config));
+  PSLD_ASSIGN_OR_RETURN(auto impl, ServerService::start(runtime_options_from_config(config)));
+  return std::unique_ptr<Server>(new Server(std::move(impl)));
+}
+
+Server::Server(std::unique_ptr<ServerService> impl) : impl_(std::move(impl)) {}
+Server::~Server() {
+  shutdown();
+}
+uint32_t Server::rank() const {
+  return impl_->rank();
+}
+std::string Server::address() const {
+  return impl_->address();
+}
+Status Server::wait(std::chrono::milliseconds timeout) {
+  return impl_->wait(timeout);
+}
+void Server::shutdown() {
+  if (impl_) impl_->shutdown();
+}
+
+// ---- Coordinator
+
+Result<std::unique_ptr<Coordinator>> Coordinator::start(const Config& config) {
+  PSLD_RETURN_IF_ERROR(check_config(config));
+  RuntimeOptions o = runtime_options_from_config(config);
+  o.endpoint.options.common.listen_address = config.job.coordinator;
+  PSLD_ASSIGN_OR_RETURN(auto impl, CoordinatorService::start(o));
+  return std::unique_ptr<Coordinator>(new Coordinator(std::move(impl)));
+}
+
+Coordinator::Coordinator(std::unique_ptr<CoordinatorService> impl) : impl_(std::move(impl)) {}
+Coordinator::~Coordinator() {
+  shutdown();
+}
+std::string Coordinator::address() const {
+  return impl_->address();
+}
+Status Coordinator::wait(std::chrono::milliseconds timeout) {
+  return impl_->wait(timeout);
+}
+void Coordinator::shutdown() {
+  if (impl_) impl_->shutdown();
+}
+
+}  // namespace psld

@@ -1,0 +1,104 @@
+// RuntimeOptions: what the coordinator, servers and workers need, resolved
+// from a psld::Config (see runtime_options_from_config) or built directly by
+// tests, which also put several roles on one in-process loopback fabric.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "kernels/cpu/cpu_kernels.h"
+#include "lib/balancer/balancer.h"
+#include "lib/runtime/endpoint.h"
+#include "lib/placement/placement.h"
+#include "lib/server/server_device.h"
+#include "psld/config.h"
+#include "psld/keys.h"
+#include "transports/stager.h"
+
+namespace psld {
+
+struct OptimizerOptions {
+  OptimizerKind kind = OptimizerKind::kSgd;
+  float lr = 0.01f;
+  float momentum = 0.0f;
+  float dampening = 0.0f;
+  bool nesterov = false;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;
+};
+
+// How a worker moves tensors in CUDA memory (docs/gpu.md; config
+// data.gpu_path).
+enum class GpuPath : uint8_t {
+  kAuto,    // direct where the transport can register device memory, else staged
+  kDirect,  // the transport reads and writes device memory; an error where it cannot
+  kStaged,  // through pinned host memory, copied by CUDA streams
+};
+std::string_view gpu_path_name(GpuPath path);
+
+// Where a server keeps its keys and runs its kernels (docs/gpu.md, "GPU
+// servers"; config server.device).
+enum class ServerDeviceKind : uint8_t {
+  kCpu,   // host memory, the CPU kernels
+  kCuda,  // GPU memory, the CUDA kernels (lib/server/server_device.h)
+};
+std::string_view server_device_name(ServerDeviceKind kind);
+
+struct RuntimeOptions {
+  EndpointOptions endpoint;         // transport name and options (listen address, ...)
+  std::string coordinator_address;  // text form of the coordinator's transport address
+  std::string secret;
+  uint32_t num_workers = 1;
+  uint32_t num_servers = 1;
+  uint32_t num_standby = 0;
+  int32_t rank = -1;  // -1: assigned by the coordinator
+  uint64_t chunk_bytes = kDefaultChunkBytes;
+  uint32_t slots_per_worker = 16;
+  SyncMode sync = SyncMode::kBsp;
+  uint32_t staleness = 0;
+  ServerMode mode = ServerMode::kSum;
+  OptimizerOptions optimizer;
+  uint32_t server_threads = 1;
+  ServerDeviceKind server_device = ServerDeviceKind::kCpu;
+  std::chrono::milliseconds heartbeat_interval{500};
+  std::chrono::milliseconds heartbeat_timeout{5000};
+  std::chrono::milliseconds connect_timeout{10000};
+  // How often servers and workers send a LoadReport; 0: never.
+  std::chrono::milliseconds stats_interval{100};
+  // The coordinator's balancer (lib/balancer/balancer.h): plans every interval.
+  bool balancer_enabled = false;
+  std::chrono::milliseconds balancer_interval{1000};
+  BalancerOptions balancer;
+  GpuPath gpu_path = GpuPath::kAuto;
+
+  // In-process jobs only (benchmarks, tests), never from a Config:
+  // The coordinator's epoch 0 instead of Placement::initial over servers
+  // 0..num_servers-1 (a static placement to compare against). It must be
+  // epoch 0 and its members exactly those servers.
+  std::shared_ptr<const Placement> initial_placement;
+  // A server's emulated compute capacity: its reduce runs no faster than
+  // this many bytes/s (0: unlimited). It makes one server a compute
+  // straggler on a machine whose cores all run at the same speed; the
+  // server's set_compute_rate() changes it while the job runs.
+  double compute_bytes_per_second = 0;
+  // Where a registered tensor's memory is (default: the CUDA driver's
+  // answer, kernels::memory_kind_of) and the copy engine that stages CUDA
+  // tensors (default: transport::create_cuda_copy_engine). Tests replace
+  // both to run the staged path on host memory posing as device memory.
+  std::function<transport::MemoryKind(const void*)> memory_kind_of;
+  std::function<Result<std::unique_ptr<transport::CopyEngine>>()> copy_engine;
+  // The device of a server with server_device = kCuda (default:
+  // create_cuda_server_device with one lane per server thread). Tests
+  // replace it with a fake GPU.
+  std::function<Result<std::unique_ptr<ServerDevice>>(size_t lanes)> server_device_factory;
+};
+
+// Resolves a validated Config into the runtime's options.
+RuntimeOptions runtime_options_from_config(const Config& config);
+
+}  // namespace psld

@@ -1,0 +1,640 @@
+#include "lib/protocol/protocol.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "base/hash.h"
+#include "base/wire.h"
+
+namespace psld::protocol {
+namespace {
+
+using transport::WireReader;
+using transport::WireWriter;
+
+// ---- Field helpers: each read reports failure instead of reading past the end.
+
+bool read_bytes(WireReader& r, std::vector<uint8_t>* out, size_t max) {
+  std::span<const uint8_t> b;
+  if (!r.blob(&b, max)) return false;
+  out->assign(b.begin(), b.end());
+  return true;
+}
+
+bool read_role(WireReader& r, Role* role) {
+  uint8_t v = 0;
+  if (!r.u8(&v) || v < 1 || v > 3) return false;
+  *role = static_cast<Role>(v);
+  return true;
+}
+
+bool read_dtype(WireReader& r, DType* d) {
+  uint8_t v = 0;
+  if (!r.u8(&v) || v < 1 || v > 3) return false;
+  *d = static_cast<DType>(v);
+  return true;
+}
+
+bool read_bool(WireReader& r, bool* b) {
+  uint8_t v = 0;
+  if (!r.u8(&v) || v > 1) return false;
+  *b = v == 1;
+  return true;
+}
+
+bool read_i32(WireReader& r, int32_t* v) {
+  uint32_t u = 0;
+  if (!r.u32(&u)) return false;
+  *v = static_cast<int32_t>(u);
+  return true;
+}
+
+// ---- One encode/decode pair per message.
+
+void put(WireWriter& w, const Challenge& m) {
+  w.u64(m.nonce);
+}
+bool get(WireReader& r, Challenge* m) {
+  return r.u64(&m->nonce);
+}
+
+void put(WireWriter& w, const Hello& m) {
+  w.u8(static_cast<uint8_t>(m.role));
+  w.u32(static_cast<uint32_t>(m.rank_hint));
+  w.u64(m.proof);
+  w.blob(m.address);
+  w.u32(m.pid);
+  w.str(m.host);
+}
+bool get(WireReader& r, Hello* m) {
+  return read_role(r, &m->role) && read_i32(r, &m->rank_hint) && m->rank_hint >= -1 &&
+         r.u64(&m->proof) && read_bytes(r, &m->address, kMaxBlobBytes) && r.u32(&m->pid) &&
+         r.str(&m->host, kMaxNameBytes);
+}
+
+void put(WireWriter& w, const Welcome& m) {
+  w.u8(static_cast<uint8_t>(m.role));
+  w.u32(m.rank);
+  w.u32(m.num_workers);
+  w.u32(m.num_servers);
+  w.u32(m.num_standby);
+  w.u64(m.chunk_bytes);
+}
+bool get(WireReader& r, Welcome* m) {
+  return read_role(r, &m->role) && r.u32(&m->rank) && r.u32(&m->num_workers) &&
+         r.u32(&m->num_servers) && r.u32(&m->num_standby) && r.u64(&m->chunk_bytes) &&
+         m->chunk_bytes > 0;
+}
+
+void put(WireWriter& w, const Reject& m) {
+  w.str(m.reason);
+}
+bool get(WireReader& r, Reject* m) {
+  return r.str(&m->reason, kMaxReasonBytes);
+}
+
+void put(WireWriter& w, const ServerList& m) {
+  w.u32(static_cast<uint32_t>(m.servers.size()));
+  for (const auto& s : m.servers) {
+    w.u32(s.rank);
+    w.blob(s.address);
+  }
+}
+bool get(WireReader& r, ServerList* m) {
+  uint32_t n = 0;
+  if (!r.u32(&n) || n > kMaxListEntries) return false;
+  m->servers.resize(n);
+  for (auto& s : m->servers) {
+    if (!r.u32(&s.rank) || !read_bytes(r, &s.address, kMaxBlobBytes)) return false;
+  }
+  return true;
+}
+
+void put(WireWriter& w, const PlacementChunk& m) {
+  w.u64(m.epoch);
+  w.u32(m.index);
+  w.u32(m.count);
+  w.blob(m.bytes);
+}
+bool get(WireReader& r, PlacementChunk* m) {
+  return r.u64(&m->epoch) && r.u32(&m->index) && r.u32(&m->count) && m->index < m->count &&
+         read_bytes(r, &m->bytes, 8192);
+}
+
+void put(WireWriter& w, const RegisterTensor& m) {
+  w.u64(m.request);
+  w.str(m.name);
+  w.u8(static_cast<uint8_t>(m.dtype));
+  w.u64(m.bytes);
+  w.u8(m.has_init ? 1 : 0);
+}
+bool get(WireReader& r, RegisterTensor* m) {
+  return r.u64(&m->request) && r.str(&m->name, kMaxNameBytes) && !m->name.empty() &&
+         read_dtype(r, &m->dtype) && r.u64(&m->bytes) && read_bool(r, &m->has_init);
+}
+
+void put(WireWriter& w, const TensorInfo& m) {
+  w.u64(m.request);
+  w.str(m.name);
+  w.u32(m.id);
+  w.u8(static_cast<uint8_t>(m.dtype));
+  w.u64(m.bytes);
+  w.u64(m.chunk_bytes);
+}
+bool get(WireReader& r, TensorInfo* m) {
+  return r.u64(&m->request) && r.str(&m->name, kMaxNameBytes) && r.u32(&m->id) &&
+         read_dtype(r, &m->dtype) && r.u64(&m->bytes) && r.u64(&m->chunk_bytes) &&
+         m->chunk_bytes > 0;
+}
+
+void put(WireWriter& w, const BarrierEnter& m) {
+  w.u64(m.barrier);
+}
+bool get(WireReader& r, BarrierEnter* m) {
+  return r.u64(&m->barrier);
+}
+void put(WireWriter& w, const BarrierRelease& m) {
+  w.u64(m.barrier);
+}
+bool get(WireReader& r, BarrierRelease* m) {
+  return r.u64(&m->barrier);
+}
+void put(WireWriter& w, const Heartbeat& m) {
+  w.u64(m.sequence);
+}
+bool get(WireReader& r, Heartbeat* m) {
+  return r.u64(&m->sequence);
+}
+void put(WireWriter& w, const JobFailed& m) {
+  w.str(m.reason);
+}
+bool get(WireReader& r, JobFailed* m) {
+  return r.str(&m->reason, kMaxReasonBytes);
+}
+void put(WireWriter&, const Shutdown&) {}
+bool get(WireReader&, Shutdown*) {
+  return true;
+}
+
+void put(WireWriter& w, const LoadReport& m) {
+  w.u8(static_cast<uint8_t>(m.role));
+  w.u32(m.rank);
+  w.u64(m.epoch);
+  w.u64(m.window);
+  w.u64(m.window_ns);
+  w.u32(m.part);
+  w.u32(m.parts);
+  for (uint64_t v : {m.bytes_in, m.bytes_out, m.busy_ns, m.queue_p50_ns, m.queue_p99_ns, m.rounds,
+                     m.lost_samples}) {
+    w.u64(v);
+  }
+  w.u32(static_cast<uint32_t>(m.arcs.size()));
+  for (const auto& a : m.arcs) {
+    w.u64(a.lo);
+    w.u64(a.bytes_in);
+    w.u64(a.bytes_out);
+    w.u64(a.busy_ns);
+    w.u32(a.requests);
+  }
+  w.u32(static_cast<uint32_t>(m.peers.size()));
+  for (const auto& p : m.peers) {
+    w.u32(p.server);
+    w.u64(p.bytes);
+    w.u32(p.answers);
+    w.u64(p.mean_ns);
+    w.u64(p.p99_ns);
+  }
+}
+bool get(WireReader& r, LoadReport* m) {
+  uint8_t role = 0;
+  if (!r.u8(&role) || role < 1 || role > 3) return false;
+  m->role = static_cast<Role>(role);
+  if (!r.u32(&m->rank) || !r.u64(&m->epoch) || !r.u64(&m->window) || !r.u64(&m->window_ns) ||
+      !r.u32(&m->part) || !r.u32(&m->parts) || m->parts == 0 || m->part >= m->parts) {
+    return false;
+  }
+  for (uint64_t* v : {&m->bytes_in, &m->bytes_out, &m->busy_ns, &m->queue_p50_ns, &m->queue_p99_ns,
+                      &m->rounds, &m->lost_samples}) {
+    if (!r.u64(v)) return false;
+  }
+  uint32_t n = 0;
+  if (!r.u32(&n) || n > kMaxLoadEntries) return false;
+  m->arcs.resize(n);
+  for (auto& a : m->arcs) {
+    if (!r.u64(&a.lo) || !r.u64(&a.bytes_in) || !r.u64(&a.bytes_out) || !r.u64(&a.busy_ns) ||
+        !r.u32(&a.requests)) {
+      return false;
+    }
+  }
+  if (!r.u32(&n) || n + m->arcs.size() > kMaxLoadEntries) return false;
+  m->peers.resize(n);
+  for (auto& p : m->peers) {
+    if (!r.u32(&p.server) || !r.u64(&p.bytes) || !r.u32(&p.answers) || !r.u64(&p.mean_ns) ||
+        !r.u64(&p.p99_ns)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void put(WireWriter& w, const WorkerHello& m) {
+  w.u32(m.worker_rank);
+  w.u64(m.proof);
+}
+bool get(WireReader& r, WorkerHello* m) {
+  return r.u32(&m->worker_rank) && r.u64(&m->proof);
+}
+
+void put(WireWriter& w, const Grant& m) {
+  w.u32(m.num_slots);
+  w.u64(m.slot_bytes);
+  w.blob(m.slots_key);
+}
+bool get(WireReader& r, Grant* m) {
+  return r.u32(&m->num_slots) && m->num_slots > 0 && m->num_slots <= kMaxListEntries &&
+         r.u64(&m->slot_bytes) && m->slot_bytes > 0 && read_bytes(r, &m->slots_key, kMaxBlobBytes);
+}
+
+void put(WireWriter& w, const TensorKey& m) {
+  w.u64(m.request);
+  w.u32(m.tensor);
+  w.blob(m.key);
+  w.u64(m.offset);
+}
+bool get(WireReader& r, TensorKey* m) {
+  return r.u64(&m->request) && r.u32(&m->tensor) && read_bytes(r, &m->key, kMaxBlobBytes) &&
+         r.u64(&m->offset);
+}
+
+void put(WireWriter& w, const Ack& m) {
+  w.u64(m.request);
+  w.u8(m.flags);
+}
+bool get(WireReader& r, Ack* m) {
+  return r.u64(&m->request) && r.u8(&m->flags) && (m->flags & ~kAckMapped) == 0;
+}
+
+void put(WireWriter& w, const PushMeta& m) {
+  w.u32(m.tag);
+  w.u32(m.slot);
+  w.u8(static_cast<uint8_t>(m.dtype));
+  w.u64(m.key);
+  w.u64(m.round);
+  w.u64(m.bytes);
+  w.u64(m.epoch);
+  w.u8(m.flags);
+  w.u32(m.pull_tag);
+}
+bool get(WireReader& r, PushMeta* m) {
+  return r.u32(&m->tag) && r.u32(&m->slot) && read_dtype(r, &m->dtype) && r.u64(&m->key) &&
+         r.u64(&m->round) && r.u64(&m->bytes) && r.u64(&m->epoch) && r.u8(&m->flags) &&
+         (m->flags & ~(kPushInit | kPushThenPull | kPushMapped)) == 0 &&
+         ((m->flags & kPushMapped) == 0 || (m->flags & kPushThenPull) != 0) && r.u32(&m->pull_tag);
+}
+
+void put(WireWriter& w, const PullRequest& m) {
+  w.u32(m.tag);
+  w.u8(static_cast<uint8_t>(m.dtype));
+  w.u64(m.bytes);
+  w.u64(m.key);
+  w.u64(m.round);
+  w.u64(m.epoch);
+}
+bool get(WireReader& r, PullRequest* m) {
+  return r.u32(&m->tag) && read_dtype(r, &m->dtype) && r.u64(&m->bytes) && r.u64(&m->key) &&
+         r.u64(&m->round) && r.u64(&m->epoch);
+}
+
+void put(WireWriter& w, const Credit& m) {
+  w.u32(static_cast<uint32_t>(m.slots.size()));
+  for (uint32_t s : m.slots)
+    w.u32(s);
+  w.u32(static_cast<uint32_t>(m.accepted.size()));
+  for (uint32_t t : m.accepted)
+    w.u32(t);
+}
+bool get(WireReader& r, Credit* m) {
+  for (auto* list : {&m->slots, &m->accepted}) {
+    uint32_t n = 0;
+    if (!r.u32(&n) || n > kMaxListEntries || n > r.remaining() / 4) return false;
+    list->resize(n);
+    for (auto& v : *list) {
+      if (!r.u32(&v)) return false;
+    }
+  }
+  return true;
+}
+
+void put(WireWriter& w, const Moved& m) {
+  w.u32(m.tag);
+  w.u64(m.key);
+  w.u64(m.epoch);
+}
+bool get(WireReader& r, Moved* m) {
+  return r.u32(&m->tag) && r.u64(&m->key) && r.u64(&m->epoch);
+}
+
+void put(WireWriter& w, const Error& m) {
+  w.u32(m.tag);
+  w.u64(m.request);
+  w.u8(m.code);
+  w.str(m.message);
+}
+bool get(WireReader& r, Error* m) {
+  return r.u32(&m->tag) && r.u64(&m->request) && r.u8(&m->code) &&
+         m->code <= static_cast<uint8_t>(StatusCode::kInternal) &&
+         r.str(&m->message, kMaxReasonBytes);
+}
+
+void put(WireWriter& w, const EpochChange& m) {
+  w.u8(static_cast<uint8_t>(m.step));
+  w.u64(m.epoch);
+  w.u64(m.switch_round);
+  w.blob(m.delta);
+  w.u32(m.lost_server);
+}
+bool get(WireReader& r, EpochChange* m) {
+  uint8_t step = 0;
+  if (!r.u8(&step) || step > static_cast<uint8_t>(EpochStep::kAbort)) return false;
+  m->step = static_cast<EpochStep>(step);
+  return r.u64(&m->epoch) && r.u64(&m->switch_round) && read_bytes(r, &m->delta, kMaxDeltaBytes) &&
+         r.u32(&m->lost_server);
+}
+
+void put(WireWriter& w, const EpochVote& m) {
+  w.u64(m.epoch);
+  w.u64(m.switch_round);
+  w.u8(m.yes ? 1 : 0);
+  w.u64(m.max_round);
+}
+bool get(WireReader& r, EpochVote* m) {
+  return r.u64(&m->epoch) && r.u64(&m->switch_round) && read_bool(r, &m->yes) &&
+         r.u64(&m->max_round);
+}
+
+void put(WireWriter& w, const StateRequest& m) {
+  w.u32(m.tag);
+  w.u64(m.key);
+  w.u64(m.switch_round);
+  w.u8(static_cast<uint8_t>(m.dtype));
+  w.u64(m.bytes);
+  w.blob(m.region);
+}
+bool get(WireReader& r, StateRequest* m) {
+  return r.u32(&m->tag) && r.u64(&m->key) && r.u64(&m->switch_round) && m->switch_round > 0 &&
+         read_dtype(r, &m->dtype) && r.u64(&m->bytes) && read_bytes(r, &m->region, kMaxBlobBytes);
+}
+
+void put(WireWriter& w, const StateOffer& m) {
+  w.u64(m.key);
+  w.u64(m.switch_round);
+  w.u8(static_cast<uint8_t>(m.dtype));
+  w.u64(m.bytes);
+}
+bool get(WireReader& r, StateOffer* m) {
+  return r.u64(&m->key) && r.u64(&m->switch_round) && m->switch_round > 0 &&
+         read_dtype(r, &m->dtype) && r.u64(&m->bytes);
+}
+
+void put(WireWriter& w, const TransferDone& m) {
+  w.u64(m.epoch);
+  w.u64(m.switch_round);
+  w.u64(m.late_keys);
+}
+bool get(WireReader& r, TransferDone* m) {
+  return r.u64(&m->epoch) && r.u64(&m->switch_round) && r.u64(&m->late_keys);
+}
+
+void put(WireWriter& w, const EpochFinal& m) {
+  w.u64(m.epoch);
+  w.u64(m.switch_round);
+}
+bool get(WireReader& r, EpochFinal* m) {
+  return r.u64(&m->epoch) && r.u64(&m->switch_round);
+}
+
+void put_rounds(WireWriter& w, uint32_t tensors, const std::vector<TensorRounds>& low) {
+  w.u32(tensors);
+  w.u32(static_cast<uint32_t>(low.size()));
+  for (const auto& r : low) {
+    w.u32(r.first_tensor);
+    w.u64(r.round);
+  }
+}
+// Ranges start at tensor 1, rise strictly and stay within `tensors`.
+bool get_rounds(WireReader& r, uint32_t* tensors, std::vector<TensorRounds>* low) {
+  uint32_t n = 0;
+  if (!r.u32(tensors) || !r.u32(&n) || n > kMaxRoundRanges || (n > 0) != (*tensors > 0)) {
+    return false;
+  }
+  low->resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    auto& e = (*low)[i];
+    if (!r.u32(&e.first_tensor) || !r.u64(&e.round)) return false;
+    const uint64_t min = i == 0 ? 1 : uint64_t{(*low)[i - 1].first_tensor} + 1;
+    if (e.first_tensor < min || e.first_tensor > *tensors || (i == 0 && e.first_tensor != 1)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void put(WireWriter& w, const WorkerProgress& m) {
+  put_rounds(w, m.tensors, m.low);
+}
+bool get(WireReader& r, WorkerProgress* m) {
+  return get_rounds(r, &m->tensors, &m->low);
+}
+
+void put(WireWriter& w, const LowWatermark& m) {
+  put_rounds(w, m.tensors, m.low);
+}
+bool get(WireReader& r, LowWatermark* m) {
+  return get_rounds(r, &m->tensors, &m->low);
+}
+
+// The wire type of each alternative of Message, in variant order.
+constexpr Type kTypes[] = {
+    Type::kChallenge,      Type::kHello,        Type::kWelcome,
+    Type::kReject,         Type::kServerList,   Type::kPlacementChunk,
+    Type::kRegisterTensor, Type::kTensorInfo,   Type::kBarrierEnter,
+    Type::kBarrierRelease, Type::kHeartbeat,    Type::kJobFailed,
+    Type::kShutdown,       Type::kLoadReport,   Type::kWorkerHello,
+    Type::kGrant,          Type::kTensorKey,    Type::kPushMeta,
+    Type::kPullRequest,    Type::kCredit,       Type::kMoved,
+    Type::kError,          Type::kAck,          Type::kEpochChange,
+    Type::kEpochVote,      Type::kStateRequest, Type::kStateOffer,
+    Type::kTransferDone,   Type::kEpochFinal,   Type::kWorkerProgress,
+    Type::kLowWatermark,
+};
+static_assert(std::size(kTypes) == std::variant_size_v<Message>);
+
+constexpr const char* kNames[] = {
+    "Challenge",    "Hello",          "Welcome",      "Reject",       "ServerList",
+    "Placement",    "RegisterTensor", "TensorInfo",   "BarrierEnter", "BarrierRelease",
+    "Heartbeat",    "JobFailed",      "Shutdown",     "LoadReport",   "WorkerHello",
+    "Grant",        "TensorKey",      "PushMeta",     "PullRequest",  "Credit",
+    "Moved",        "Error",          "Ack",          "EpochChange",  "EpochVote",
+    "StateRequest", "StateOffer",     "TransferDone", "EpochFinal",   "WorkerProgress",
+    "LowWatermark",
+};
+static_assert(std::size(kNames) == std::variant_size_v<Message>);
+
+template <size_t I = 0>
+Result<Message> decode_as(uint16_t type, WireReader& r) {
+  if constexpr (I == std::variant_size_v<Message>) {
+    return DataLoss(fmt::format("unknown message type {}", type));
+  } else {
+    if (static_cast<uint16_t>(kTypes[I]) != type) return decode_as<I + 1>(type, r);
+    std::variant_alternative_t<I, Message> m;
+    if (!get(r, &m)) return DataLoss(fmt::format("malformed {} message", kNames[I]));
+    if (!r.done()) {
+      return DataLoss(fmt::format("{} message has {} trailing bytes", kNames[I], r.remaining()));
+    }
+    return Message(std::move(m));
+  }
+}
+
+uint64_t rotl(uint64_t x, int b) {
+  return (x << b) | (x >> (64 - b));
+}
+
+// SipHash-2-4 of one 64-bit word.
+uint64_t siphash_u64(uint64_t k0, uint64_t k1, uint64_t m) {
+  uint64_t v0 = 0x736f6d6570736575ull ^ k0, v1 = 0x646f72616e646f6dull ^ k1;
+  uint64_t v2 = 0x6c7967656e657261ull ^ k0, v3 = 0x7465646279746573ull ^ k1;
+  auto round = [&] {
+    v0 += v1;
+    v1 = rotl(v1, 13);
+    v1 ^= v0;
+    v0 = rotl(v0, 32);
+    v2 += v3;
+    v3 = rotl(v3, 16);
+    v3 ^= v2;
+    v0 += v3;
+    v3 = rotl(v3, 21);
+    v3 ^= v0;
+    v2 += v1;
+    v1 = rotl(v1, 17);
+    v1 ^= v2;
+    v2 = rotl(v2, 32);
+  };
+  v3 ^= m;
+  round();
+  round();
+  v0 ^= m;
+  const uint64_t b = uint64_t{8} << 56;  // message length 8
+  v3 ^= b;
+  round();
+  round();
+  v0 ^= b;
+  v2 ^= 0xff;
+  round();
+  round();
+  round();
+  round();
+  return v0 ^ v1 ^ v2 ^ v3;
+}
+
+}  // namespace
+
+std::string_view role_name(Role role) {
+  switch (role) {
+    case Role::kWorker:
+      return "worker";
+    case Role::kServer:
+      return "server";
+    case Role::kCoordinator:
+      return "coordinator";
+  }
+  return "unknown";
+}
+
+std::string_view dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+      return "fp32";
+    case DType::kF16:
+      return "fp16";
+    case DType::kBF16:
+      return "bf16";
+  }
+  return "unknown";
+}
+
+std::string_view epoch_step_name(EpochStep step) {
+  switch (step) {
+    case EpochStep::kPrepare:
+      return "prepare";
+    case EpochStep::kCommit:
+      return "commit";
+    case EpochStep::kAbort:
+      return "abort";
+  }
+  return "unknown";
+}
+
+uint32_t dtype_bytes(DType dtype) {
+  return dtype == DType::kF32 ? 4 : 2;
+}
+
+std::vector<TensorRounds> pack_rounds(std::span<const uint64_t> by_tensor) {
+  // Ranges of `group` tensors each, neighbours of the same round merged; the
+  // group grows until they fit (1 whenever every tensor fits on its own).
+  const size_t n = by_tensor.size();
+  for (size_t group = 1;; group *= 2) {
+    std::vector<TensorRounds> out;
+    for (size_t i = 0; i < n && out.size() <= kMaxRoundRanges; i += group) {
+      const size_t end = std::min(n, i + group);
+      const uint64_t round = *std::min_element(by_tensor.begin() + i, by_tensor.begin() + end);
+      if (out.empty() || out.back().round != round) {
+        out.push_back({static_cast<uint32_t>(i + 1), round});
+      }
+    }
+    if (out.size() <= kMaxRoundRanges) return out;
+  }
+}
+
+uint64_t round_of(std::span<const TensorRounds> ranges, uint32_t tensors, TensorId t) {
+  if (t == 0 || t > tensors) return 0;
+  auto it = std::upper_bound(ranges.begin(), ranges.end(), t,
+                             [](TensorId v, const TensorRounds& r) { return v < r.first_tensor; });
+  return it == ranges.begin() ? 0 : std::prev(it)->round;
+}
+
+std::vector<uint8_t> encode(const Message& message) {
+  WireWriter w;
+  w.u16(static_cast<uint16_t>(kTypes[message.index()]));
+  w.u16(kVersion);
+  std::visit([&](const auto& m) { put(w, m); }, message);
+  return w.take();
+}
+
+Result<Message> decode(std::span<const uint8_t> bytes) {
+  WireReader r(bytes);
+  uint16_t type = 0, version = 0;
+  if (!r.u16(&type) || !r.u16(&version)) {
+    return DataLoss(fmt::format("message of {} bytes is shorter than its header", bytes.size()));
+  }
+  if (version != kVersion) {
+    return DataLoss(fmt::format(
+        "protocol version {} is not supported (this build speaks {}): run the same psld "
+        "version everywhere",
+        version, kVersion));
+  }
+  return decode_as(type, r);
+}
+
+std::string_view message_name(const Message& message) {
+  return kNames[message.index()];
+}
+
+uint64_t secret_proof(const std::string& secret, uint64_t nonce) {
+  if (secret.empty()) return 0;
+  const uint64_t k0 = fnv1a64({reinterpret_cast<const uint8_t*>(secret.data()), secret.size()});
+  const uint64_t k1 = mix64(k0 ^ secret.size());
+  return siphash_u64(k0, k1, nonce);
+}
+
+}  // namespace psld::protocol

@@ -1,0 +1,434 @@
+// lib/protocol/protocol.h — the control messages psld's processes exchange.
+//
+// Every message travels as a transport control message (Connection::send,
+// at most transport::kMaxMessageBytes): a 4-byte header {u16 type, u16
+// version} and a little-endian body. decode() validates everything (type,
+// version, every length and count against the buffer and against the
+// protocol's limits), so a malformed or hostile message is an error value,
+// never a crash or a huge allocation.
+//
+// Conversations:
+//   member -> coordinator : Hello (after the coordinator's Challenge)
+//   coordinator -> member : Welcome | Reject, then ServerList, PlacementMsg
+//   worker -> coordinator : RegisterTensor      -> TensorInfo (also to servers) | Error
+//   any -> coordinator    : BarrierEnter        -> BarrierRelease (to all)
+//   any <-> coordinator   : Heartbeat; coordinator -> all: JobFailed, Shutdown
+//   worker, server -> coordinator : LoadReport, every stats interval
+//   worker -> server      : WorkerHello          -> Grant (landing slots)
+//   worker -> server      : TensorKey (where pulls land), PushMeta (+ a write
+//                           into a slot, notify = tag), PullRequest
+//   server -> worker      : Credit (freed slots, accepted plain pushes), Moved,
+//                           Error; pulls arrive as writes into the worker's
+//                           tensor, notify = tag
+//   coordinator -> servers: EpochChange(prepare) -> EpochVote; then
+//                           EpochChange(commit) to every member (DESIGN.md §7)
+//   old owner -> new owner: StateOffer (a key reached the switch and nobody
+//                           asked for it yet)
+//   new owner -> old owner: StateRequest -> a write of the key's state into
+//                           the new owner's region, notify = tag
+//   old owner -> coordinator: TransferDone, once every key it loses shipped;
+//                           coordinator -> servers: EpochFinal once every old
+//                           owner said so (the transfer can no longer be undone)
+//   coordinator -> all    : EpochChange(abort) when a server that was only
+//                           gaining keys died before EpochFinal
+//                           (docs/migration.md)
+//   worker -> coordinator : WorkerProgress, with every LoadReport;
+//                           coordinator -> servers: LowWatermark, when it
+//                           advances (old runs of ownership can be freed)
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "psld/keys.h"
+#include "psld/status.h"
+
+namespace psld::protocol {
+
+// 2: EpochChange carries a step and a lost server; TransferDone, EpochFinal
+// and StateOffer. 3: WorkerProgress and LowWatermark. 4: TensorKey.offset,
+// Ack.flags, kPushMapped.
+inline constexpr uint16_t kVersion = 4;
+
+enum class Role : uint8_t { kWorker = 1, kServer = 2, kCoordinator = 3 };
+std::string_view role_name(Role role);
+
+enum class DType : uint8_t { kF32 = 1, kF16 = 2, kBF16 = 3 };
+std::string_view dtype_name(DType dtype);
+uint32_t dtype_bytes(DType dtype);
+
+// Limits that bound what a peer can make us allocate.
+inline constexpr size_t kMaxNameBytes = 256;
+inline constexpr size_t kMaxBlobBytes = 1024;  // addresses, remote keys
+inline constexpr size_t kMaxReasonBytes = 1024;
+inline constexpr size_t kMaxListEntries = 4096;
+
+enum class Type : uint16_t {
+  kChallenge = 1,
+  kHello = 2,
+  kWelcome = 3,
+  kReject = 4,
+  kServerList = 5,
+  kPlacementChunk = 6,
+  kRegisterTensor = 7,
+  kTensorInfo = 8,
+  kBarrierEnter = 9,
+  kBarrierRelease = 10,
+  kHeartbeat = 11,
+  kJobFailed = 12,
+  kShutdown = 13,
+  kLoadReport = 14,
+  kWorkerHello = 20,
+  kGrant = 21,
+  kTensorKey = 22,
+  kPushMeta = 23,
+  kPullRequest = 24,
+  kCredit = 25,
+  kMoved = 26,
+  kError = 27,
+  kAck = 28,
+  kEpochChange = 29,
+  kEpochVote = 30,
+  kStateRequest = 31,
+  kStateOffer = 32,
+  kTransferDone = 33,
+  kEpochFinal = 34,
+  kWorkerProgress = 35,
+  kLowWatermark = 36,
+};
+
+struct Challenge {
+  uint64_t nonce = 0;
+};
+
+struct Hello {
+  Role role = Role::kWorker;
+  int32_t rank_hint = -1;        // -1: the coordinator assigns
+  uint64_t proof = 0;            // keyed hash of the challenge nonce with the job secret
+  std::vector<uint8_t> address;  // where this member listens (servers), else empty
+  uint32_t pid = 0;
+  std::string host;
+};
+
+struct Welcome {
+  Role role = Role::kWorker;
+  uint32_t rank = 0;
+  uint32_t num_workers = 0;
+  uint32_t num_servers = 0;
+  uint32_t num_standby = 0;
+  uint64_t chunk_bytes = 0;
+};
+
+struct Reject {
+  std::string reason;
+};
+
+struct ServerEntry {
+  uint32_t rank = 0;  // the server's ServerId in placements
+  std::vector<uint8_t> address;
+};
+struct ServerList {
+  std::vector<ServerEntry> servers;
+};
+
+// A serialized Placement, split in pieces that fit a control message;
+// the receiver concatenates pieces [0, count) and deserializes.
+struct PlacementChunk {
+  uint64_t epoch = 0;
+  uint32_t index = 0;
+  uint32_t count = 0;
+  std::vector<uint8_t> bytes;
+};
+
+struct RegisterTensor {
+  uint64_t request = 0;  // echoed in TensorInfo / Error
+  std::string name;
+  DType dtype = DType::kF32;
+  uint64_t bytes = 0;
+  bool has_init = false;  // this worker will push an initial value
+};
+
+struct TensorInfo {
+  uint64_t request = 0;
+  std::string name;
+  TensorId id = 0;
+  DType dtype = DType::kF32;
+  uint64_t bytes = 0;
+  uint64_t chunk_bytes = 0;
+};
+
+struct BarrierEnter {
+  uint64_t barrier = 0;
+};
+struct BarrierRelease {
+  uint64_t barrier = 0;
+};
+
+struct Heartbeat {
+  uint64_t sequence = 0;
+};
+
+struct JobFailed {
+  std::string reason;
+};
+
+struct Shutdown {};
+
+// Load statistics (DESIGN.md §5). One window of a server's (per arc of the
+// placement, identified by the arc's first hash `lo` in `epoch`) or a
+// worker's (per server) measurements. A window whose entries do not fit one
+// control message travels in `parts` messages with the same `window`; the
+// totals are in every part, the entries are split between them.
+inline constexpr size_t kMaxLoadEntries = 160;  // arcs + peers per part: fits kMaxMessageBytes
+struct ArcLoad {
+  uint64_t lo = 0;  // first hash of the arc
+  uint64_t bytes_in = 0;
+  uint64_t bytes_out = 0;
+  uint64_t busy_ns = 0;  // reduce and update (CPU) time spent on the arc's keys
+  uint32_t requests = 0;
+};
+struct PeerLoad {
+  uint32_t server = 0;
+  uint64_t bytes = 0;    // pushed to that server
+  uint32_t answers = 0;  // chunks answered (pulls, push_pulls)
+  uint64_t mean_ns = 0;  // time from issuing a chunk to its answer
+  uint64_t p99_ns = 0;
+};
+struct LoadReport {
+  Role role = Role::kServer;
+  uint32_t rank = 0;
+  uint64_t epoch = 0;      // the placement the arcs belong to
+  uint64_t window = 0;     // sequence number of the window, from 0
+  uint64_t window_ns = 0;  // its length
+  uint32_t part = 0;
+  uint32_t parts = 1;
+  // Totals of the window (servers; a worker's are its own pushes and pulls).
+  uint64_t bytes_in = 0;
+  uint64_t bytes_out = 0;
+  uint64_t busy_ns = 0;       // servers: wall time with a request in service (LoadRecorder)
+  uint64_t queue_p50_ns = 0;  // delay from arrival to processing
+  uint64_t queue_p99_ns = 0;
+  uint64_t rounds = 0;        // rounds (or async updates) applied
+  uint64_t lost_samples = 0;  // samples the ring overwrote before they were read
+  std::vector<ArcLoad> arcs;
+  std::vector<PeerLoad> peers;
+};
+
+struct WorkerHello {
+  uint32_t worker_rank = 0;
+  uint64_t proof = 0;
+};
+
+struct Grant {
+  uint32_t num_slots = 0;
+  uint64_t slot_bytes = 0;
+  std::vector<uint8_t> slots_key;  // remote key of the slot region
+};
+
+struct TensorKey {
+  uint64_t request = 0;  // acknowledged with Ack
+  TensorId tensor = 0;
+  std::vector<uint8_t> key;  // remote key of the memory the worker's tensor is in
+  uint64_t offset = 0;       // of the tensor in that memory (Worker::allocate carves)
+};
+
+// Flags of a push.
+inline constexpr uint8_t kPushInit = 1;      // sets the initial value (round 0)
+inline constexpr uint8_t kPushThenPull = 2;  // push_pull: write the result back, tag = pull_tag
+// No write follows: the server reads the chunk in place from the worker's
+// tensor, which it maps (Ack kAckMapped). Only with kPushThenPull: the worker
+// leaves the tensor alone until the pull landed, so the server may read it
+// whenever the round lets it. `slot` is kNoSlot.
+inline constexpr uint8_t kPushMapped = 4;
+inline constexpr uint32_t kNoSlot = 0xffffffff;
+
+struct PushMeta {
+  uint32_t tag = 0;  // the write's notify value
+  uint32_t slot = 0;
+  DType dtype = DType::kF32;
+  Key key = 0;
+  uint64_t round = 0;
+  uint64_t bytes = 0;
+  uint64_t epoch = 0;  // the worker's placement epoch
+  uint8_t flags = 0;
+  uint32_t pull_tag = 0;
+};
+
+struct PullRequest {
+  uint32_t tag = 0;
+  DType dtype = DType::kF32;
+  uint64_t bytes = 0;  // of this chunk
+  Key key = 0;
+  uint64_t round = 0;
+  uint64_t epoch = 0;
+};
+
+struct Credit {
+  std::vector<uint32_t> slots;
+  // Tags of plain pushes the server took (reduced, or kept for a later
+  // round): a plain push completes then, not when its write left, so that a
+  // push the server answers Moved can still be sent again from the tensor.
+  std::vector<uint32_t> accepted;
+};
+
+struct Moved {
+  uint32_t tag = 0;
+  Key key = 0;
+  uint64_t epoch = 0;  // the server's epoch, in which it does not own key
+};
+
+struct Error {
+  uint32_t tag = 0;  // 0: not about one request
+  uint64_t request = 0;
+  uint8_t code = 0;  // a StatusCode
+  std::string message;
+};
+
+// Confirms a request that has no other answer (TensorKey).
+// Ack of a TensorKey: the server maps the tensor's memory (shared memory on
+// one host) and takes push_pulls of it in place (kPushMapped).
+inline constexpr uint8_t kAckMapped = 1;
+
+struct Ack {
+  uint64_t request = 0;
+  uint8_t flags = 0;
+};
+// A placement epoch switch (DESIGN.md §7). Rounds >= switch_round of every
+// key are served under epoch `epoch` (the previous epoch with `delta`
+// applied), earlier rounds under the epochs before. `prepare` goes to the
+// servers, which from then on refuse rounds >= switch_round of keys they
+// lose and vote; `commit` goes to everyone once every server voted yes.
+//
+// `abort` is committed without a vote, servers first: server `lost_server`,
+// which never owned keys outside a transfer that is not final, died; this
+// epoch (same switch_round as the newest) gives every range it was gaining
+// back to the owner it had before that transfer and removes it.
+// Nothing moves between live servers, so no server can have taken a round
+// this epoch takes away. Every member drops its connections to the lost
+// server for good; workers send what it never answered to the owners again.
+inline constexpr size_t kMaxDeltaBytes = 7168;
+enum class EpochStep : uint8_t { kPrepare = 0, kCommit = 1, kAbort = 2 };
+std::string_view epoch_step_name(EpochStep step);
+struct EpochChange {
+  EpochStep step = EpochStep::kPrepare;
+  uint64_t epoch = 0;
+  uint64_t switch_round = 0;
+  std::vector<uint8_t> delta;  // PlacementDelta::serialize()
+  uint32_t lost_server = 0;    // abort only
+};
+// A server's answer to a prepare: no when it already took a round >=
+// switch_round of a key it would lose; max_round is the highest round it has
+// seen of any key, so the next try can switch later.
+struct EpochVote {
+  uint64_t epoch = 0;
+  uint64_t switch_round = 0;
+  bool yes = false;
+  uint64_t max_round = 0;
+};
+// A key's new owner asks its previous owner for the key's state as of round
+// switch_round - 1 (a 16-byte header {u64 version, u64 0}, then parameter and
+// the optimizer's two moments in fp32), to be written into `region` with
+// notify = tag.
+struct StateRequest {
+  uint32_t tag = 0;
+  Key key = 0;
+  uint64_t switch_round = 0;
+  DType dtype = DType::kF32;
+  uint64_t bytes = 0;  // of the chunk, in dtype
+  std::vector<uint8_t> region;
+};
+
+// An old owner tells a key's new owner that the key reached the switch
+// (round switch_round - 1 is applied) and nobody asked for its state yet:
+// the new owner answers with a StateRequest as if a request of the key had
+// arrived. Without it a key that no worker touches after the switch (or one
+// a worker touches only after another gated key moved on) would never ship,
+// and the transfer would never end.
+struct StateOffer {
+  Key key = 0;
+  uint64_t switch_round = 0;
+  DType dtype = DType::kF32;
+  uint64_t bytes = 0;  // of the chunk, in dtype
+};
+// An old owner to the coordinator: every key it holds that leaves it at
+// switch_round has been shipped (the one-sided write completed), or, with
+// late_keys > 0, the switch arrived here two heartbeat timeouts ago and that
+// many keys have not reached it yet: they ship when they do. The coordinator
+// waits for these only where the transfer can be aborted.
+struct TransferDone {
+  uint64_t epoch = 0;
+  uint64_t switch_round = 0;
+  uint64_t late_keys = 0;
+};
+// The coordinator to every server: every old owner reported TransferDone for
+// the transfer at switch_round, in which a server that had never owned keys
+// gained some. That server held their rounds >= switch_round (no update, no
+// pull answered, no plain push accepted) so that the transfer could still be
+// aborted; from now on it serves them, and its death fails the job.
+struct EpochFinal {
+  uint64_t epoch = 0;
+  uint64_t switch_round = 0;
+};
+
+// Rounds per tensor, as ranges of tensor ids: an entry covers the tensors
+// from first_tensor up to the next entry's first_tensor - 1, the last one up
+// to the message's `tensors`. At most kMaxRoundRanges entries (3 KiB).
+struct TensorRounds {
+  uint32_t first_tensor = 1;
+  uint64_t round = 0;
+};
+inline constexpr size_t kMaxRoundRanges = 256;
+// A worker's promise, sent with its load reports: it will never again send
+// a request (push or pull) naming a round of tensor t below the round `low`
+// gives t. That is the lower of the tensor's current round (the one a pull
+// names; a push names the next) and the rounds of its operations not
+// completed yet, so it never goes down; 0 for a tensor it has not
+// registered. `tensors`: the highest tensor id it registered.
+struct WorkerProgress {
+  uint32_t tensors = 0;
+  std::vector<TensorRounds> low;
+};
+// The coordinator to every server: no worker will send a request naming a
+// round of tensor t (<= tensors) below the round `low` gives t, and no
+// switch at or below that round can be undone any more (none is being
+// voted on, no transfer that an abort could give back is open). A run of
+// ownership of a key of t that ended at such a switch round and shipped its
+// state is needed by nobody: the server frees it (docs/migration.md,
+// "Freeing old runs").
+struct LowWatermark {
+  uint32_t tensors = 0;
+  std::vector<TensorRounds> low;
+};
+
+using Message =
+    std::variant<Challenge, Hello, Welcome, Reject, ServerList, PlacementChunk, RegisterTensor,
+                 TensorInfo, BarrierEnter, BarrierRelease, Heartbeat, JobFailed, Shutdown,
+                 LoadReport, WorkerHello, Grant, TensorKey, PushMeta, PullRequest, Credit, Moved,
+                 Error, Ack, EpochChange, EpochVote, StateRequest, StateOffer, TransferDone,
+                 EpochFinal, WorkerProgress, LowWatermark>;
+
+// Rounds of tensors 1..n (by_tensor[t - 1]) as at most kMaxRoundRanges
+// ranges: exact where neighbours share a round or there are few tensors,
+// else each range takes the lowest round of the tensors it covers.
+std::vector<TensorRounds> pack_rounds(std::span<const uint64_t> by_tensor);
+// The round `ranges` (of a message covering tensors 1..tensors) gives
+// tensor t; 0 for a tensor it does not cover.
+uint64_t round_of(std::span<const TensorRounds> ranges, uint32_t tensors, TensorId t);
+
+std::vector<uint8_t> encode(const Message& message);
+// DataLoss with what was wrong for anything malformed.
+Result<Message> decode(std::span<const uint8_t> bytes);
+
+// The name of a message's type, for logs and errors.
+std::string_view message_name(const Message& message);
+
+// The proof a member shows at Hello: a keyed hash of the coordinator's nonce
+// with the job secret (0 when there is no secret). Not a MAC of cryptographic
+// strength: it keeps a stray process of another job (or a typo in the job
+// address) out, and never sends the secret itself.
+uint64_t secret_proof(const std::string& secret, uint64_t nonce);
+
+}  // namespace psld::protocol

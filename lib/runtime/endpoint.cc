@@ -1,0 +1,56 @@
+#include "lib/runtime/endpoint.h"
+
+#include "base/log.h"
+
+namespace psld {
+
+Endpoint::~Endpoint() {
+  stop();
+}
+
+Status Endpoint::start(const EndpointOptions& options) {
+  Result<std::unique_ptr<transport::Transport>> t =
+      options.emulate_link
+          ? transport::create_emulated_link(options.transport, options.options, options.link, this)
+          : transport::create_transport(options.transport, options.options, this);
+  if (!t.ok()) return t.status().with_context("creating the '" + options.transport + "' transport");
+  transport_ = std::move(t).value();
+  progress_ = std::make_unique<transport::ProgressThread>(*transport_);
+  return Status::Ok();
+}
+
+void Endpoint::stop() {
+  if (progress_) progress_->stop();
+  if (transport_) transport_->shutdown();
+}
+
+std::string Endpoint::address() const {
+  if (!transport_) return {};
+  auto blob = transport_->address();
+  return std::string(blob.begin(), blob.end());
+}
+
+Status Endpoint::send(const transport::ConnectionPtr& conn, const protocol::Message& message) {
+  if (!conn) return Unavailable("no connection");
+  return conn->send(protocol::encode(message), nullptr);
+}
+
+void Endpoint::on_message(const transport::ConnectionPtr& conn, std::span<const uint8_t> bytes) {
+  Result<protocol::Message> m = protocol::decode(bytes);
+  if (!m.ok()) {
+    malformed_.fetch_add(1);
+    on_malformed(conn, m.status());
+    return;
+  }
+  on_control(conn, std::move(m).value());
+}
+
+void Endpoint::on_malformed(const transport::ConnectionPtr& conn, const Status& why) {
+  PSLD_LOG_WARN("dropped a malformed message from {}: {}", conn->peer(), why.to_string());
+}
+
+Result<transport::ConnectionPtr> connect_text(transport::Transport& t, const std::string& address) {
+  return t.connect({reinterpret_cast<const uint8_t*>(address.data()), address.size()});
+}
+
+}  // namespace psld

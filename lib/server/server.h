@@ -1,0 +1,285 @@
+// The parameter server (DESIGN.md §4): grants each worker connection a ring
+// of landing slots, reduces pushed chunks into per-key accumulators with the
+// CPU kernels (or, with server.device = cuda, in GPU memory with the CUDA
+// kernels: lib/server/server_device.h), applies the round (sum or optimizer) and
+// writes results straight into the workers' registered tensors.
+//
+// Threads: the transport's progress thread only pairs notifications with
+// their metadata and queues work; `server_threads` shard threads own the keys
+// (key -> shard by hash), so a key's state is touched by one thread and needs
+// no lock.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "lib/placement/epoch_log.h"
+#include "lib/stats/load_stats.h"
+#include "lib/runtime/member.h"
+#include "lib/server/server_device.h"
+
+namespace psld {
+
+struct ServerStats {
+  uint64_t pushes = 0;
+  uint64_t pushes_in_place = 0;  // of them, read from the worker's mapped tensor (kPushMapped)
+  uint64_t pulls = 0;
+  uint64_t bytes_in = 0;
+  uint64_t bytes_out = 0;
+  uint64_t rounds_applied = 0;
+  uint64_t rejected = 0;  // malformed or not-owned requests answered with an error or Moved
+  // Migration: key states this server asked for, states that landed here,
+  // and states shipped from here (their write completed).
+  uint64_t states_requested = 0;
+  uint64_t states_in = 0;
+  uint64_t states_out = 0;
+  // Runs of ownership (a key's state, one per stretch of rounds the key
+  // spent here) held now, and those freed once no round could need them
+  // (docs/migration.md, "Freeing old runs").
+  uint64_t runs = 0;
+  uint64_t runs_freed = 0;
+};
+
+class ServerService final : public Endpoint {
+ public:
+  // Starts listening, joins the job and waits for its start (connect_timeout).
+  static Result<std::unique_ptr<ServerService>> start(const RuntimeOptions& options);
+  ~ServerService() override;
+
+  uint32_t rank() const { return session_.welcome().rank; }
+  // Blocks until the coordinator ends the job (Ok) or it fails.
+  Status wait(std::chrono::milliseconds timeout) { return session_.wait_for_shutdown(timeout); }
+  void shutdown();
+  ServerStats stats() const;
+  // The emulated compute capacity (RuntimeOptions::compute_bytes_per_second),
+  // changed while the job runs; 0: unlimited.
+  void set_compute_rate(double bytes_per_second);
+
+ private:
+  explicit ServerService(const RuntimeOptions& options);
+
+  struct PushWork {
+    uint64_t conn = 0;
+    protocol::PushMeta meta;
+    const uint8_t* data = nullptr;  // the landing slot, or the worker's mapped tensor
+    // A push read in place (protocol::kPushMapped): holds the mapping of the
+    // worker's memory that `data` points into.
+    std::shared_ptr<const transport::RemoteRegion> source;
+    uint32_t worker = 0;
+    transport::Clock::time_point arrived{};
+    bool taken = false;     // the worker was told the push was accepted
+    bool requeued = false;  // queued again after waiting for an epoch: load already counted
+  };
+  struct PullWork {
+    uint64_t conn = 0;
+    protocol::PullRequest req;
+    transport::Clock::time_point arrived{};
+    bool requeued = false;
+  };
+  struct PullDone {
+    Key key = 0;
+    uint64_t run = 0;  // KeyState::owned_from
+  };
+  // A successor asks for a key's state as of switch_round - 1 (migration).
+  struct StateWork {
+    uint64_t conn = 0;
+    protocol::StateRequest req;
+    std::shared_ptr<transport::RemoteRegion> region;
+  };
+  // The state this server asked for landed in the key's incoming region.
+  struct StateArrived {
+    Key key = 0;
+    uint64_t run = 0;
+  };
+  // Migration bookkeeping (docs/migration.md): find the keys this shard
+  // ships at a switch; a shipping write completed; an old owner offers a key;
+  // the transfer at a switch became final.
+  struct TransferScan {
+    uint64_t switch_round = 0;
+  };
+  struct ShipDone {
+    Key key = 0;
+    uint64_t run = 0;
+    uint64_t switch_round = 0;
+    bool ok = false;
+  };
+  struct Offered {
+    protocol::StateOffer offer;
+  };
+  struct Release {
+    uint64_t switch_round = 0;
+  };
+  // The coordinator's LowWatermark: free the runs nothing can need.
+  struct Trim {
+    protocol::LowWatermark mark;
+  };
+  // Connect to the servers a prepared switch brings keys from.
+  struct Dial {
+    std::vector<ServerId> servers;
+  };
+  using Work = std::variant<PushWork, PullWork, PullDone, StateWork, StateArrived, TransferScan,
+                            ShipDone, Offered, Release, Dial, Trim>;
+
+  struct KeyState;
+  struct Shard;
+  struct WorkerConn;
+
+  void on_accept(const transport::ConnectionPtr& conn) override;
+  void on_write(const transport::ConnectionPtr& conn, uint32_t notify, uint64_t length) override;
+  void on_disconnect(const transport::ConnectionPtr& conn, const Status& why) override;
+  void on_control(const transport::ConnectionPtr& conn, protocol::Message&& message) override;
+
+  void handle_worker_message(const transport::ConnectionPtr& conn, protocol::Message& message);
+  void dispatch(Key key, Work work);
+  void dispatch_all(const Work& work);  // to every shard
+  void shard_loop(Shard& shard);
+  void process(Shard& shard, Work& work);
+  void process_push(Shard& shard, PushWork& w);
+  void process_pull(Shard& shard, PullWork& w);
+  // The key's state, created on first use; `round` is the round of the
+  // request that creates it (a key gained by migration waits for its state).
+  KeyState& key_state(Shard& shard, Key key, protocol::DType dtype, uint64_t bytes, uint64_t round);
+  // Copies (the first push of a round) or adds a pushed chunk into the
+  // accumulator, and waits for it: the landing slot may be reused after.
+  Status reduce_push(Shard& shard, KeyState& k, const PushWork& w);
+  // Brings the pull source up to date with the parameter (fp16/bf16
+  // conversion; with a device, the copy to host memory) and waits for it.
+  Status publish(const Shard& shard, KeyState& k);
+  // A device operation on the key failed: answers what waits for it, and
+  // every later request, with `why` (docs/gpu.md, "GPU servers").
+  void fail_key(Shard& shard, KeyState& k, const Status& why);
+  // Holds the calling shard thread as long as a server of the emulated
+  // compute capacity would take to reduce `bytes`.
+  void pace_compute(uint64_t bytes);
+  void try_apply(Shard& shard, KeyState& k);
+  void apply_round(Shard& shard, KeyState& k);
+  bool pull_ready(const KeyState& k, const protocol::PullRequest& req) const;
+  void serve_pull(Shard& shard, KeyState& k, const PullWork& w);
+  void free_slot(Shard& shard, uint64_t conn, uint32_t slot);
+  transport::ConnectionPtr worker_connection(uint64_t conn) const;
+  void send_error(uint64_t conn, uint32_t tag, const Status& status);
+  // Answers a request for a key this server does not own in its epoch.
+  void send_moved(uint64_t conn, uint32_t tag, Key key);
+  void flush_credits(Shard& shard);
+  // Migration (DESIGN.md §7).
+  void on_epoch_change(const protocol::EpochChange& change);
+  void on_final(const protocol::EpochFinal& final);
+  // The heartbeat thread's clock: the transfer's fallback report.
+  void on_tick();
+  // Who serves round `round` of `key`: the committed epochs, and a prepared
+  // epoch from its switch round on.
+  ServerId owner_for(Key key, uint64_t round) const;
+  uint64_t newest_epoch() const;
+  // When this server gained `key` at a switch round (the state must come
+  // from `from`): {switch_round, from}; nullopt when it held it from epoch 0.
+  std::optional<std::pair<uint64_t, ServerId>> gained(Key key, uint64_t round) const;
+  void request_state(KeyState& k, uint64_t switch_round, ServerId from);
+  KeyState* find_run(Shard& shard, Key key, uint64_t run);
+  void install_state(Shard& shard, KeyState& k);
+  // Serves what waited for the key's state (or for EpochFinal).
+  void resume(Shard& shard, KeyState& k);
+  bool ready_to_ship(const KeyState& k, uint64_t switch_round) const;
+  void ship_state(Shard& shard, KeyState& k, const StateWork& w);
+  void maybe_ship(Shard& shard, KeyState& k);
+  // The transfer this server is an old owner in (docs/migration.md).
+  void scan_outgoing(Shard& shard, uint64_t switch_round);
+  void maybe_offer(Shard& shard, KeyState& k);
+  // Publishes the shard's count of keys still to ship; reports TransferDone
+  // once every shard is done.
+  void note_outgoing(const Shard& shard);
+  void release_final(Shard& shard, uint64_t switch_round);
+  // Old runs of ownership (docs/migration.md, "Freeing old runs"): whether
+  // nothing can need the run any more; frees the shard's runs (trim: all,
+  // with a new watermark; free_runs: those of one key) that nothing needs.
+  bool done_with(const Shard& shard, const KeyState& k) const;
+  void trim(Shard& shard, const protocol::LowWatermark& mark);
+  void free_runs(Shard& shard, Key key);
+  void note_freed(uint64_t freed);
+  // True when a run that began at `run` must wait for EpochFinal.
+  bool hold_until_final(uint64_t run) const;
+  // Keeps a request that names a newer epoch than this server knows (an
+  // abort reaches workers and servers in any order) until that epoch
+  // arrives; false when the request is to be answered now.
+  bool wait_for_epoch(uint64_t epoch, Key key, Work work);
+  void forget_peer(ServerId id);
+  void release_parked(Shard& shard, KeyState& k);
+  void serve_ready_pulls(Shard& shard, KeyState& k);
+  transport::ConnectionPtr peer(ServerId id);
+  // The first hash of the arc that holds `key`: the subject of its load samples.
+  uint64_t arc_of(Key key) const;
+
+  const RuntimeOptions options_;
+  MemberSession session_;
+  // Epochs: the committed log and a prepared one (guarded by epoch_mu_).
+  mutable std::mutex epoch_mu_;
+  std::optional<EpochLog> epochs_;
+  struct Prepared {
+    uint64_t epoch = 0;
+    uint64_t switch_round = 0;
+    std::shared_ptr<const Placement> placement;
+  };
+  std::optional<Prepared> prepared_;
+  // The transfer of the newest switch this server loses keys in: it reports
+  // TransferDone once every shard shipped what it must (guarded by epoch_mu_).
+  struct Transfer {
+    uint64_t epoch = 0;
+    uint64_t switch_round = 0;  // 0: none
+    bool losing = false;
+    bool reported = false;
+    std::vector<int64_t> pending;            // per shard: keys to ship; -1: not scanned yet
+    transport::Clock::time_point reached{};  // when round switch_round - 1 was first seen
+  };
+  Transfer transfer_;
+  // This server gained keys at gate_round_ and had never owned any before:
+  // their runs wait for EpochFinal, so that the coordinator can still give
+  // them back if this server dies (guarded by epoch_mu_).
+  uint64_t gate_round_ = 0;
+  bool gate_final_ = true;
+  // This server owned keys in a placement that is final: it is never such a
+  // server again (guarded by epoch_mu_).
+  bool owned_ever_ = false;
+  // Requests that name an epoch newer than this server's, with that epoch.
+  static constexpr size_t kMaxWaitingForEpoch = 4096;
+  std::vector<std::tuple<uint64_t, Key, Work>> future_;  // guarded by epoch_mu_
+  std::atomic<uint64_t> max_round_seen_{0};
+  // Connections this server dialled to other servers (migration), by id.
+  std::mutex peers_mu_;
+  std::map<ServerId, transport::ConnectionPtr> peers_;
+  // State requests in flight: (connection, tag) -> key.
+  // (connection, tag) -> (key, run).
+  std::map<std::pair<uint64_t, uint32_t>, std::pair<Key, uint64_t>> incoming_;  // peers_mu_
+  uint32_t next_state_tag_ = 1;  // guarded by peers_mu_
+
+  // server.device = cuda: where keys live and kernels run (lane i: shard
+  // i); null: host memory and the CPU kernels. Declared before conns_ and
+  // shards_ so that the pinned slots and the keys' device memory are given
+  // back before the device goes.
+  std::unique_ptr<ServerDevice> device_;
+  std::atomic<bool> pin_warned_{false};  // said once that slots could not be pinned
+  mutable std::mutex conns_mu_;
+  std::map<uint64_t, std::shared_ptr<WorkerConn>> conns_;
+
+  std::vector<std::unique_ptr<Shard>> shards_;
+  std::atomic<bool> stopping_{false};
+
+  mutable std::mutex stats_mu_;
+  ServerStats stats_;
+  // Emulated compute: reduces are serialised through one virtual processor
+  // that frees up at compute_free_ (shared by every shard).
+  // The rate is atomic so that a server without emulation (rate 0, every
+  // real job) checks it on each reduce without taking the mutex.
+  std::atomic<double> compute_rate_{0};
+  std::mutex compute_mu_;
+  transport::Clock::time_point compute_free_{};
+  std::unique_ptr<LoadRecorder> load_;
+};
+
+}  // namespace psld

@@ -1,0 +1,135 @@
+#include "lib/stats/load_stats.h"
+
+#include <cmath>
+
+namespace psld {
+
+namespace {
+uint64_t as_u64(double v) {
+  return v <= 0 ? 0 : static_cast<uint64_t>(std::llround(v));
+}
+}  // namespace
+
+Result<std::unique_ptr<LoadRecorder>> LoadRecorder::make(protocol::Role role, size_t capacity) {
+  PSLD_ASSIGN_OR_RETURN(auto ring, LoadRing<StatSample>::make(capacity));
+  return std::unique_ptr<LoadRecorder>(new LoadRecorder(role, std::move(ring)));
+}
+
+LoadRecorder::LoadRecorder(protocol::Role role, std::unique_ptr<LoadRing<StatSample>> ring)
+    : role_(role), ring_(std::move(ring)), queue_(*WindowStats::make()) {}
+
+void LoadRecorder::begin_service() {
+  std::lock_guard<std::mutex> lock(busy_mu_);
+  if (in_service_++ == 0) busy_since_ = std::chrono::steady_clock::now();
+}
+
+void LoadRecorder::end_service() {
+  std::lock_guard<std::mutex> lock(busy_mu_);
+  if (in_service_ == 0) return;
+  if (--in_service_ == 0) {
+    busy_ns_ += static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                          std::chrono::steady_clock::now() - busy_since_)
+                                          .count());
+  }
+}
+
+std::vector<protocol::LoadReport> LoadRecorder::close_window(uint32_t rank, uint64_t epoch,
+                                                             uint64_t window_ns) {
+  protocol::LoadReport total;
+  total.role = role_;
+  total.rank = rank;
+  total.epoch = epoch;
+  total.window = window_++;
+  total.window_ns = window_ns;
+  std::map<uint64_t, protocol::ArcLoad> arcs;
+  std::map<uint64_t, protocol::PeerLoad> peers;
+  ring_->drain([&](const StatSample& s) {
+    const auto metric = static_cast<LoadMetric>(s.metric);
+    switch (metric) {
+      case LoadMetric::kBytesIn:
+        arcs[s.subject].bytes_in += as_u64(s.value);
+        total.bytes_in += as_u64(s.value);
+        break;
+      case LoadMetric::kBytesOut:
+        arcs[s.subject].bytes_out += as_u64(s.value);
+        total.bytes_out += as_u64(s.value);
+        break;
+      case LoadMetric::kBusyNs:
+        arcs[s.subject].busy_ns += as_u64(s.value);
+        break;
+      case LoadMetric::kQueueNs:
+        ++arcs[s.subject].requests;
+        queue_.add(s.value);
+        break;
+      case LoadMetric::kRound:
+        ++total.rounds;
+        break;
+      case LoadMetric::kPushedBytes:
+        peers[s.subject].bytes += as_u64(s.value);
+        total.bytes_out += as_u64(s.value);
+        break;
+      case LoadMetric::kAnswerNs: {
+        ++peers[s.subject].answers;
+        auto it = answers_.find(s.subject);
+        if (it == answers_.end()) it = answers_.emplace(s.subject, *WindowStats::make()).first;
+        it->second.add(s.value);
+        break;
+      }
+    }
+  });
+  {
+    // Occupied time of the window, including the part of a service period
+    // still running (the rest goes to the next window).
+    std::lock_guard<std::mutex> lock(busy_mu_);
+    const auto now = std::chrono::steady_clock::now();
+    if (in_service_ > 0) {
+      busy_ns_ += static_cast<uint64_t>(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(now - busy_since_).count());
+      busy_since_ = now;
+    }
+    total.busy_ns = busy_ns_;
+    busy_ns_ = 0;
+  }
+  const WindowSummary q = queue_.close();
+  total.queue_p50_ns = as_u64(q.p50);
+  total.queue_p99_ns = as_u64(q.p99);
+  total.lost_samples = ring_->lost() - lost_seen_;
+  lost_seen_ = ring_->lost();
+
+  std::vector<protocol::ArcLoad> arc_list;
+  arc_list.reserve(arcs.size());
+  for (auto& [lo, a] : arcs) {
+    a.lo = lo;
+    arc_list.push_back(a);
+  }
+  std::vector<protocol::PeerLoad> peer_list;
+  for (auto& [server, p] : peers) {
+    p.server = static_cast<uint32_t>(server);
+    auto it = answers_.find(server);
+    if (it != answers_.end()) {
+      const WindowSummary a = it->second.close();
+      p.mean_ns = as_u64(a.mean);
+      p.p99_ns = as_u64(a.p99);
+    }
+    peer_list.push_back(p);
+  }
+  const size_t entries = arc_list.size() + peer_list.size();
+  const size_t parts =
+      std::max<size_t>(1, (entries + protocol::kMaxLoadEntries - 1) / protocol::kMaxLoadEntries);
+  std::vector<protocol::LoadReport> out(parts, total);
+  size_t next = 0;
+  for (size_t i = 0; i < parts; ++i) {
+    out[i].part = static_cast<uint32_t>(i);
+    out[i].parts = static_cast<uint32_t>(parts);
+    for (size_t n = 0; n < protocol::kMaxLoadEntries && next < entries; ++n, ++next) {
+      if (next < arc_list.size()) {
+        out[i].arcs.push_back(arc_list[next]);
+      } else {
+        out[i].peers.push_back(peer_list[next - arc_list.size()]);
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace psld

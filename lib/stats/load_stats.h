@@ -1,0 +1,88 @@
+// Load statistics on the data path (DESIGN.md §5): what servers and workers
+// measure, and how one window of it becomes the LoadReport sent to the
+// coordinator.
+//
+// Data-path threads record samples into a LoadRing (wait-free, never
+// allocates); the member's report thread closes a window every stats
+// interval: it drains the ring, sums the samples per subject (an arc's first
+// hash on a server, a server id on a worker) and splits the result into
+// LoadReports that each fit a control message.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "lib/stats/load_ring.h"
+#include "lib/protocol/protocol.h"
+
+namespace psld {
+
+enum class LoadMetric : uint32_t {
+  // Servers; the subject is the first hash of the key's arc.
+  kBytesIn = 1,   // a push's bytes landed
+  kBytesOut = 2,  // a pull's bytes written
+  kBusyNs = 3,    // reduce or update time (CPU)
+  kQueueNs = 4,   // a request's wait from arrival to processing (one per request)
+  kRound = 5,     // a round (or an async update) applied
+  // Workers; the subject is the server.
+  kPushedBytes = 6,  // bytes pushed to the server
+  kAnswerNs = 7,     // one chunk's time from issue to answer
+};
+
+struct StatSample {
+  uint64_t subject = 0;
+  uint32_t metric = 0;
+  uint32_t reserved = 0;
+  double value = 0;
+};
+
+class LoadRecorder {
+ public:
+  // 65,536 samples (1.5 MiB): several windows of traffic at full speed.
+  static constexpr size_t kDefaultCapacity = size_t{1} << 16;
+
+  static Result<std::unique_ptr<LoadRecorder>> make(protocol::Role role,
+                                                    size_t capacity = kDefaultCapacity);
+
+  // Any thread, wait-free.
+  void record(uint64_t subject, LoadMetric metric, double value) {
+    ring_->push(StatSample{subject, static_cast<uint32_t>(metric), 0, value});
+  }
+
+  // Occupancy (servers): the wall time with at least one request in service
+  // (a push from its arrival until it is reduced or parked for a later round,
+  // a pull from its write until the write completed). A server waiting for
+  // slower workers is not occupied; a server behind a slow link or a busy CPU
+  // is. bytes / occupied time is the rate the balancer predicts from.
+  void begin_service();
+  void end_service();
+
+  // One consumer. Drains the ring and returns the window's reports: at least
+  // one (an idle window is reported too, so "no traffic" is a measurement),
+  // entries sorted by subject and split kMaxLoadEntries per part.
+  std::vector<protocol::LoadReport> close_window(uint32_t rank, uint64_t epoch, uint64_t window_ns);
+
+  uint64_t windows() const { return window_; }
+
+ private:
+  LoadRecorder(protocol::Role role, std::unique_ptr<LoadRing<StatSample>> ring);
+
+  const protocol::Role role_;
+  std::unique_ptr<LoadRing<StatSample>> ring_;
+  std::mutex busy_mu_;
+  uint64_t in_service_ = 0;                           // guarded by busy_mu_
+  std::chrono::steady_clock::time_point busy_since_;  // guarded by busy_mu_
+  uint64_t busy_ns_ = 0;                              // guarded by busy_mu_
+  uint64_t window_ = 0;
+  uint64_t lost_seen_ = 0;
+  WindowStats queue_;
+  // Per server (workers): answer latencies of the window. Bounded by the
+  // number of servers.
+  std::map<uint64_t, WindowStats> answers_;
+};
+
+}  // namespace psld

@@ -1,0 +1,909 @@
+#include "lib/worker/worker.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "kernels/dispatch.h"
+#include "gpu/cuda_copy_engine.h"
+#include "base/log.h"
+
+namespace psld {
+
+using protocol::DType;
+using transport::Clock;
+using transport::ConnectionPtr;
+
+// ---- RequestState
+
+void RequestState::complete_part(const Status& status) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (done_) return;
+    if (!status.ok() && status_.ok()) status_ = status;
+    if (--remaining_ == 0 || !status.ok()) done_ = true;
+  }
+  cv_.notify_all();
+}
+
+Status RequestState::wait(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!cv_.wait_for(lock, timeout, [&] { return done_; })) {
+    return Timeout(fmt::format("request not complete after {} ms ({} chunk operations pending)",
+                               timeout.count(), remaining_));
+  }
+  return status_;
+}
+
+bool RequestState::test() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return done_;
+}
+
+Status RequestState::status() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return status_;
+}
+
+// ---- WorkerService
+
+Result<std::unique_ptr<WorkerService>> WorkerService::start(const RuntimeOptions& options) {
+  std::unique_ptr<WorkerService> w(new WorkerService(options));
+  PSLD_ASSIGN_OR_RETURN(w->load_, LoadRecorder::make(protocol::Role::kWorker));
+  EndpointOptions ep = options.endpoint;
+  ep.options.common.listen_address.clear();  // workers only dial
+  PSLD_RETURN_IF_ERROR(w->Endpoint::start(ep));
+  w->session_.on_epoch([wk = w.get()](const protocol::EpochChange& e) { wk->on_epoch_change(e); });
+  w->session_.on_tick([wk = w.get()] { wk->on_tick(); });
+  PSLD_RETURN_IF_ERROR(w->session_.join({}));
+  std::vector<protocol::EpochChange> early;
+  {
+    std::lock_guard<std::mutex> lock(w->mu_);
+    w->epochs_.emplace(w->session_.placement());
+    early.swap(w->early_epochs_);
+  }
+  for (const auto& e : early)
+    w->on_epoch_change(e);
+  PSLD_RETURN_IF_ERROR(w->connect_servers());
+  w->session_.start_reports(options.stats_interval, [wk = w.get()](uint64_t window_ns) {
+    std::vector<protocol::Message> out;
+    uint64_t epoch = 0;
+    {
+      std::lock_guard<std::mutex> lock(wk->mu_);
+      epoch = wk->epochs_->latest().epoch();
+    }
+    for (auto& r : wk->load_->close_window(wk->rank(), epoch, window_ns)) {
+      r.rounds = wk->max_round_.load();  // workers: the highest round pushed
+      out.emplace_back(std::move(r));
+    }
+    out.emplace_back(wk->progress());
+    return out;
+  });
+  w->gpu_path_text_ = describe_gpu_path(options.gpu_path, w->transport());
+  PSLD_LOG_INFO("worker {} of {} joined; {} servers; CUDA tensors: {}", w->rank(), w->num_workers(),
+                w->servers_.size(), w->gpu_path_text_);
+  return w;
+}
+
+WorkerService::WorkerService(const RuntimeOptions& options)
+    : options_(options), session_(*this, protocol::Role::kWorker, options) {}
+
+WorkerService::~WorkerService() {
+  (void)shutdown();
+}
+
+Status WorkerService::connect_servers() {
+  const uint32_t rank = session_.welcome().rank;
+  for (const auto& entry : session_.servers()) {
+    std::string address(entry.address.begin(), entry.address.end());
+    auto conn = connect_text(transport(), address);
+    if (!conn.ok()) {
+      return conn.status().with_context(
+          fmt::format("connecting to server {} at {}", entry.rank, address));
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ServerConn& s = servers_[entry.rank];
+      s.rank = entry.rank;
+      s.conn = *conn;
+    }
+    PSLD_RETURN_IF_ERROR(
+        send(*conn, protocol::WorkerHello{rank, protocol::secret_proof(options_.secret, rank)}));
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  const bool ok = cv_.wait_for(lock, options_.connect_timeout, [&] {
+    if (!session_.health().ok()) return true;
+    for (const auto& [r, s] : servers_) {
+      if (!s.granted) return false;
+    }
+    return true;
+  });
+  PSLD_RETURN_IF_ERROR(session_.health());
+  if (!ok) return Timeout("not every server granted landing slots in time");
+  return Status::Ok();
+}
+
+WorkerService::ServerConn* WorkerService::server_of(const ConnectionPtr& conn) {
+  for (auto& [rank, s] : servers_) {
+    if (s.conn && s.conn->id() == conn->id()) return &s;
+  }
+  return nullptr;
+}
+
+void WorkerService::on_control(const ConnectionPtr& conn, protocol::Message&& message) {
+  if (session_.handle(conn, message)) {
+    // A failed job fails every outstanding request at once.
+    Status h = session_.health();
+    if (!h.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      fail_everything(h);
+      cv_.notify_all();
+    }
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ServerConn* s = server_of(conn);
+    if (s == nullptr) return;
+    if (auto* g = std::get_if<protocol::Grant>(&message)) {
+      auto slots = conn->import_region(g->slots_key);
+      if (!slots.ok()) {
+        PSLD_LOG_ERROR("server {} sent a grant that does not import: {}", s->rank,
+                       slots.status().to_string());
+        return;
+      }
+      s->slots = *slots;
+      s->slot_bytes = g->slot_bytes;
+      for (uint32_t i = 0; i < g->num_slots; ++i)
+        s->free_slots.push_back(i);
+      s->granted = true;
+      cv_.notify_all();
+    } else if (auto* c = std::get_if<protocol::Credit>(&message)) {
+      for (uint32_t tag : c->accepted)
+        finish_tag(tag, Status::Ok());
+      for (uint32_t slot : c->slots)
+        s->free_slots.push_back(slot);
+      pump(*s);
+    } else if (auto* a = std::get_if<protocol::Ack>(&message)) {
+      auto it = acks_wanted_.find(a->request);
+      if (it != acks_wanted_.end()) {
+        it->second.erase(s->rank);
+        auto t = ack_tensor_.find(a->request);
+        if ((a->flags & protocol::kAckMapped) && t != ack_tensor_.end())
+          s->mapped.insert(t->second);
+      }
+      cv_.notify_all();
+    } else if (auto* e = std::get_if<protocol::Error>(&message)) {
+      Status st(static_cast<StatusCode>(e->code),
+                fmt::format("server {}: {}", s->rank, e->message));
+      if (e->tag != 0 && pending_.count(e->tag)) {
+        finish_tag(e->tag, st);
+      } else {
+        PSLD_LOG_ERROR("{}", st.to_string());
+      }
+    } else if (auto* m = std::get_if<protocol::Moved>(&message)) {
+      on_moved(*s, *m);
+    } else {
+      PSLD_LOG_WARN("worker: unexpected {} from server {}", protocol::message_name(message),
+                    s->rank);
+    }
+  }
+  flush();
+}
+
+void WorkerService::on_write(const ConnectionPtr& conn, uint32_t tag, uint64_t length) {
+  (void)conn;
+  (void)length;
+  std::lock_guard<std::mutex> lock(mu_);
+  finish_tag(tag, Status::Ok());
+}
+
+void WorkerService::on_disconnect(const ConnectionPtr& conn, const Status& why) {
+  if (session_.on_disconnect(conn, why)) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!stopped_) fail_everything(session_.health());
+    cv_.notify_all();
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ServerConn* s = server_of(conn);
+    if (s == nullptr || stopped_) return;
+    // Not a failure yet: a server that held nothing but keys in transfer
+    // can be lost without losing anything; the coordinator decides.
+    server_lost(*s, Unavailable(fmt::format("lost server {}: {}", s->rank, why.message())));
+    cv_.notify_all();
+  }
+  flush();
+}
+
+void WorkerService::server_lost(ServerConn& s, const Status& why) {
+  if (s.lost) return;
+  s.lost = true;
+  s.lost_why = why;
+  const auto deadline = Clock::now() + orphan_grace();
+  PSLD_LOG_WARN(
+      "worker {}: {}; what it did not answer goes where the coordinator says (at most {} ms "
+      "from now)",
+      session_.welcome().rank, why.message(), orphan_grace().count());
+  // The worker still holds everything the server did not answer: a plain
+  // push completes only once accepted, a push_pull once its pull landed,
+  // and a server gaining keys accepts and answers nothing of them before
+  // the transfer is final.
+  std::vector<uint32_t> tags;
+  for (const auto& [tag, p] : pending_) {
+    if (p.server == s.rank) tags.push_back(tag);
+  }
+  for (uint32_t tag : tags) {
+    auto it = pending_.find(tag);
+    if (it == pending_.end()) continue;  // the other half of a push_pull
+    Pending p = std::move(it->second);
+    pending_.erase(it);
+    if (p.other_tag != 0) pending_.erase(p.other_tag);
+    orphans_.push_back({std::move(p.op), s.rank, deadline, why});
+  }
+  for (auto& op : s.backlog)
+    orphans_.push_back({std::move(op), s.rank, deadline, why});
+  s.backlog.clear();
+  s.free_slots.clear();
+  for (auto& [request, want] : acks_wanted_)
+    want.erase(s.rank);
+  // Dropped for good, also when it was only silent: whatever it sends later
+  // is not listened to.
+  ConnectionPtr conn = s.conn;
+  outbox_.push_back([conn] { conn->close(); });
+}
+
+void WorkerService::op_failed(uint32_t rank, const ConnectionPtr& conn, uint32_t tag,
+                              const Status& why) {
+  auto it = servers_.find(rank);
+  if (it == servers_.end() || it->second.conn != conn) return finish_tag(tag, why);
+  if (!conn->is_open()) {
+    server_lost(it->second, Unavailable(fmt::format("lost server {}: {}", rank, why.message())));
+    return;
+  }
+  // A server that is going away may refuse before its connection says so
+  // (a dying loopback peer deregisters its memory first): such an operation
+  // did not reach it and waits for the coordinator like a lost server's.
+  // Anything else fails at once, a timeout above all: the write may have
+  // landed, and sending it again could count it twice.
+  const StatusCode code = why.code();
+  if (code != StatusCode::kNotFound && code != StatusCode::kUnavailable &&
+      code != StatusCode::kAborted) {
+    return finish_tag(tag, why);
+  }
+  auto p = pending_.find(tag);
+  if (p == pending_.end()) return;
+  Pending op = std::move(p->second);
+  pending_.erase(p);
+  if (op.other_tag != 0) pending_.erase(op.other_tag);
+  orphans_.push_back({std::move(op.op), rank, Clock::now() + orphan_grace(),
+                      Unavailable(fmt::format("server {}: {}", rank, why.message()))});
+}
+
+void WorkerService::on_tick() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopped_ || orphans_.empty()) return;
+  const auto now = Clock::now();
+  std::vector<Orphan> still;
+  for (auto& o : orphans_) {
+    if (now < o.deadline) {
+      still.push_back(std::move(o));
+      continue;
+    }
+    o.op.request->complete_part(Unavailable(fmt::format(
+        "{}, and within {} ms the coordinator neither moved its keys nor failed the job "
+        "(tensor {} chunk {} round {})",
+        o.why.message(), orphan_grace().count(), tensors_[o.op.tensor].name, o.op.chunk,
+        o.op.round)));
+  }
+  orphans_.swap(still);
+}
+
+void WorkerService::fail_everything(const Status& why) {
+  Status st = why.ok() ? Aborted("the worker stopped") : why;
+  auto pending = std::move(pending_);
+  pending_.clear();
+  for (auto& [tag, p] : pending)
+    p.request->complete_part(st);
+  for (auto& [rank, s] : servers_) {
+    for (auto& op : s.backlog)
+      op.request->complete_part(st);
+    s.backlog.clear();
+  }
+  for (auto& m : moved_)
+    m.op.request->complete_part(st);
+  moved_.clear();
+  for (auto& o : orphans_)
+    o.op.request->complete_part(st);
+  orphans_.clear();
+}
+
+void WorkerService::finish_tag(uint32_t tag, const Status& status) {
+  auto it = pending_.find(tag);
+  if (it == pending_.end()) return;
+  Pending p = std::move(it->second);
+  pending_.erase(it);
+  if (p.other_tag != 0) pending_.erase(p.other_tag);
+  if (status.ok()) {
+    ServerLoadStats& load = loads_[p.server];
+    const auto ns = static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - p.issued).count());
+    ++load.answers;
+    load.answer_latency_ns += ns;
+    load_->record(p.server, LoadMetric::kAnswerNs, static_cast<double>(ns));
+  }
+  const Tensor& t = tensors_[p.op.tensor];
+  if (status.ok() && p.lands && t.shadow) {
+    // The chunk is in the shadow; the request completes once it is on the GPU.
+    const ChunkSpan span = t.layout->chunk(p.op.chunk);
+    copier_->copy(
+        DeviceCopier::Direction::kToDevice, t.data + span.offset, t.shadow.get() + span.offset,
+        span.bytes, [request = p.request, name = t.name, chunk = p.op.chunk](Status s) {
+          request->complete_part(
+              s.ok() ? s : s.with_context(fmt::format("tensor '{}' chunk {}", name, chunk)));
+        });
+    return;
+  }
+  p.request->complete_part(status);
+}
+
+std::vector<ServerLoadStats> WorkerService::server_loads() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<ServerLoadStats> out;
+  for (const auto& [rank, s] : servers_) {
+    ServerLoadStats l = loads_[rank];
+    l.server = rank;
+    out.push_back(l);
+  }
+  return out;
+}
+
+void WorkerService::flush() {
+  std::vector<std::function<void()>> out;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    out.swap(outbox_);
+  }
+  for (auto& fn : out)
+    fn();
+}
+
+Result<uint32_t> WorkerService::register_tensor(const std::string& name, DType dtype,
+                                                uint64_t bytes, void* data, const void* init) {
+  PSLD_RETURN_IF_ERROR(session_.health());
+  if (name.empty() || name.size() > protocol::kMaxNameBytes) {
+    return InvalidArgument("a tensor name must have 1 to 256 bytes");
+  }
+  if (bytes > 0 && data == nullptr) {
+    return InvalidArgument(fmt::format("tensor '{}': data is null", name));
+  }
+  if (bytes % protocol::dtype_bytes(dtype) != 0) {
+    return InvalidArgument(fmt::format("tensor '{}': {} bytes is not a whole number of {} elements",
+                                       name, bytes, protocol::dtype_name(dtype)));
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = tensor_by_name_.find(name);
+    if (it != tensor_by_name_.end()) {
+      const Tensor& t = tensors_[it->second];
+      if (t.bytes == bytes && t.dtype == dtype && t.data == data) return it->second;
+      return AlreadyExists(fmt::format(
+          "tensor '{}' is already registered here as {} bytes of {}; registering it again as {} "
+          "bytes of {} is not allowed",
+          name, t.bytes, protocol::dtype_name(t.dtype), bytes, protocol::dtype_name(dtype)));
+    }
+  }
+  // Where the memory is decides how it travels: prepared here, before the
+  // coordinator hears of the tensor, so that a failure leaves nothing behind.
+  Tensor t;
+  t.name = name;
+  t.dtype = dtype;
+  t.bytes = bytes;
+  t.data = static_cast<uint8_t*>(data);
+  if (bytes > 0) {
+    t.kind = options_.memory_kind_of ? options_.memory_kind_of(data)
+                                     : (kernels::memory_kind_of(data) == kernels::MemoryKind::kCuda
+                                            ? transport::MemoryKind::kCuda
+                                            : transport::MemoryKind::kHost);
+  }
+  if (t.kind == transport::MemoryKind::kCuda) {
+    const GpuPathChoice path = choose_gpu_path(options_.gpu_path, transport());
+    if (!path.possible) {
+      return FailedPrecondition(fmt::format("tensor '{}' is in CUDA memory: {}", name, path.text));
+    }
+    if (path.direct) {
+      PSLD_ASSIGN_OR_RETURN(t.region,
+                            transport().register_memory(data, bytes, transport::MemoryKind::kCuda));
+    } else {
+      PSLD_RETURN_IF_ERROR(
+          stage_tensor(t).with_context(fmt::format("tensor '{}' is in CUDA memory", name)));
+    }
+    PSLD_LOG_INFO("worker {}: tensor '{}' ({} bytes of CUDA memory) goes {}", rank(), name, bytes,
+                  path.text);
+  } else if (bytes > 0) {
+    // Inside a block from allocate(): that block's region, already mappable
+    // by local servers. Anything else is registered as it is.
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = allocations_.upper_bound(t.data);
+      if (it != allocations_.begin()) {
+        --it;
+        const uint64_t offset = static_cast<uint64_t>(t.data - it->first);
+        if (offset < it->second->length() && bytes <= it->second->length() - offset) {
+          t.region = it->second;
+          t.region_offset = offset;
+        }
+      }
+    }
+    if (!t.region) {
+      PSLD_ASSIGN_OR_RETURN(t.region,
+                            transport().register_memory(data, bytes, transport::MemoryKind::kHost));
+    }
+  }
+  protocol::RegisterTensor reg;
+  reg.name = name;
+  reg.dtype = dtype;
+  reg.bytes = bytes;
+  reg.has_init = init != nullptr;
+  PSLD_ASSIGN_OR_RETURN(protocol::TensorInfo info,
+                        session_.register_tensor(reg, options_.connect_timeout));
+  PSLD_ASSIGN_OR_RETURN(ChunkLayout layout, ChunkLayout::make(info.id, bytes, info.chunk_bytes,
+                                                              protocol::dtype_bytes(dtype)));
+  t.id = info.id;
+  t.layout = layout;
+  if (bytes > 0) {
+    // Every server learns where this tensor's pulls land, and confirms.
+    std::vector<ConnectionPtr> conns;
+    uint64_t request = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      request = next_request_++;
+      ack_tensor_[request] = t.id;
+      auto& want = acks_wanted_[request];
+      for (auto& [r, s] : servers_) {
+        if (s.lost) continue;
+        want.insert(r);
+        conns.push_back(s.conn);
+      }
+    }
+    protocol::TensorKey key{
+        request, t.id,
+        std::vector<uint8_t>(t.region->remote_key().begin(), t.region->remote_key().end()),
+        t.region_offset};
+    for (auto& c : conns)
+      PSLD_RETURN_IF_ERROR(send(c, key));
+    std::unique_lock<std::mutex> lock(mu_);
+    const bool acked = cv_.wait_for(lock, options_.connect_timeout, [&] {
+      return acks_wanted_[request].empty() || !session_.health().ok();
+    });
+    acks_wanted_.erase(request);
+    ack_tensor_.erase(request);
+    PSLD_RETURN_IF_ERROR(session_.health());
+    if (!acked) return Timeout(fmt::format("tensor '{}': not every server confirmed it", name));
+  }
+  uint32_t handle = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    handle = static_cast<uint32_t>(tensors_.size());
+    tensors_.push_back(std::move(t));
+    tensor_by_name_[name] = handle;
+  }
+  // Worker 0 sets the initial value; the others get it with their first pull.
+  if (init != nullptr && rank() == 0 && bytes > 0) {
+    if (init != data && tensors_[handle].kind == transport::MemoryKind::kCuda) {
+      PSLD_ASSIGN_OR_RETURN(DeviceCopier * c, copier());
+      PSLD_RETURN_IF_ERROR(c->copy_and_wait(DeviceCopier::Direction::kToDevice, data, init, bytes)
+                               .with_context("initial value of '" + name + "'"));
+    } else if (init != data) {
+      std::memmove(data, init, bytes);
+    }
+    PSLD_ASSIGN_OR_RETURN(auto req, submit(handle, RequestKind::kInit));
+    PSLD_RETURN_IF_ERROR(
+        req->wait(options_.connect_timeout).with_context("initial value of '" + name + "'"));
+  }
+  return handle;
+}
+
+Result<std::shared_ptr<RequestState>> WorkerService::submit(uint32_t handle, RequestKind kind) {
+  std::shared_ptr<RequestState> req;
+  std::vector<std::function<void()>> copy_out;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_) return FailedPrecondition("the worker was shut down");
+    // Under mu_: a job that fails sets the session's health, then fails
+    // everything in flight under mu_. A request that sees the failure here
+    // fails what is in flight itself (the control thread may not have got
+    // to it yet); one that does not is in flight when that happens.
+    if (Status h = session_.health(); !h.ok()) {
+      fail_everything(h);
+      cv_.notify_all();
+      return h;
+    }
+    if (handle >= tensors_.size()) return InvalidArgument("unknown tensor handle");
+    Tensor& t = tensors_[handle];
+    const uint64_t chunks = t.layout->num_chunks();
+    req = std::make_shared<RequestState>(chunks);
+    uint64_t round = t.push_round;
+    if (kind == RequestKind::kPush || kind == RequestKind::kPushPull) round = ++t.push_round;
+    if (round > max_round_.load()) max_round_.store(round);
+    // A staged tensor's push leaves chunk by chunk as each is copied out of
+    // the GPU (on_staged); everything else is routed now.
+    const bool stage_out = t.shadow != nullptr && kind != RequestKind::kPull;
+    for (uint64_t c = 0; c < chunks; ++c) {
+      ChunkOp op{kind, handle, static_cast<uint32_t>(c), round, req};
+      if (!stage_out) {
+        route(std::move(op));
+        continue;
+      }
+      const ChunkSpan span = t.layout->chunk(op.chunk);
+      ++staging_[{handle, round}];
+      copy_out.push_back([this, op, span, dst = t.shadow.get() + span.offset,
+                          src = t.data + span.offset]() mutable {
+        copier_->copy(DeviceCopier::Direction::kToHost, dst, src, span.bytes,
+                      [this, op](Status s) { on_staged(op, s); });
+      });
+    }
+    for (auto& [r, s] : servers_)
+      pump(s);
+  }
+  // Queued outside mu_: a stopped copier answers at once, and on_staged takes mu_.
+  for (auto& fn : copy_out)
+    fn();
+  flush();
+  return req;
+}
+
+Result<void*> WorkerService::allocate(size_t bytes) {
+  if (bytes == 0) return InvalidArgument("allocate: 0 bytes");
+  PSLD_ASSIGN_OR_RETURN(auto region,
+                        transport().allocate_memory(bytes, transport::MemoryKind::kHost));
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopped_) return FailedPrecondition("the worker was shut down");
+  allocations_[region->data()] = region;
+  return static_cast<void*>(region->data());
+}
+
+Result<DeviceCopier*> WorkerService::copier() {
+  std::lock_guard<std::mutex> lock(device_mu_);
+  if (copier_) return copier_.get();
+  auto engine =
+      options_.copy_engine ? options_.copy_engine() : transport::create_cuda_copy_engine(2);
+  if (!engine.ok()) return engine.status().with_context("starting the CUDA copy engine");
+  PSLD_ASSIGN_OR_RETURN(copier_, DeviceCopier::start(std::move(engine).value()));
+  return copier_.get();
+}
+
+Status WorkerService::stage_tensor(Tensor& t) {
+  PSLD_ASSIGN_OR_RETURN(DeviceCopier * c, copier());
+  void* host = nullptr;
+  PSLD_ASSIGN_OR_RETURN(host, c->allocate_host(t.bytes));
+  // The registration is dropped (its cache entry too) before the memory goes.
+  t.shadow =
+      std::shared_ptr<uint8_t>(static_cast<uint8_t*>(host), [this, c, bytes = t.bytes](uint8_t* p) {
+        (void)transport().invalidate(p, bytes);
+        c->free_host(p);
+      });
+  auto region = transport().register_memory(host, t.bytes, transport::MemoryKind::kHost);
+  if (!region.ok()) {
+    return region.status().with_context(
+        fmt::format("tensor '{}': registering its pinned staging memory", t.name));
+  }
+  t.region = std::move(region).value();
+  return Status::Ok();
+}
+
+void WorkerService::on_staged(ChunkOp op, const Status& copied) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = staging_.find({op.tensor, op.round});
+    if (it != staging_.end() && --it->second == 0) staging_.erase(it);
+    Status fail = copied.with_context(
+        fmt::format("tensor '{}' chunk {}", tensors_[op.tensor].name, op.chunk));
+    if (stopped_) fail = Aborted("the worker was shut down");
+    if (fail.ok()) fail = session_.health();
+    if (!fail.ok()) {
+      op.request->complete_part(fail);
+      return;
+    }
+    route(std::move(op));
+    for (auto& [r, s] : servers_)
+      pump(s);
+  }
+  flush();
+}
+
+uint64_t WorkerService::staged_bytes_to_host() {
+  std::lock_guard<std::mutex> lock(device_mu_);
+  return copier_ ? copier_->bytes_to_host() : 0;
+}
+
+uint64_t WorkerService::staged_bytes_to_device() {
+  std::lock_guard<std::mutex> lock(device_mu_);
+  return copier_ ? copier_->bytes_to_device() : 0;
+}
+
+void WorkerService::route(ChunkOp op, std::optional<Clock::time_point> deadline) {
+  const Tensor& t = tensors_[op.tensor];
+  const Key key = make_key(t.id, op.chunk);
+  // The initial value is round 0 of the key.
+  const uint64_t round = op.kind == RequestKind::kInit ? 0 : op.round;
+  const ServerId owner = epochs_->owner(key, round);
+  auto it = servers_.find(owner);
+  if (it == servers_.end()) {
+    op.request->complete_part(Unavailable(fmt::format("no connection to server {}", owner)));
+    return;
+  }
+  if (it->second.lost) {
+    orphans_.push_back({std::move(op), owner, deadline ? *deadline : Clock::now() + orphan_grace(),
+                        it->second.lost_why});
+    return;
+  }
+  it->second.backlog.push_back(std::move(op));
+}
+
+void WorkerService::on_moved(ServerConn& s, const protocol::Moved& m) {
+  auto it = pending_.find(m.tag);
+  if (it == pending_.end()) return;
+  Pending p = std::move(it->second);
+  pending_.erase(it);
+  if (p.other_tag != 0) pending_.erase(p.other_tag);  // a push_pull's pull: never answered
+  const uint64_t known = epochs_->latest().epoch();
+  PSLD_LOG_DEBUG("worker {}: server {} says key {:#x} round {} moved (its epoch {}, ours {})",
+                 rank(), s.rank, m.key, p.op.round, m.epoch, known);
+  if (m.epoch > known) {
+    // The server already knows the epoch that moved the key; it reaches
+    // this worker with its commit.
+    moved_.push_back({std::move(p.op), m.epoch});
+    return;
+  }
+  const Tensor& t = tensors_[p.op.tensor];
+  const uint64_t round = p.op.kind == RequestKind::kInit ? 0 : p.op.round;
+  if (epochs_->owner(make_key(t.id, p.op.chunk), round) == s.rank) {
+    p.request->complete_part(Moved(fmt::format(
+        "key {:#x} is not on server {} in epoch {}, though this worker's epoch {} puts it there",
+        m.key, s.rank, m.epoch, known)));
+    return;
+  }
+  route(std::move(p.op));
+  for (auto& [r, srv] : servers_)
+    pump(srv);
+}
+
+void WorkerService::on_epoch_change(const protocol::EpochChange& change) {
+  if (change.step == protocol::EpochStep::kPrepare) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!epochs_) {
+      early_epochs_.push_back(change);
+      return;
+    }
+    auto next = epochs_->follow(change.epoch, change.delta);
+    if (!next.ok()) {
+      PSLD_LOG_ERROR("worker {}: {}", rank(), next.status().to_string());
+      return;
+    }
+    epochs_->push(*next, change.switch_round);
+    PSLD_LOG_DEBUG("worker {}: epoch {} from round {}", rank(), change.epoch, change.switch_round);
+    if (change.step == protocol::EpochStep::kAbort) {
+      // Also when its connection still looks fine (it hung): the epoch
+      // routes nothing to it any more.
+      auto lost = servers_.find(change.lost_server);
+      if (lost != servers_.end()) {
+        server_lost(lost->second,
+                    Unavailable(fmt::format("server {} was removed from the job by the coordinator",
+                                            change.lost_server)));
+      }
+    }
+    // What waited for a lost server goes where this epoch says.
+    std::vector<Orphan> orphans;
+    orphans.swap(orphans_);
+    for (auto& o : orphans)
+      route(std::move(o.op), o.deadline);
+    // What a server sent back for this epoch goes out again.
+    std::vector<MovedOp> still;
+    for (auto& m : moved_) {
+      if (m.epoch <= change.epoch) {
+        route(std::move(m.op));
+      } else {
+        still.push_back(std::move(m));
+      }
+    }
+    moved_.swap(still);
+    for (auto& [r, srv] : servers_)
+      pump(srv);
+  }
+  flush();
+}
+
+void WorkerService::pump(ServerConn& s) {
+  if (s.lost) return;
+  while (!s.backlog.empty()) {
+    ChunkOp& op = s.backlog.front();
+    const bool needs_slot = op.kind != RequestKind::kPull && !in_place(s, op);
+    if (needs_slot && s.free_slots.empty()) return;  // waits for Credit
+    uint32_t slot = 0;
+    if (needs_slot) {
+      slot = s.free_slots.front();
+      s.free_slots.pop_front();
+    }
+    ChunkOp next = std::move(op);
+    s.backlog.pop_front();
+    issue(s, std::move(next), slot);
+  }
+}
+
+bool WorkerService::in_place(const ServerConn& s, const ChunkOp& op) const {
+  // Only a push whose request completes with a pull: until then the tensor
+  // is the library's, so the server may read it whenever the round lets it.
+  if (op.kind != RequestKind::kPushPull && op.kind != RequestKind::kInit) return false;
+  return s.mapped.count(tensors_[op.tensor].id) != 0;
+}
+
+void WorkerService::issue(ServerConn& s, ChunkOp op, uint32_t slot) {
+  Tensor& t = tensors_[op.tensor];
+  const ChunkSpan span = t.layout->chunk(op.chunk);
+  auto tag = [&] {
+    uint32_t v = next_tag_++;
+    if (v == 0) v = next_tag_++;
+    return v;
+  };
+  ConnectionPtr conn = s.conn;
+  if (op.kind == RequestKind::kPull) {
+    const uint32_t pull_tag = tag();
+    pending_[pull_tag] = Pending{op.request, 0, s.rank, Clock::now(), op, /*lands=*/true};
+    protocol::PullRequest pr{pull_tag, t.dtype,  span.bytes,
+                             span.key, op.round, epochs_->latest().epoch()};
+    outbox_.push_back([this, conn, pr, rank = s.rank] {
+      Status st = send(conn, pr);
+      if (!st.ok()) {
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          op_failed(rank, conn, pr.tag, st);
+        }
+        flush();
+      }
+    });
+    return;
+  }
+  const uint32_t push_tag = tag();
+  uint32_t pull_tag = 0;
+  uint8_t flags = 0;
+  if (op.kind == RequestKind::kPushPull || op.kind == RequestKind::kInit) {
+    pull_tag = tag();
+    flags |= protocol::kPushThenPull;
+    if (op.kind == RequestKind::kInit) flags |= protocol::kPushInit;
+    pending_[pull_tag] = Pending{op.request, push_tag, s.rank, Clock::now(), op, /*lands=*/true};
+    pending_[push_tag] = Pending{op.request, pull_tag, s.rank, Clock::now(), op};
+  } else {
+    // A plain push completes when the server says it took it (Credit).
+    pending_[push_tag] = Pending{op.request, 0, s.rank, Clock::now(), op};
+  }
+  loads_[s.rank].bytes_pushed += span.bytes;
+  load_->record(s.rank, LoadMetric::kPushedBytes, static_cast<double>(span.bytes));
+  if (in_place(s, op)) {
+    flags |= protocol::kPushMapped;
+    slot = protocol::kNoSlot;
+  }
+  protocol::PushMeta meta{
+      push_tag, slot,    t.dtype, span.key, op.round, span.bytes, epochs_->latest().epoch(),
+      flags,    pull_tag};
+  transport::WriteRequest wr{t.region.get(), t.region_offset + span.offset,
+                             s.slots.get(),  slot * s.slot_bytes,
+                             span.bytes,     push_tag};
+  auto region = t.region;  // kept alive by the lambda
+  auto slots = s.slots;
+  outbox_.push_back([this, conn, meta, wr, region, slots, rank = s.rank] {
+    Status st = send(conn, meta);
+    auto done = [this, conn, rank, tag = meta.tag](Status ws) {
+      if (!ws.ok()) {
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          op_failed(rank, conn, tag, ws);
+        }
+        flush();
+      }
+    };
+    // In place: the metadata is all; the server reads the chunk itself.
+    if (st.ok() && !(meta.flags & protocol::kPushMapped)) st = conn->write(wr, done);
+    if (!st.ok()) done(st);
+  });
+}
+
+protocol::WorkerProgress WorkerService::progress() {
+  std::lock_guard<std::mutex> lock(mu_);
+  // Per tensor id: a pull names the tensor's current round and a push the
+  // next one, so no new request goes below the current round; what is in
+  // flight (waiting for credit, an answer, an epoch or a lost server's
+  // fate) may still be sent, again or for the first time, with its own.
+  // An id this worker has not registered (it may yet) gets 0.
+  TensorId last = 0;
+  for (const auto& t : tensors_)
+    last = std::max(last, t.id);
+  std::vector<uint64_t> low(last, 0);
+  for (const auto& t : tensors_)
+    low[t.id - 1] = t.push_round;
+  auto at = [&](const ChunkOp& op) {
+    uint64_t& r = low[tensors_[op.tensor].id - 1];
+    r = std::min(r, op.round);
+  };
+  for (const auto& [tag, p] : pending_)
+    at(p.op);
+  for (const auto& [r, s] : servers_) {
+    for (const auto& op : s.backlog)
+      at(op);
+  }
+  for (const auto& m : moved_)
+    at(m.op);
+  for (const auto& o : orphans_)
+    at(o.op);
+  for (const auto& [tensor_round, n] : staging_) {
+    uint64_t& r = low[tensors_[tensor_round.first].id - 1];
+    r = std::min(r, tensor_round.second);
+  }
+  return {last, protocol::pack_rounds(low)};
+}
+
+std::string WorkerService::describe_in_flight() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string out = fmt::format("worker {} (epoch {}):", rank(), epochs_->latest().epoch());
+  for (const auto& [r, s] : servers_) {
+    out += fmt::format(" server {}: {} free slots, {} waiting for credit;", r, s.free_slots.size(),
+                       s.backlog.size());
+  }
+  for (const auto& [tag, p] : pending_) {
+    out += fmt::format(" tag {} -> server {} (tensor {} chunk {} round {});", tag, p.server,
+                       p.op.tensor, p.op.chunk, p.op.round);
+  }
+  uint64_t staging = 0;
+  for (const auto& [tensor_round, n] : staging_)
+    staging += n;
+  out += fmt::format(
+      " {} waiting for an epoch, {} for a lost server's keys to move, {} for a copy off the GPU",
+      moved_.size(), orphans_.size(), staging);
+  return out;
+}
+
+size_t WorkerService::operations_in_flight() {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t n = moved_.size() + orphans_.size();
+  for (const auto& [tensor_round, chunks] : staging_)
+    n += chunks;
+  for (const auto& [tag, p] : pending_)
+    n += p.other_tag == 0 || tag < p.other_tag;  // a push_pull's two tags are one operation
+  for (const auto& [r, s] : servers_)
+    n += s.backlog.size();
+  return n;
+}
+
+Status WorkerService::shutdown() {
+  session_.on_tick(nullptr);  // the tick reads what is torn down below
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_) return Status::Ok();
+    stopped_ = true;
+  }
+  session_.stop_reports();  // the last window goes before the goodbye
+  session_.goodbye();
+  stop();  // closing flushes: the goodbye reaches the coordinator first
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    fail_everything(Aborted("the worker was shut down"));
+  }
+  // The copies still running finish (the GPU may be writing a shadow), then
+  // the shadows go: nothing reads or writes them any more.
+  {
+    std::lock_guard<std::mutex> lock(device_mu_);
+    if (copier_) copier_->stop();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (Tensor& t : tensors_) {
+    if (!t.shadow) continue;
+    t.region.reset();
+    t.shadow.reset();
+  }
+  return Status::Ok();
+}
+
+}  // namespace psld

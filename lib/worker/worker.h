@@ -1,0 +1,237 @@
+// The worker side of the data path: tensors registered once (zero-copy: the
+// library reads pushes from and writes pulls into the caller's memory), cut
+// into chunks, each chunk routed by the placement to its server, pushed with
+// one write into a landing slot the server granted (credits bound the
+// server's memory), pulled by the server writing straight into the tensor.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "lib/worker/device_staging.h"
+#include "lib/placement/epoch_log.h"
+#include "lib/stats/load_stats.h"
+#include "lib/runtime/member.h"
+
+namespace psld {
+
+// Completion state shared by a request handle and the worker: the request is
+// done when all its chunk operations are, and fails with the first error.
+class RequestState {
+ public:
+  explicit RequestState(uint64_t parts) : remaining_(parts), done_(parts == 0) {}
+  void complete_part(const Status& status);
+  Status wait(std::chrono::milliseconds timeout);
+  bool test() const;
+  // The request's result once done.
+  Status status() const;
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  uint64_t remaining_;
+  bool done_;
+  Status status_;
+};
+
+enum class RequestKind : uint8_t { kPush, kPull, kPushPull, kInit };
+
+// What this worker sent to one server and how long the server took to answer.
+struct ServerLoadStats {
+  uint32_t server = 0;
+  uint64_t bytes_pushed = 0;
+  uint64_t answers = 0;            // pulls and push_pulls answered
+  uint64_t answer_latency_ns = 0;  // summed over those answers
+};
+
+class WorkerService final : public Endpoint {
+ public:
+  // Joins the job (connect_timeout), connects to every server and gets its grant.
+  static Result<std::unique_ptr<WorkerService>> start(const RuntimeOptions& options);
+  ~WorkerService() override;
+
+  uint32_t rank() const { return session_.welcome().rank; }
+  uint32_t num_workers() const { return session_.welcome().num_workers; }
+
+  // Zero-filled memory from the transport for tensors (psld/worker.h,
+  // Worker::allocate); valid until this object is destroyed.
+  Result<void*> allocate(size_t bytes);
+  // Returns a handle (an index) for the tensor. See psld/worker.h.
+  Result<uint32_t> register_tensor(const std::string& name, protocol::DType dtype, uint64_t bytes,
+                                   void* data, const void* init);
+  Result<std::shared_ptr<RequestState>> submit(uint32_t tensor, RequestKind kind);
+  Status barrier(std::chrono::milliseconds timeout) { return session_.barrier(timeout); }
+  Status health() const { return session_.health(); }
+  // Cumulative, one entry per server.
+  std::vector<ServerLoadStats> server_loads();
+  // Says goodbye to the coordinator and stops; idempotent.
+  Status shutdown();
+  // What is in flight, for diagnostics: per server, chunks waiting for a
+  // credit and operations waiting for an answer, and ops waiting for an epoch.
+  std::string describe_in_flight();
+  // Chunk operations not completed yet, wherever they wait.
+  size_t operations_in_flight();
+  // How tensors in CUDA memory travel here (lib/worker/device_staging.h).
+  const std::string& gpu_path() const { return gpu_path_text_; }
+  // The staged path's copies so far, each way (0 before a staged tensor).
+  uint64_t staged_bytes_to_host();
+  uint64_t staged_bytes_to_device();
+
+ private:
+  explicit WorkerService(const RuntimeOptions& options);
+
+  struct Tensor {
+    TensorId id = 0;
+    std::string name;
+    protocol::DType dtype = protocol::DType::kF32;
+    uint64_t bytes = 0;
+    uint8_t* data = nullptr;  // the caller's memory, host or CUDA
+    transport::MemoryKind kind = transport::MemoryKind::kHost;
+    std::optional<ChunkLayout> layout;
+    // Staged CUDA tensors: the pinned host copy the transport reads pushes
+    // from and servers write pulls into. Declared before `region`, which
+    // registers it, so that the registration goes first.
+    std::shared_ptr<uint8_t> shadow;
+    std::shared_ptr<transport::MemoryRegion> region;  // of data, or of shadow when staged
+    uint64_t region_offset = 0;  // of the tensor in region (inside an allocate()d block)
+    uint64_t push_round = 0;
+  };
+  struct ChunkOp {
+    RequestKind kind = RequestKind::kPush;
+    uint32_t tensor = 0;
+    uint32_t chunk = 0;
+    uint64_t round = 0;
+    std::shared_ptr<RequestState> request;
+  };
+  struct ServerConn {
+    uint32_t rank = 0;
+    transport::ConnectionPtr conn;
+    bool granted = false;
+    std::shared_ptr<transport::RemoteRegion> slots;
+    uint64_t slot_bytes = 0;
+    std::deque<uint32_t> free_slots;
+    std::deque<ChunkOp> backlog;  // waiting for credit
+    // Tensors the server maps (Ack kAckMapped): it reads their push_pulls in
+    // place, so those need no slot and no write.
+    std::set<TensorId> mapped;
+    // The connection broke, or the coordinator removed the server: never
+    // used again (docs/migration.md, "Abort").
+    bool lost = false;
+    Status lost_why;
+  };
+  // An operation waiting for its notification or error, by tag.
+  struct Pending {
+    std::shared_ptr<RequestState> request;
+    uint32_t other_tag = 0;  // push_pull: the push's tag for the pull's and vice versa
+    uint32_t server = 0;
+    transport::Clock::time_point issued;
+    ChunkOp op;          // to send it again where the server answers Moved
+    bool lands = false;  // its notification: the chunk landed in the tensor (a pull)
+  };
+  // An operation a server answered Moved, waiting for an epoch it does not
+  // know yet.
+  struct MovedOp {
+    ChunkOp op;
+    uint64_t epoch = 0;
+  };
+  // An operation whose server was lost, or that failed to reach it, waiting
+  // (until `deadline`) for the coordinator's decision: an epoch that routes
+  // it to a live server, or JobFailed. `why` is what failed.
+  struct Orphan {
+    ChunkOp op;
+    uint32_t server = 0;
+    transport::Clock::time_point deadline;
+    Status why;
+  };
+
+  // CUDA tensors: the copier, started with the first one (device_mu_).
+  Result<DeviceCopier*> copier();
+  // The pinned shadow of a staged tensor and its registration.
+  Status stage_tensor(Tensor& t);
+  // A staged push's chunk is in the shadow (or its copy failed): it goes out.
+  void on_staged(ChunkOp op, const Status& copied);
+
+  void on_write(const transport::ConnectionPtr& conn, uint32_t tag, uint64_t length) override;
+  void on_disconnect(const transport::ConnectionPtr& conn, const Status& why) override;
+  void on_control(const transport::ConnectionPtr& conn, protocol::Message&& message) override;
+
+  Status connect_servers();
+  ServerConn* server_of(const transport::ConnectionPtr& conn);  // mu_ held
+  // Issues as much of the server's backlog as its credits allow. mu_ held;
+  // sends happen after it is released (see issue_later_).
+  void pump(ServerConn& s);
+  void issue(ServerConn& s, ChunkOp op, uint32_t slot);  // mu_ held
+  void finish_tag(uint32_t tag, const Status& status);   // mu_ held
+  void flush();
+  void fail_everything(const Status& why);  // mu_ held
+  void on_epoch_change(const protocol::EpochChange& change);
+  void on_moved(ServerConn& s, const protocol::Moved& moved);  // mu_ held
+  // Queues the op on the server that serves its round, or with the orphans
+  // when that server is lost (keeping `deadline` when it already waited).
+  // mu_ held.
+  void route(ChunkOp op, std::optional<transport::Clock::time_point> deadline = std::nullopt);
+  // The server's connection is gone or the coordinator removed it: what it
+  // did not answer waits for the coordinator's decision. mu_ held.
+  void server_lost(ServerConn& s, const Status& why);
+  // A send or write to server `rank` on `conn` failed: a sign that the
+  // server is going away (its connection closes, or its memory was already
+  // deregistered), so the operation waits with the lost server's. mu_ held.
+  void op_failed(uint32_t rank, const transport::ConnectionPtr& conn, uint32_t tag,
+                 const Status& why);
+  // The heartbeat thread's clock: orphans past their deadline fail.
+  void on_tick();
+  // The lowest round this worker may still send a request for, over every
+  // tensor it registered (protocol::WorkerProgress): what lets servers free
+  // old runs of ownership (docs/migration.md, "Freeing old runs").
+  protocol::WorkerProgress progress();
+  // How long a lost server's operations wait for the coordinator: it decides
+  // within a heartbeat timeout of the loss; as much again is the margin.
+  std::chrono::milliseconds orphan_grace() const { return 2 * options_.heartbeat_timeout; }
+
+  const RuntimeOptions options_;
+  MemberSession session_;
+  std::string gpu_path_text_;  // fixed at start
+  // allocate()d blocks by address. Declared before the tensors carved from them.
+  std::map<const uint8_t*, std::shared_ptr<transport::MemoryRegion>> allocations_;  // mu_
+  std::mutex device_mu_;
+  // Declared before tensors_: the shadows it allocated go first.
+  std::unique_ptr<DeviceCopier> copier_;
+  std::optional<EpochLog> epochs_;                   // guarded by mu_
+  std::vector<protocol::EpochChange> early_epochs_;  // arrived before join finished; mu_
+  std::vector<MovedOp> moved_;                       // guarded by mu_
+  std::vector<Orphan> orphans_;                      // guarded by mu_
+  // Staged pushes whose chunks the copier is still copying out of the GPU:
+  // (tensor, round) -> chunks. Guarded by mu_.
+  std::map<std::pair<uint32_t, uint64_t>, uint64_t> staging_;
+  std::atomic<uint64_t> max_round_{0};  // highest round pushed, for reports
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<uint32_t, ServerConn> servers_;     // by server rank
+  std::map<uint32_t, ServerLoadStats> loads_;  // by server rank
+  std::unique_ptr<LoadRecorder> load_;         // the windows sent to the coordinator
+  std::vector<Tensor> tensors_;
+  std::map<std::string, uint32_t> tensor_by_name_;
+  std::map<uint32_t, Pending> pending_;
+  std::map<uint64_t, std::set<uint32_t>> acks_wanted_;  // TensorKey request -> servers to ack
+  std::map<uint64_t, TensorId> ack_tensor_;             // TensorKey request -> its tensor
+  // Whether server `s` reads op's push in place (protocol::kPushMapped). mu_ held.
+  bool in_place(const ServerConn& s, const ChunkOp& op) const;
+  uint64_t next_request_ = 1;
+  uint32_t next_tag_ = 1;
+  // Control messages and writes are issued outside mu_: the transport may be
+  // calling one of our handlers, which takes mu_, on its progress thread.
+  std::vector<std::function<void()>> outbox_;
+  bool stopped_ = false;
+};
+
+}  // namespace psld

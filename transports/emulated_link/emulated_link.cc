@@ -1,0 +1,325 @@
+#include "transports/emulated_link/emulated_link.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace psld::transport {
+namespace {
+
+// A token bucket expressed as "when is the link free again": an operation of
+// n bytes occupies the link for n / rate seconds after the later of (the link
+// being free) and (now minus one burst's worth of idle credit). It is released
+// when its last byte would have left, so release times are monotonic and
+// operations keep their order.
+class Shaper {
+ public:
+  void configure(double rate, uint64_t burst) {
+    rate_ = rate;
+    burst_ = burst;
+  }
+  Clock::time_point release(uint64_t bytes, Clock::time_point now) {
+    if (rate_ <= 0) return std::max(now, last_release_);
+    const auto credit = seconds(static_cast<double>(burst_) / rate_);
+    const auto start = std::max(now - credit, next_free_);
+    next_free_ = start + seconds(static_cast<double>(bytes) / rate_);
+    last_release_ = std::max({now, next_free_, last_release_});
+    return last_release_;
+  }
+
+ private:
+  static Clock::duration seconds(double s) {
+    return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
+  }
+  double rate_ = 0;
+  uint64_t burst_ = 0;
+  Clock::time_point next_free_{};
+  Clock::time_point last_release_{};
+};
+
+class LinkTransport;
+
+// Both shaped operations keep their completion in a shared slot: it is
+// called exactly once, by the inner transport once issued, or with Aborted if
+// the transport shuts down while the shaper still holds the operation.
+struct HeldCompletion {
+  std::mutex mu;
+  Completion done;
+  Completion take() {
+    std::lock_guard<std::mutex> lock(mu);
+    return std::move(done);
+  }
+};
+
+class LinkConnection final : public Connection {
+ public:
+  LinkConnection(LinkTransport* owner, ConnectionPtr inner)
+      : owner_(owner), inner_(std::move(inner)) {}
+
+  uint64_t id() const override { return inner_->id(); }
+  std::string peer() const override { return inner_->peer(); }
+  std::string write_path() const override { return inner_->write_path() + "+link"; }
+  bool is_open() const override { return inner_->is_open(); }
+  Result<std::shared_ptr<RemoteRegion>> import_region(std::span<const uint8_t> key) override {
+    return inner_->import_region(key);
+  }
+  Status check_write(const WriteRequest& req) const override { return inner_->check_write(req); }
+  Status write(const WriteRequest& req, Completion done) override;
+  Status send(std::span<const uint8_t> message, Completion done) override;
+  void close() override { inner_->close(); }
+
+  const ConnectionPtr& inner() const { return inner_; }
+
+ private:
+  LinkTransport* owner_;
+  ConnectionPtr inner_;
+};
+
+class LinkTransport final : public Transport, public Handler {
+ public:
+  LinkTransport(const LinkOptions& link, Handler* user) : user_(user) { configure(link); }
+  ~LinkTransport() override { shutdown(); }
+
+  Status init(std::string_view inner, const TransportOptions& options) {
+    PSLD_ASSIGN_OR_RETURN(inner_, create_transport(inner, options, this));
+    name_ = std::string(inner_->name()) + "+link";
+    return Status::Ok();
+  }
+
+  void configure(const LinkOptions& link) {
+    std::lock_guard<std::mutex> lock(mu_);
+    link_ = link;
+    egress_.configure(link.egress_bytes_per_second, link.burst_bytes);
+    ingress_.configure(link.ingress_bytes_per_second, link.burst_bytes);
+  }
+  LinkOptions link() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return link_;
+  }
+
+  std::string_view name() const override { return name_; }
+  std::vector<uint8_t> address() const override { return inner_->address(); }
+  MemorySupport memory_support(MemoryKind kind) const override {
+    return inner_->memory_support(kind);
+  }
+
+  Result<ConnectionPtr> connect(std::span<const uint8_t> peer_address) override {
+    PSLD_ASSIGN_OR_RETURN(ConnectionPtr inner, inner_->connect(peer_address));
+    return ConnectionPtr(wrap(inner));
+  }
+
+  Result<std::shared_ptr<MemoryRegion>> register_memory(void* data, size_t length,
+                                                        MemoryKind kind) override {
+    return inner_->register_memory(data, length, kind);
+  }
+  Result<std::shared_ptr<MemoryRegion>> allocate_memory(size_t length, MemoryKind kind) override {
+    return inner_->allocate_memory(length, kind);
+  }
+  Status invalidate(void* data, size_t length) override { return inner_->invalidate(data, length); }
+
+  size_t progress() override {
+    size_t n = inner_->progress();
+    std::vector<std::function<void()>> due;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      const auto now = Clock::now();
+      while (!queue_.empty() && queue_.begin()->first.first <= now) {
+        due.push_back(std::move(queue_.begin()->second.fn));
+        queue_.erase(queue_.begin());
+      }
+    }
+    for (auto& fn : due)
+      fn();
+    return n + due.size();
+  }
+
+  void wait(std::chrono::milliseconds timeout) override {
+    auto limit = timeout;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!queue_.empty()) {
+        const auto until = queue_.begin()->first.first - Clock::now();
+        if (until <= Clock::duration::zero()) return;
+        limit = std::min(limit, std::chrono::ceil<std::chrono::milliseconds>(until));
+      }
+    }
+    inner_->wait(limit);
+  }
+  void wake() override { inner_->wake(); }
+
+  void shutdown() override {
+    if (shut_.exchange(true)) return;
+    // Egress operations still held by the shaper never reached the inner
+    // transport: fail them here, exactly once.
+    std::map<std::pair<Clock::time_point, uint64_t>, Action> held;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      held.swap(queue_);
+    }
+    if (inner_) inner_->shutdown();
+    for (auto& [when, action] : held) {
+      if (!action.held) continue;
+      if (Completion done = action.held->take()) {
+        done(Aborted("transport shut down before the emulated link sent this operation"));
+      }
+    }
+  }
+
+  // Schedules an egress operation of `bytes`; `issue` runs at its release.
+  void egress(uint64_t bytes, std::function<void()> issue, std::shared_ptr<HeldCompletion> held) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto at =
+        egress_.release(bytes + link_.per_op_overhead_bytes, Clock::now()) + link_.latency;
+    queue_.emplace(std::make_pair(at, seq_++), Action{std::move(issue), std::move(held)});
+  }
+
+  // ---- Handler for the inner transport: ingress is shaped here.
+  void on_accept(const ConnectionPtr& conn) override { user_->on_accept(wrap(conn)); }
+  void on_write(const ConnectionPtr& conn, uint32_t notify, uint64_t length) override {
+    auto wrapper = find(conn);
+    if (!wrapper) return;
+    ingress(length, [this, wrapper, notify, length] { user_->on_write(wrapper, notify, length); });
+  }
+  void on_message(const ConnectionPtr& conn, std::span<const uint8_t> message) override {
+    auto wrapper = find(conn);
+    if (!wrapper) return;
+    auto copy = std::make_shared<std::vector<uint8_t>>(message.begin(), message.end());
+    ingress(copy->size(), [this, wrapper, copy] { user_->on_message(wrapper, *copy); });
+  }
+  void on_disconnect(const ConnectionPtr& conn, const Status& why) override {
+    auto wrapper = find(conn);
+    if (!wrapper) return;
+    // After the data that arrived before it, never before.
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto at = ingress_.release(0, Clock::now());
+    queue_.emplace(std::make_pair(at, seq_++), Action{[this, wrapper, why, conn] {
+                                                        user_->on_disconnect(wrapper, why);
+                                                        std::lock_guard<std::mutex> l(mu_);
+                                                        conns_.erase(conn->id());
+                                                      },
+                                                      nullptr});
+  }
+
+ private:
+  void ingress(uint64_t bytes, std::function<void()> fn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto at = ingress_.release(bytes + link_.per_op_overhead_bytes, Clock::now());
+    queue_.emplace(std::make_pair(at, seq_++), Action{std::move(fn), nullptr});
+  }
+
+  std::shared_ptr<LinkConnection> wrap(const ConnectionPtr& inner) {
+    auto wrapper = std::make_shared<LinkConnection>(this, inner);
+    std::lock_guard<std::mutex> lock(mu_);
+    conns_[inner->id()] = wrapper;
+    return wrapper;
+  }
+  std::shared_ptr<LinkConnection> find(const ConnectionPtr& inner) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = conns_.find(inner->id());
+    return it == conns_.end() ? nullptr : it->second;
+  }
+
+  Handler* user_;
+  std::unique_ptr<Transport> inner_;
+  std::string name_;
+  std::atomic<bool> shut_{false};
+
+  mutable std::mutex mu_;
+  LinkOptions link_;
+  Shaper egress_;
+  Shaper ingress_;
+  uint64_t seq_ = 0;
+  struct Action {
+    std::function<void()> fn;
+    std::shared_ptr<HeldCompletion> held;  // egress only
+  };
+  std::map<std::pair<Clock::time_point, uint64_t>, Action> queue_;
+  std::map<uint64_t, std::shared_ptr<LinkConnection>> conns_;
+};
+
+Status LinkConnection::write(const WriteRequest& req, Completion done) {
+  PSLD_RETURN_IF_ERROR(inner_->check_write(req));
+  auto held = std::make_shared<HeldCompletion>();
+  held->done = std::move(done);
+  ConnectionPtr inner = inner_;
+  owner_->egress(
+      req.length,
+      [inner, req, held] {
+        Completion done = held->take();
+        Status s = inner->write(req, done);
+        if (!s.ok() && done) done(s);
+      },
+      held);
+  return Status::Ok();
+}
+
+Status LinkConnection::send(std::span<const uint8_t> message, Completion done) {
+  if (message.size() > kMaxMessageBytes) {
+    return InvalidArgument(fmt::format("message of {} bytes exceeds the {}-byte limit",
+                                       message.size(), kMaxMessageBytes));
+  }
+  if (!is_open()) return Unavailable("connection to " + peer() + " is closed");
+  auto copy = std::make_shared<std::vector<uint8_t>>(message.begin(), message.end());
+  auto held = std::make_shared<HeldCompletion>();
+  held->done = std::move(done);
+  ConnectionPtr inner = inner_;
+  owner_->egress(
+      copy->size(),
+      [inner, copy, held] {
+        Completion done = held->take();
+        Status s = inner->send(*copy, done);
+        if (!s.ok() && done) done(s);
+      },
+      held);
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status validate_link_options(const LinkOptions& link) {
+  if (!(link.egress_bytes_per_second >= 0) || !std::isfinite(link.egress_bytes_per_second)) {
+    return InvalidArgument(
+        "link.egress_bytes_per_second must be a finite value >= 0 (0: unlimited)");
+  }
+  if (!(link.ingress_bytes_per_second >= 0) || !std::isfinite(link.ingress_bytes_per_second)) {
+    return InvalidArgument(
+        "link.ingress_bytes_per_second must be a finite value >= 0 (0: unlimited)");
+  }
+  if (link.latency.count() < 0) return InvalidArgument("link.latency must be >= 0");
+  if (link.burst_bytes == 0) return InvalidArgument("link.burst_bytes must be at least 1");
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<Transport>> create_emulated_link(std::string_view inner,
+                                                        const TransportOptions& options,
+                                                        const LinkOptions& link, Handler* handler) {
+  if (handler == nullptr) return InvalidArgument("create_emulated_link needs a Handler");
+  PSLD_RETURN_IF_ERROR(validate_link_options(link));
+  auto t = std::make_unique<LinkTransport>(link, handler);
+  PSLD_RETURN_IF_ERROR(t->init(inner, options));
+  return std::unique_ptr<Transport>(std::move(t));
+}
+
+Status set_link(Transport& transport, const LinkOptions& link) {
+  auto* t = dynamic_cast<LinkTransport*>(&transport);
+  if (t == nullptr) {
+    return InvalidArgument(fmt::format("transport '{}' is not an emulated link", transport.name()));
+  }
+  PSLD_RETURN_IF_ERROR(validate_link_options(link));
+  t->configure(link);
+  return Status::Ok();
+}
+
+LinkOptions get_link(const Transport& transport) {
+  auto* t = dynamic_cast<const LinkTransport*>(&transport);
+  return t ? t->link() : LinkOptions{};
+}
+
+}  // namespace psld::transport
