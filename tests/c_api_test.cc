@@ -4,8 +4,8 @@
 
 #include <gtest/gtest.h>
 
-#include <future>
 #include <algorithm>
+#include <future>
 #include <string>
 #include <vector>
 

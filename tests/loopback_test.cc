@@ -7,8 +7,8 @@
 #include <thread>
 
 #include "tests/transport_test_util.h"
-#include "transports/loopback/loopback.h"
 #include "transports/common/progress_thread.h"
+#include "transports/loopback/loopback.h"
 
 namespace psld::transport::testing {
 namespace {

@@ -14,8 +14,8 @@
 #include <thread>
 
 #include "lib/coordinator/coordinator.h"
-#include "lib/stats/load_history.h"
 #include "lib/server/server.h"
+#include "lib/stats/load_history.h"
 #include "lib/worker/worker.h"
 #include "tests/cluster.h"
 #include "transports/loopback/loopback.h"

@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "kernels/cuda/cuda_kernels.h"
 #include "gpu/cuda_copy_engine.h"
+#include "kernels/cuda/cuda_kernels.h"
 
 namespace psld::transport {
 namespace {

@@ -21,9 +21,9 @@
 #include <random>
 #include <thread>
 
+#include "gpu/cuda_driver.h"
 #include "tests/fake_verbs.h"
 #include "tests/transport_test_util.h"
-#include "gpu/cuda_driver.h"
 #include "transports/verbs/send_queue.h"
 #include "transports/verbs/side_channel.h"
 #include "transports/verbs/verbs_protocol.h"

@@ -31,8 +31,8 @@
 
 #include "bench/bench_util.h"
 #include "bench/stragglers.h"
-#include "lib/worker/device_staging.h"
 #include "lib/server/server_device.h"
+#include "lib/worker/device_staging.h"
 #include "psld/config.h"
 #include "psld/coordinator.h"
 #include "psld/server.h"

@@ -1,14 +1,14 @@
 // The public classes of include/psld/ over the services in lib/.
 #include <future>
 
-#include "lib/coordinator/coordinator.h"
+#include "base/log.h"
 #include "lib/config/runtime_options.h"
+#include "lib/coordinator/coordinator.h"
 #include "lib/server/server.h"
 #include "lib/worker/worker.h"
 #include "psld/coordinator.h"
 #include "psld/server.h"
 #include "psld/worker.h"
-#include "base/log.h"
 
 namespace psld {
 

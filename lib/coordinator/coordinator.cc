@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <random>
 
-#include "lib/placement/epoch_log.h"
 #include "base/log.h"
+#include "lib/placement/epoch_log.h"
 
 namespace psld {
 

@@ -20,10 +20,10 @@
 #include <vector>
 
 #include "lib/balancer/balancer.h"
+#include "lib/config/runtime_options.h"
+#include "lib/placement/placement.h"
 #include "lib/runtime/endpoint.h"
 #include "lib/stats/load_history.h"
-#include "lib/placement/placement.h"
-#include "lib/config/runtime_options.h"
 
 namespace psld {
 

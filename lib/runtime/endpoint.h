@@ -12,8 +12,8 @@
 
 #include "lib/protocol/protocol.h"
 #include "psld/status.h"
-#include "transports/emulated_link/emulated_link.h"
 #include "transports/common/progress_thread.h"
+#include "transports/emulated_link/emulated_link.h"
 #include "transports/transport.h"
 
 namespace psld {

@@ -21,10 +21,10 @@
 #include <thread>
 #include <vector>
 
-#include "lib/runtime/endpoint.h"
+#include "lib/config/runtime_options.h"
 #include "lib/placement/placement.h"
 #include "lib/protocol/protocol.h"
-#include "lib/config/runtime_options.h"
+#include "lib/runtime/endpoint.h"
 
 namespace psld {
 

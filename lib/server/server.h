@@ -22,9 +22,9 @@
 #include <vector>
 
 #include "lib/placement/epoch_log.h"
-#include "lib/stats/load_stats.h"
 #include "lib/runtime/member.h"
 #include "lib/server/server_device.h"
+#include "lib/stats/load_stats.h"
 
 namespace psld {
 

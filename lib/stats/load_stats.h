@@ -16,8 +16,8 @@
 #include <mutex>
 #include <vector>
 
-#include "lib/stats/load_ring.h"
 #include "lib/protocol/protocol.h"
+#include "lib/stats/load_ring.h"
 
 namespace psld {
 

@@ -5,9 +5,9 @@
 #include <algorithm>
 #include <cstring>
 
-#include "kernels/dispatch.h"
-#include "gpu/cuda_copy_engine.h"
 #include "base/log.h"
+#include "gpu/cuda_copy_engine.h"
+#include "kernels/dispatch.h"
 
 namespace psld {
 

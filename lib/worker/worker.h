@@ -17,10 +17,10 @@
 #include <string>
 #include <vector>
 
-#include "lib/worker/device_staging.h"
 #include "lib/placement/epoch_log.h"
-#include "lib/stats/load_stats.h"
 #include "lib/runtime/member.h"
+#include "lib/stats/load_stats.h"
+#include "lib/worker/device_staging.h"
 
 namespace psld {
 

@@ -10,9 +10,9 @@
 #include <functional>
 #include <random>
 
+#include "base/wire.h"
 #include "transports/common/pending_ops.h"
 #include "transports/common/registration_cache.h"
-#include "base/wire.h"
 
 namespace psld::transport {
 namespace {

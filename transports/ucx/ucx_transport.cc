@@ -53,11 +53,11 @@
 #include <unordered_map>
 #include <vector>
 
-#include "gpu/cuda_driver.h"
 #include "base/log.h"
+#include "base/wire.h"
+#include "gpu/cuda_driver.h"
 #include "transports/common/pending_ops.h"
 #include "transports/common/registration_cache.h"
-#include "base/wire.h"
 
 namespace psld::transport {
 namespace {
@@ -542,7 +542,7 @@ class UcxRemoteRegion final : public RemoteRegion,
   uint64_t secret_;
   bool mapped_;
   uint8_t* mapped_base_;  // where base() is mapped here; guarded by UcxCore::mapping_mu_
-  ucp_rkey_h rkey_;  // guarded by UcxCore::rkey_mu_ for destruction; read under UcxCore::mu_
+  ucp_rkey_h rkey_;       // guarded by UcxCore::rkey_mu_ for destruction; read under UcxCore::mu_
   std::weak_ptr<UcxCore> core_;
 };
 

@@ -34,8 +34,8 @@
 #include <thread>
 #include <unordered_map>
 
-#include "gpu/cuda_driver.h"
 #include "base/log.h"
+#include "gpu/cuda_driver.h"
 #include "transports/common/pending_ops.h"
 #include "transports/common/registration_cache.h"
 #include "transports/verbs/send_queue.h"
