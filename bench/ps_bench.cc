@@ -60,9 +60,9 @@
 #include <vector>
 
 #include "bench/bench_util.h"
-#include "lib/coordinator/coordinator.h"
-#include "lib/server/server.h"
-#include "lib/worker/worker.h"
+#include "lib/coordinator/service.h"
+#include "lib/server/service.h"
+#include "lib/worker/service.h"
 #include "transports/transport.h"
 
 namespace psld {

@@ -21,9 +21,9 @@
 
 #include "bench/bench_util.h"
 #include "bench/stragglers.h"
-#include "lib/coordinator/coordinator.h"
-#include "lib/server/server.h"
-#include "lib/worker/worker.h"
+#include "lib/coordinator/service.h"
+#include "lib/server/service.h"
+#include "lib/worker/service.h"
 #include "transports/emulated_link/emulated_link.h"
 #include "transports/loopback/loopback.h"
 

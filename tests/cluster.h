@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "lib/coordinator/coordinator.h"
-#include "lib/server/server.h"
-#include "lib/worker/worker.h"
+#include "lib/coordinator/service.h"
+#include "lib/server/service.h"
+#include "lib/worker/service.h"
 #include "transports/loopback/loopback.h"
 
 namespace psld {

@@ -13,10 +13,10 @@
 #include <numeric>
 #include <thread>
 
-#include "lib/coordinator/coordinator.h"
-#include "lib/server/server.h"
+#include "lib/coordinator/service.h"
+#include "lib/server/service.h"
 #include "lib/stats/load_history.h"
-#include "lib/worker/worker.h"
+#include "lib/worker/service.h"
 #include "tests/cluster.h"
 #include "transports/loopback/loopback.h"
 

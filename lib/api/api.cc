@@ -3,9 +3,9 @@
 
 #include "base/log.h"
 #include "lib/config/runtime_options.h"
-#include "lib/coordinator/coordinator.h"
-#include "lib/server/server.h"
-#include "lib/worker/worker.h"
+#include "lib/coordinator/service.h"
+#include "lib/server/service.h"
+#include "lib/worker/service.h"
 #include "psld/coordinator.h"
 #include "psld/server.h"
 #include "psld/worker.h"

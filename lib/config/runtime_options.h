@@ -12,7 +12,7 @@
 #include "kernels/cpu/cpu_kernels.h"
 #include "lib/balancer/balancer.h"
 #include "lib/placement/placement.h"
-#include "lib/runtime/endpoint.h"
+#include "lib/runtime/runtime.h"
 #include "lib/server/server_device.h"
 #include "psld/config.h"
 #include "psld/keys.h"

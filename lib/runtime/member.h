@@ -24,7 +24,7 @@
 #include "lib/config/runtime_options.h"
 #include "lib/placement/placement.h"
 #include "lib/protocol/protocol.h"
-#include "lib/runtime/endpoint.h"
+#include "lib/runtime/runtime.h"
 
 namespace psld {
 

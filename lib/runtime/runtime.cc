@@ -1,4 +1,4 @@
-#include "lib/runtime/endpoint.h"
+#include "lib/runtime/runtime.h"
 
 #include "base/log.h"
 

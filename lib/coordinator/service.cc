@@ -1,4 +1,4 @@
-#include "lib/coordinator/coordinator.h"
+#include "lib/coordinator/service.h"
 
 #include <fmt/format.h>
 

@@ -1,4 +1,4 @@
-#include "lib/server/server.h"
+#include "lib/server/service.h"
 
 #include <fmt/format.h>
 

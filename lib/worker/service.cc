@@ -1,4 +1,4 @@
-#include "lib/worker/worker.h"
+#include "lib/worker/service.h"
 
 #include <fmt/format.h>
 

@@ -22,7 +22,7 @@
 #include "lib/balancer/balancer.h"
 #include "lib/config/runtime_options.h"
 #include "lib/placement/placement.h"
-#include "lib/runtime/endpoint.h"
+#include "lib/runtime/runtime.h"
 #include "lib/stats/load_history.h"
 
 namespace psld {
