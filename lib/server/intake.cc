@@ -1,0 +1,296 @@
+// Intake, on the transport's progress thread: worker hellos and landing-slot
+// grants, TensorKeys, PushMeta paired with its write, and the credits given
+// back; work is queued to the key's shard.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <set>
+#include <thread>
+#include <unordered_map>
+
+#include "base/log.h"
+#include "lib/server/key_state.h"
+
+namespace psld {
+
+using protocol::DType;
+using transport::ConnectionPtr;
+
+namespace kn = psld::kernels;
+
+void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::Message& message) {
+  std::shared_ptr<WorkerConn> w;
+  {
+    std::lock_guard<std::mutex> lock(conns_mu_);
+    auto it = conns_.find(conn->id());
+    if (it == conns_.end()) return;
+    w = it->second;
+  }
+  if (auto* hello = std::get_if<protocol::WorkerHello>(&message)) {
+    if (hello->proof != protocol::secret_proof(options_.secret, hello->worker_rank) ||
+        hello->worker_rank >= session_.welcome().num_workers) {
+      send_error(conn->id(), 0, FailedPrecondition("worker hello refused: bad rank or secret"));
+      return;
+    }
+    const uint64_t slot_bytes = session_.welcome().chunk_bytes;
+    auto slots = transport().allocate_memory(options_.slots_per_worker * slot_bytes,
+                                             transport::MemoryKind::kHost);
+    if (!slots.ok()) {
+      send_error(conn->id(), 0, slots.status().with_context("allocating landing slots"));
+      return;
+    }
+    PinnedRange pinned;
+    if (device_) {
+      uint8_t* base = (*slots)->data();
+      Status st = device_->pin(base, options_.slots_per_worker * slot_bytes);
+      if (st.ok()) {
+        pinned = PinnedRange(base, Unpin{device_.get()});
+      } else if (!pin_warned_.exchange(true)) {
+        PSLD_LOG_WARN(
+            "server {}: landing slots stay pageable, so pushes reach the GPU through the CUDA "
+            "runtime's bounce buffer: {}",
+            rank(), st.to_string());
+      }
+    }
+    std::lock_guard<std::mutex> lock(conns_mu_);
+    w->hello = true;
+    w->rank = hello->worker_rank;
+    w->pinned = std::move(pinned);  // first: a second hello unpins the old slots before they go
+    w->slots = *slots;
+    w->num_slots = options_.slots_per_worker;
+    w->slot_bytes = slot_bytes;
+    w->slot_busy.assign(w->num_slots, 0);
+    protocol::Grant grant{
+        w->num_slots, slot_bytes,
+        std::vector<uint8_t>(w->slots->remote_key().begin(), w->slots->remote_key().end())};
+    (void)send(conn, grant);
+    return;
+  }
+  if (auto* req = std::get_if<protocol::StateRequest>(&message)) {
+    // Another server took over this key and wants its state (migration).
+    auto region = conn->import_region(req->region);
+    if (!region.ok()) {
+      PSLD_LOG_ERROR("server {}: a state request for key {:#x} with a bad region: {}", rank(),
+                     req->key, region.status().to_string());
+      return;
+    }
+    dispatch(req->key, StateWork{conn->id(), *req, *region});
+    return;
+  }
+  if (auto* offer = std::get_if<protocol::StateOffer>(&message)) {
+    // An old owner says a key it loses to this server reached the switch.
+    if (offer->bytes == 0 || offer->bytes > session_.welcome().chunk_bytes ||
+        offer->bytes % protocol::dtype_bytes(offer->dtype) != 0) {
+      PSLD_LOG_WARN("server {}: a state offer for key {:#x} of an invalid size ignored", rank(),
+                    offer->key);
+      return;
+    }
+    dispatch(offer->key, Offered{*offer});
+    return;
+  }
+  std::unique_lock<std::mutex> lock(conns_mu_);
+  if (!w->hello) {
+    lock.unlock();
+    send_error(conn->id(), 0, FailedPrecondition("WorkerHello must come first"));
+    return;
+  }
+  if (auto* key = std::get_if<protocol::TensorKey>(&message)) {
+    auto remote = conn->import_region(key->key);
+    if (!remote.ok()) {
+      lock.unlock();
+      send_error(conn->id(), 0, remote.status().with_context("tensor key"));
+      return;
+    }
+    const uint8_t* view = transport().local_view(**remote);
+    if (view != nullptr && key->offset > (*remote)->length()) view = nullptr;
+    w->tensors[key->tensor] = {*remote, key->offset, view};
+    lock.unlock();
+    (void)send(conn,
+               protocol::Ack{key->request, view != nullptr ? protocol::kAckMapped : uint8_t{0}});
+  } else if (auto* mapped = std::get_if<protocol::PushMeta>(&message);
+             mapped != nullptr && (mapped->flags & protocol::kPushMapped)) {
+    // Read in place from the worker's tensor: no slot, no write to wait for.
+    uint64_t seen = max_round_seen_.load();
+    while (mapped->round > seen && !max_round_seen_.compare_exchange_weak(seen, mapped->round)) {
+    }
+    auto t = w->tensors.find(key_tensor(mapped->key));
+    const uint64_t at = t == w->tensors.end()
+                            ? 0
+                            : t->second.offset + static_cast<uint64_t>(key_chunk(mapped->key)) *
+                                                     session_.welcome().chunk_bytes;
+    if (t == w->tensors.end() || t->second.view == nullptr || mapped->bytes == 0 ||
+        mapped->bytes > session_.welcome().chunk_bytes ||
+        mapped->bytes % protocol::dtype_bytes(mapped->dtype) != 0 ||
+        at > t->second.remote->length() || mapped->bytes > t->second.remote->length() - at) {
+      lock.unlock();
+      send_error(conn->id(), mapped->tag,
+                 InvalidArgument(fmt::format(
+                     "an in-place push of {} bytes of key {:#x}: this server does not map that "
+                     "much of the tensor's memory",
+                     mapped->bytes, mapped->key)));
+      return;
+    }
+    PushWork work{conn->id(),       *mapped, t->second.view + at,
+                  t->second.remote, w->rank, transport::Clock::now()};
+    lock.unlock();
+    {
+      std::lock_guard<std::mutex> stats(stats_mu_);
+      ++stats_.pushes_in_place;
+      stats_.bytes_in += work.meta.bytes;
+    }
+    load_->begin_service();
+    dispatch(mapped->key, std::move(work));
+  } else if (auto* meta = std::get_if<protocol::PushMeta>(&message)) {
+    // Before the push is looked at: an epoch prepared after this line sees it.
+    uint64_t seen = max_round_seen_.load();
+    while (meta->round > seen && !max_round_seen_.compare_exchange_weak(seen, meta->round)) {
+    }
+    const uint32_t db = protocol::dtype_bytes(meta->dtype);
+    if (meta->slot >= w->num_slots || meta->bytes == 0 || meta->bytes > w->slot_bytes ||
+        meta->bytes % db != 0 || w->slot_busy[meta->slot]) {
+      lock.unlock();
+      send_error(
+          conn->id(), meta->tag,
+          InvalidArgument(fmt::format("push of {} bytes into slot {} is not valid (slots: "
+                                      "{} of {} bytes)",
+                                      meta->bytes, meta->slot, w->num_slots, w->slot_bytes)));
+      return;
+    }
+    w->slot_busy[meta->slot] = 1;
+    auto early = w->early.find(meta->tag);
+    if (early == w->early.end()) {
+      w->metas[meta->tag] = *meta;
+      load_->begin_service();  // the push is arriving; its data follows
+      return;
+    }
+    const uint64_t length = early->second;
+    w->early.erase(early);
+    PushWork work{conn->id(), *meta,   w->slots->data() + meta->slot * w->slot_bytes,
+                  nullptr,    w->rank, transport::Clock::now()};
+    lock.unlock();
+    if (length != meta->bytes) {
+      load_->end_service();
+      send_error(conn->id(), meta->tag, DataLoss("push write length differs from its metadata"));
+      return;
+    }
+    dispatch(meta->key, std::move(work));
+  } else if (auto* pull = std::get_if<protocol::PullRequest>(&message)) {
+    lock.unlock();
+    if (pull->bytes == 0 || pull->bytes > session_.welcome().chunk_bytes ||
+        pull->bytes % protocol::dtype_bytes(pull->dtype) != 0) {
+      send_error(conn->id(), pull->tag, InvalidArgument("pull of an invalid size"));
+      return;
+    }
+    dispatch(pull->key, PullWork{conn->id(), *pull, transport::Clock::now()});
+  } else {
+    lock.unlock();
+    PSLD_LOG_WARN("server {}: unexpected {} from a worker", rank(),
+                  protocol::message_name(message));
+  }
+}
+
+void ServerService::on_write(const ConnectionPtr& conn, uint32_t tag, uint64_t length) {
+  {
+    std::unique_lock<std::mutex> lock(peers_mu_);
+    auto it = incoming_.find({conn->id(), tag});
+    if (it != incoming_.end()) {
+      const auto [key, run] = it->second;
+      incoming_.erase(it);
+      lock.unlock();
+      dispatch(key, StateArrived{key, run});
+      return;
+    }
+  }
+  std::unique_lock<std::mutex> lock(conns_mu_);
+  auto it = conns_.find(conn->id());
+  if (it == conns_.end()) return;
+  WorkerConn& w = *it->second;
+  auto meta = w.metas.find(tag);
+  if (meta == w.metas.end()) {
+    // The write beat its metadata; it occupies a slot the worker holds
+    // credit for, so there can be at most num_slots of these.
+    if (w.early.size() >= w.num_slots) {
+      lock.unlock();
+      send_error(conn->id(), tag, ResourceExhausted("more unannounced writes than slots"));
+      conn->close();
+      return;
+    }
+    w.early[tag] = length;
+    load_->begin_service();  // the push arrived; its metadata follows
+    return;
+  }
+  PushWork work{conn->id(), meta->second, w.slots->data() + meta->second.slot * w.slot_bytes,
+                nullptr,    w.rank,       transport::Clock::now()};
+  w.metas.erase(meta);
+  lock.unlock();
+  if (length != work.meta.bytes) {
+    load_->end_service();
+    send_error(conn->id(), tag, DataLoss("push write length differs from its metadata"));
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> s(stats_mu_);
+    stats_.bytes_in += length;
+  }
+  dispatch(work.meta.key, std::move(work));
+}
+
+void ServerService::dispatch(Key key, Work work) {
+  Shard& shard = *shards_[mix64(key) % shards_.size()];
+  {
+    std::lock_guard<std::mutex> lock(shard.mu);
+    shard.queue.push_back(std::move(work));
+  }
+  shard.cv.notify_one();
+}
+
+void ServerService::dispatch_all(const Work& work) {
+  for (auto& shard : shards_) {
+    {
+      std::lock_guard<std::mutex> lock(shard->mu);
+      shard->queue.push_back(work);
+    }
+    shard->cv.notify_one();
+  }
+}
+
+// ---- Shard threads: all key state lives here.
+
+void ServerService::free_slot(Shard& shard, uint64_t conn, uint32_t slot) {
+  if (slot == protocol::kNoSlot) return;  // read in place: it took no slot
+  {
+    std::lock_guard<std::mutex> lock(conns_mu_);
+    auto it = conns_.find(conn);
+    if (it != conns_.end() && slot < it->second->slot_busy.size()) it->second->slot_busy[slot] = 0;
+  }
+  shard.credits[conn].push_back(slot);
+}
+
+void ServerService::flush_credits(Shard& shard) {
+  for (auto& [conn_id, tags] : shard.accepted)
+    shard.credits[conn_id];  // a credit message also for accepted pushes alone
+  for (auto& [conn_id, slots] : shard.credits) {
+    auto acc = shard.accepted.find(conn_id);
+    std::vector<uint32_t> tags;
+    if (acc != shard.accepted.end()) tags = std::move(acc->second);
+    if (slots.empty() && tags.empty()) continue;
+    ConnectionPtr conn = worker_connection(conn_id);
+    if (!conn) continue;
+    // At most 1024 entries a message: well inside a control message.
+    constexpr size_t kPerMessage = 1024;
+    size_t si = 0, ti = 0;
+    while (si < slots.size() || ti < tags.size()) {
+      protocol::Credit credit;
+      while (si < slots.size() && credit.slots.size() < kPerMessage)
+        credit.slots.push_back(slots[si++]);
+      while (ti < tags.size() && credit.slots.size() + credit.accepted.size() < kPerMessage)
+        credit.accepted.push_back(tags[ti++]);
+      (void)send(conn, credit);
+    }
+  }
+  shard.credits.clear();
+  shard.accepted.clear();
+}
+
+}  // namespace psld
