@@ -13,24 +13,13 @@
 #include "lib/balancer/balancer.h"
 #include "lib/placement/placement.h"
 #include "lib/runtime/runtime.h"
+#include "lib/server/aggregator.h"
 #include "lib/server/server_device.h"
 #include "psld/config.h"
 #include "psld/keys.h"
 #include "transports/stager.h"
 
 namespace psld {
-
-struct OptimizerOptions {
-  OptimizerKind kind = OptimizerKind::kSgd;
-  float lr = 0.01f;
-  float momentum = 0.0f;
-  float dampening = 0.0f;
-  bool nesterov = false;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 0.0f;
-};
 
 // How a worker moves tensors in CUDA memory (docs/gpu.md; config
 // data.gpu_path).

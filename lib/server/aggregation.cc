@@ -33,7 +33,7 @@ void ServerService::serve_ready_pulls(Shard& shard, KeyState& k) {
 
 void ServerService::release_parked(Shard& shard, KeyState& k) {
   if (options_.sync != SyncMode::kBsp) return;
-  auto next = k.parked.find(k.version + 1);
+  auto next = k.parked.find(k.agg.version() + 1);
   if (next == k.parked.end()) return;
   std::vector<PushWork> ready = std::move(next->second);
   k.parked.erase(next);
@@ -41,81 +41,11 @@ void ServerService::release_parked(Shard& shard, KeyState& k) {
     process_push(shard, p);
 }
 
-// With a device the chunk is first copied to the shard's staging buffer in
-// GPU memory (pushes land in host memory), then reduced there.
 Status ServerService::reduce_push(Shard& shard, KeyState& k, const PushWork& w) {
   PSLD_RETURN_IF_ERROR(k.failed);
-  ServerDevice* dev = device_.get();
-  const size_t lane = shard.index;
-  const void* src = w.data;
-  if (dev != nullptr) {
-    if (shard.stage_bytes < k.bytes) {
-      PSLD_RETURN_IF_ERROR(dev->synchronize(lane));  // nothing reads the old one any more
-      shard.stage.reset();
-      shard.stage_bytes = 0;
-      PSLD_ASSIGN_OR_RETURN(shard.stage, make_array<uint8_t>(dev, k.bytes));
-      shard.stage_bytes = k.bytes;
-    }
-    PSLD_RETURN_IF_ERROR(dev->copy(shard.stage.get(), w.data, k.bytes, lane));
-    src = shard.stage.get();
-  }
-  const bool first = k.pushes == 0;
-  float* acc = k.acc.get();
-  const size_t n = k.n;
-  Status st;
-  switch (k.dtype) {
-    case DType::kF32: {
-      const auto* x = static_cast<const float*>(src);
-      st = first ? copy_on(dev, lane, acc, x, k.bytes)
-                 : run_on(dev, lane, [=](kn::MemoryKind where, void* stream) {
-                     return kn::reduce_f32(where, acc, x, n, stream);
-                   });
-      break;
-    }
-    case DType::kF16: {
-      const auto* x = static_cast<const uint16_t*>(src);
-      st = run_on(dev, lane, [=](kn::MemoryKind where, void* stream) {
-        return first ? kn::f16_to_f32(where, acc, x, n, stream)
-                     : kn::reduce_f16(where, acc, x, n, stream);
-      });
-      break;
-    }
-    case DType::kBF16: {
-      const auto* x = static_cast<const uint16_t*>(src);
-      st = run_on(dev, lane, [=](kn::MemoryKind where, void* stream) {
-        return first ? kn::bf16_to_f32(where, acc, x, n, stream)
-                     : kn::reduce_bf16(where, acc, x, n, stream);
-      });
-      break;
-    }
-  }
-  if (st.ok()) st = finish_on(dev, lane);
-  PSLD_RETURN_IF_ERROR(st.with_context("reducing a push"));
-  ++k.pushes;
-  pace_compute(k.bytes);
+  PSLD_RETURN_IF_ERROR(k.agg.reduce(shard.lane, w.worker, w.meta.round, w.data));
+  pace_compute(k.agg.bytes());
   return Status::Ok();
-}
-
-Status ServerService::publish(const Shard& shard, KeyState& k) {
-  ServerDevice* dev = device_.get();
-  const size_t lane = shard.index;
-  const float* param = k.param.get();
-  uint16_t* out16 = k.out16.get();
-  const size_t n = k.n;
-  if (k.dtype == DType::kF16) {
-    PSLD_RETURN_IF_ERROR(run_on(dev, lane, [=](kn::MemoryKind where, void* stream) {
-      return kn::f32_to_f16(where, out16, param, n, stream);
-    }));
-  }
-  if (k.dtype == DType::kBF16) {
-    PSLD_RETURN_IF_ERROR(run_on(dev, lane, [=](kn::MemoryKind where, void* stream) {
-      return kn::f32_to_bf16(where, out16, param, n, stream);
-    }));
-  }
-  if (dev == nullptr) return Status::Ok();
-  const void* out = k.dtype == DType::kF32 ? static_cast<const void*>(param) : out16;
-  PSLD_RETURN_IF_ERROR(dev->copy(k.out_host.get(), out, k.bytes, lane));
-  return dev->synchronize(lane);
 }
 
 void ServerService::fail_key(Shard& shard, KeyState& k, const Status& why) {
@@ -152,12 +82,13 @@ void ServerService::process_push(Shard& shard, PushWork& w) {
     return;
   }
   KeyState& k = key_state(shard, meta.key, meta.dtype, meta.bytes, round);
-  if (k.dtype != meta.dtype || k.bytes != meta.bytes) {
+  if (k.agg.dtype() != meta.dtype || k.agg.bytes() != meta.bytes) {
     free_slot(shard, w.conn, meta.slot);
-    send_error(w.conn, meta.tag,
-               InvalidArgument(fmt::format("key {:#x} holds {} bytes of {}, the push has {} of {}",
-                                           meta.key, k.bytes, protocol::dtype_name(k.dtype),
-                                           meta.bytes, protocol::dtype_name(meta.dtype))));
+    send_error(
+        w.conn, meta.tag,
+        InvalidArgument(fmt::format("key {:#x} holds {} bytes of {}, the push has {} of {}",
+                                    meta.key, k.agg.bytes(), protocol::dtype_name(k.agg.dtype()),
+                                    meta.bytes, protocol::dtype_name(meta.dtype))));
     return;
   }
   if (!k.failed.ok()) {
@@ -200,13 +131,8 @@ void ServerService::process_push(Shard& shard, PushWork& w) {
 
   if (meta.flags & protocol::kPushInit) {
     // The initial value, round 0: written into the parameter as is.
-    k.pushes = 0;
-    Status st = reduce_push(shard, k, w);
-    if (st.ok()) {
-      st = copy_on(device_.get(), shard.index, k.param.get(), k.acc.get(), k.n * sizeof(float));
-    }
-    if (st.ok()) st = publish(shard, k);
-    k.pushes = 0;
+    Status st = k.agg.set_initial(shard.lane, w.data);
+    if (st.ok()) pace_compute(k.agg.bytes());
     free_slot(shard, w.conn, meta.slot);
     if (!st.ok()) {
       fail_key(shard, k, st.with_context("the initial value"));
@@ -221,20 +147,21 @@ void ServerService::process_push(Shard& shard, PushWork& w) {
   }
 
   if (options_.sync == SyncMode::kBsp) {
-    if (meta.round <= k.version) {
+    const Aggregator::Admission admission = k.agg.admit(w.worker, meta.round);
+    if (admission == Aggregator::Admission::kApplied) {
       free_slot(shard, w.conn, meta.slot);
       send_error(w.conn, meta.tag,
                  FailedPrecondition(fmt::format("round {} of key {:#x} was already applied",
                                                 meta.round, meta.key)));
       return;
     }
-    if (meta.round > k.version + 1 || k.apply_pending) {
+    if (admission == Aggregator::Admission::kLater || k.apply_pending) {
       // A later round (or this one while its predecessor waits to apply):
       // keep the slot until the key gets there.
       k.parked[meta.round].push_back(w);
       return;
     }
-    if (k.pushed[w.worker]) {
+    if (admission == Aggregator::Admission::kTwice) {
       free_slot(shard, w.conn, meta.slot);
       send_error(w.conn, meta.tag,
                  FailedPrecondition(fmt::format("worker {} pushed round {} of key {:#x} twice",
@@ -250,9 +177,8 @@ void ServerService::process_push(Shard& shard, PushWork& w) {
       send_error(w.conn, meta.tag, k.failed);
       return;
     }
-    k.pushed[w.worker] = true;
     if (then_pull) k.waiting.push_back(follow);
-    if (k.pushes == k.pushed.size()) try_apply(shard, k);
+    if (k.agg.round_complete()) try_apply(shard, k);
     return;
   }
 
@@ -262,7 +188,6 @@ void ServerService::process_push(Shard& shard, PushWork& w) {
     k.deferred.push_back(w);
     return;
   }
-  k.pushes = 0;
   const auto start = transport::Clock::now();
   Status st = reduce_push(shard, k, w);
   load_->record(k.arc, LoadMetric::kBusyNs, ns_since(start));
@@ -272,8 +197,6 @@ void ServerService::process_push(Shard& shard, PushWork& w) {
     send_error(w.conn, meta.tag, k.failed);
     return;
   }
-  k.last_round[w.worker] = std::max(k.last_round[w.worker], meta.round);
-  ++k.applied[w.worker];
   if (then_pull) k.waiting.push_back(follow);
   apply_round(shard, k);
 }
@@ -289,77 +212,14 @@ void ServerService::try_apply(Shard& shard, KeyState& k) {
 // Turns the accumulator into the new parameter value, then serves what waited.
 void ServerService::apply_round(Shard& shard, KeyState& k) {
   const auto start = transport::Clock::now();
-  const bool sum_mode = options_.mode == ServerMode::kSum;
-  const bool bsp = options_.sync == SyncMode::kBsp;
-  ServerDevice* dev = device_.get();
-  const size_t lane = shard.index;
-  float* param = k.param.get();
-  const float* acc = k.acc.get();
-  const size_t n = k.n;
+  // Nothing to apply on a failed key: fail_key answered what waited.
   Status st = k.failed;
+  if (st.ok()) st = k.agg.apply(shard.lane);
   if (!st.ok()) {
-    // Nothing to apply: fail_key answered what waited.
-  } else if (sum_mode) {
-    if (bsp) {
-      // The round's sum. No pull write reads param now (apply waits for
-      // them), and the next round's first push overwrites acc whole.
-      if (k.acc_region) {
-        std::swap(k.param, k.acc);
-        std::swap(k.out_region, k.acc_region);
-      } else {
-        st = copy_on(dev, lane, param, acc, n * sizeof(float));
-      }
-    } else {
-      st = run_on(dev, lane, [=](kn::MemoryKind where, void* stream) {
-        return kn::reduce_f32(where, param, acc, n, stream);  // the running total
-      });
-    }
-  } else {
-    const OptimizerOptions& o = options_.optimizer;
-    switch (o.kind) {
-      case OptimizerKind::kSgd: {
-        const kn::SgdParams p{o.lr, o.weight_decay};
-        st = run_on(dev, lane, [=](kn::MemoryKind where, void* stream) {
-          return kn::sgd_f32(where, param, acc, n, p, stream);
-        });
-        break;
-      }
-      case OptimizerKind::kMomentum: {
-        st = ensure_array(dev, k.m, n);
-        if (!st.ok()) break;
-        float* m = k.m.get();
-        const kn::MomentumParams p{o.lr,           o.momentum, o.dampening,
-                                   o.weight_decay, o.nesterov, k.version == 0};
-        st = run_on(dev, lane, [=](kn::MemoryKind where, void* stream) {
-          return kn::momentum_f32(where, param, m, acc, n, p, stream);
-        });
-        break;
-      }
-      case OptimizerKind::kAdam:
-      case OptimizerKind::kAdamW: {
-        st = ensure_array(dev, k.m, n);
-        if (st.ok()) st = ensure_array(dev, k.v, n);
-        if (!st.ok()) break;
-        float* m = k.m.get();
-        float* v = k.v.get();
-        const kn::AdamParams p{o.lr,         o.beta1,        o.beta2,
-                               o.eps,        o.weight_decay, o.kind == OptimizerKind::kAdamW,
-                               k.version + 1};
-        st = run_on(dev, lane, [=](kn::MemoryKind where, void* stream) {
-          return kn::adam_f32(where, param, m, v, acc, n, p, stream);
-        });
-        break;
-      }
-    }
-  }
-  if (st.ok()) st = publish(shard, k);
-  if (!st.ok()) {
-    fail_key(shard, k, st.with_context(fmt::format("applying round {}", k.version + 1)));
+    fail_key(shard, k, st.with_context(fmt::format("applying round {}", k.agg.version() + 1)));
     return;
   }
-  ++k.version;
-  k.pushes = 0;
-  std::fill(k.pushed.begin(), k.pushed.end(), false);
+  if (k.agg.swaps()) std::swap(k.out_region, k.acc_region);
   load_->record(k.arc, LoadMetric::kBusyNs, ns_since(start));
   load_->record(k.arc, LoadMetric::kRound, 1);
   {
@@ -370,22 +230,11 @@ void ServerService::apply_round(Shard& shard, KeyState& k) {
   serve_ready_pulls(shard, k);
   maybe_ship(shard, k);
   // BSP: pushes parked for the next round can be reduced now.
-  if (bsp) release_parked(shard, k);
+  if (options_.sync == SyncMode::kBsp) release_parked(shard, k);
 }
 
 bool ServerService::pull_ready(const KeyState& k, const protocol::PullRequest& req) const {
-  switch (options_.sync) {
-    case SyncMode::kBsp:
-      return k.version >= req.round;
-    case SyncMode::kAsync:
-      return true;
-    case SyncMode::kStaleness: {
-      // Every worker's pushes up to round - staleness must be in.
-      const uint64_t slowest = *std::min_element(k.last_round.begin(), k.last_round.end());
-      return slowest + options_.staleness >= req.round;
-    }
-  }
-  return true;
+  return k.agg.pull_ready(req.round);
 }
 
 void ServerService::process_pull(Shard& shard, PullWork& w) {
@@ -395,11 +244,12 @@ void ServerService::process_pull(Shard& shard, PullWork& w) {
     return;
   }
   KeyState& k = key_state(shard, w.req.key, w.req.dtype, w.req.bytes, w.req.round);
-  if (k.dtype != w.req.dtype || k.bytes != w.req.bytes) {
-    send_error(w.conn, w.req.tag,
-               InvalidArgument(fmt::format("key {:#x} holds {} bytes of {}, the pull asks {} of {}",
-                                           w.req.key, k.bytes, protocol::dtype_name(k.dtype),
-                                           w.req.bytes, protocol::dtype_name(w.req.dtype))));
+  if (k.agg.dtype() != w.req.dtype || k.agg.bytes() != w.req.bytes) {
+    send_error(
+        w.conn, w.req.tag,
+        InvalidArgument(fmt::format("key {:#x} holds {} bytes of {}, the pull asks {} of {}",
+                                    w.req.key, k.agg.bytes(), protocol::dtype_name(k.agg.dtype()),
+                                    w.req.bytes, protocol::dtype_name(w.req.dtype))));
     return;
   }
   if (!k.failed.ok()) {
@@ -445,7 +295,7 @@ void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
   const Key key = w.req.key;
   const uint64_t run = k.owned_from;
   load_->begin_service();  // until the write completed
-  Status s = conn->write({k.out_region.get(), 0, remote.get(), offset, k.bytes, w.req.tag},
+  Status s = conn->write({k.out_region.get(), 0, remote.get(), offset, k.agg.bytes(), w.req.tag},
                          [this, key, run](Status) {
                            load_->end_service();
                            dispatch(key, PullDone{key, run});
@@ -456,10 +306,10 @@ void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
     send_error(w.conn, w.req.tag, s.with_context("pull write"));
     return;
   }
-  load_->record(k.arc, LoadMetric::kBytesOut, static_cast<double>(k.bytes));
+  load_->record(k.arc, LoadMetric::kBytesOut, static_cast<double>(k.agg.bytes()));
   std::lock_guard<std::mutex> lock(stats_mu_);
   ++stats_.pulls;
-  stats_.bytes_out += k.bytes;
+  stats_.bytes_out += k.agg.bytes();
 }
 
 }  // namespace psld

@@ -9,11 +9,11 @@
 #include <set>
 #include <unordered_map>
 
+#include "lib/server/aggregator.h"
 #include "lib/server/service.h"
 
 namespace psld {
 
-namespace kn = psld::kernels;
 // A shipped key's state: {u64 version, u64 reserved}, then parameter, first
 // and second moment, fp32.
 inline constexpr uint64_t kStateHeader = 16;
@@ -23,43 +23,6 @@ inline double ns_since(transport::Clock::time_point t) {
       std::chrono::duration_cast<std::chrono::nanoseconds>(transport::Clock::now() - t).count());
 }
 
-// A key's array: host memory (new[]), or the server's device memory when it
-// has a device (server.device = cuda).
-template <typename T>
-struct ArrayFree {
-  ServerDevice* device = nullptr;
-  void operator()(T* p) const {
-    if (device != nullptr) {
-      device->free(p);
-    } else {
-      delete[] p;
-    }
-  }
-};
-template <typename T>
-using Array = std::unique_ptr<T[], ArrayFree<T>>;
-
-// n zeroed elements.
-template <typename T>
-Result<Array<T>> make_array(ServerDevice* device, size_t n) {
-  if (device == nullptr) return Array<T>(new T[n](), ArrayFree<T>{});
-  PSLD_ASSIGN_OR_RETURN(void* p, device->allocate(std::max<size_t>(n, 1) * sizeof(T)));
-  return Array<T>(static_cast<T*>(p), ArrayFree<T>{device});
-}
-
-inline Status ensure_array(ServerDevice* device, Array<float>& a, size_t n) {
-  if (a) return Status::Ok();
-  PSLD_ASSIGN_OR_RETURN(a, make_array<float>(device, n));
-  return Status::Ok();
-}
-
-// Pinned host memory of the device (a key's output, which pulls are written from).
-struct HostFree {
-  ServerDevice* device = nullptr;
-  void operator()(uint8_t* p) const { device->free_host(p); }
-};
-using HostBuffer = std::unique_ptr<uint8_t, HostFree>;
-
 // Host memory the device page-locked (ServerDevice::pin).
 struct Unpin {
   ServerDevice* device = nullptr;
@@ -67,54 +30,22 @@ struct Unpin {
 };
 using PinnedRange = std::unique_ptr<uint8_t, Unpin>;
 
-// The key-state operations, on the host (at once) or queued on the device's
-// lane; finish_on() waits for the lane.
-inline Status copy_on(ServerDevice* device, size_t lane, void* dst, const void* src, size_t bytes) {
-  if (device != nullptr) return device->copy(dst, src, bytes, lane);
-  std::memcpy(dst, src, bytes);
-  return Status::Ok();
-}
-
-// fn(where, stream) calls one kernel of kernels/dispatch.h; on the host it
-// runs at once, with no std::function in between.
-template <typename Fn>
-Status run_on(ServerDevice* device, size_t lane, const Fn& fn) {
-  if (device != nullptr) return device->launch(lane, ServerDevice::Launch(fn));
-  return status_from_kernel(fn(kn::MemoryKind::kHost, nullptr));
-}
-
-inline Status finish_on(ServerDevice* device, size_t lane) {
-  return device != nullptr ? device->synchronize(lane) : Status::Ok();
-}
-
 struct ServerService::KeyState {
   Key key = 0;
   uint64_t arc = 0;  // first hash of the key's arc: the subject of its load samples
-  protocol::DType dtype = protocol::DType::kF32;
-  uint64_t bytes = 0;  // of the chunk in the workers' dtype
-  size_t n = 0;        // elements
-  // Allocated once, in host memory or on the server's device: the source of
-  // pull writes (param or out16 on the host; out_host with a device) is
-  // registered with the transport, so it must never move.
-  Array<float> param;
-  Array<float> acc;
-  Array<float> m, v;      // optimizer state, allocated on first use
-  Array<uint16_t> out16;  // fp16/bf16 keys: param converted
-  HostBuffer out_host;    // with a device: the output, copied from the device
+  // The key's parameter, accumulator and optimizer state, in host memory or
+  // on the server's device. Its output (the source of pull writes) is
+  // registered with the transport as out_region.
+  Aggregator agg;
   std::shared_ptr<transport::MemoryRegion> out_region;
-  // BSP sum mode, fp32: acc is registered too, and a round is applied by
-  // swapping param and acc (and their regions) instead of copying.
+  // BSP sum mode, fp32: the accumulator is registered too, and a round is
+  // applied by swapping parameter and accumulator (and their regions).
   std::shared_ptr<transport::MemoryRegion> acc_region;
-  uint64_t version = 0;  // rounds (BSP) or pushes (async) applied
-  uint32_t pushes = 0;   // BSP: pushes reduced into acc for round version + 1
-  std::vector<bool> pushed;
   std::map<uint64_t, std::vector<PushWork>> parked;  // BSP: pushes for later rounds
   std::deque<PushWork> deferred;                     // async: waiting for pull writes
   std::vector<PullWork> waiting;
   uint32_t inflight = 0;  // pull writes reading param right now
   bool apply_pending = false;
-  std::vector<uint64_t> last_round;  // per worker, for bounded staleness
-  std::vector<uint64_t> applied;     // per worker: async pushes applied in this run
   // Migration. A key this server gained waits for its state: pushes park,
   // pulls wait, until the previous owner's write lands in `incoming`.
   bool awaiting_state = false;
@@ -151,9 +82,9 @@ struct ServerService::Shard {
   std::unordered_map<Key, std::vector<std::unique_ptr<KeyState>>> keys;
   std::map<uint64_t, std::vector<uint32_t>> credits;   // connection -> freed slots
   std::map<uint64_t, std::vector<uint32_t>> accepted;  // connection -> plain push tags taken
-  // With a device: where pushes are copied to before they are reduced.
-  Array<uint8_t> stage;
-  uint64_t stage_bytes = 0;
+  // Where its keys live and its kernels run (host, or lane `index` of the
+  // server's device), with the staging buffer for pushes.
+  ComputeLane lane;
   // The keys (runs) this shard still has to ship for the transfer at
   // out_round (0: none scanned yet).
   uint64_t out_round = 0;

@@ -40,7 +40,7 @@ ConnectionPtr ServerService::peer(ServerId id) {
 void ServerService::request_state(KeyState& k, uint64_t switch_round, ServerId from) {
   k.awaiting_state = true;
   k.state_round = switch_round;
-  auto region = transport().allocate_memory(kStateHeader + 3 * k.n * sizeof(float),
+  auto region = transport().allocate_memory(kStateHeader + 3 * k.agg.size() * sizeof(float),
                                             transport::MemoryKind::kHost);
   ConnectionPtr conn = peer(from);
   if (!region.ok() || !conn) {
@@ -53,8 +53,8 @@ void ServerService::request_state(KeyState& k, uint64_t switch_round, ServerId f
       0,
       k.key,
       switch_round,
-      k.dtype,
-      k.bytes,
+      k.agg.dtype(),
+      k.agg.bytes(),
       std::vector<uint8_t>(k.incoming->remote_key().begin(), k.incoming->remote_key().end())};
   {
     std::lock_guard<std::mutex> lock(peers_mu_);
@@ -79,24 +79,10 @@ void ServerService::install_state(Shard& shard, KeyState& k) {
   uint64_t version = 0;
   std::memcpy(&version, k.incoming->data(), sizeof(version));
   const float* in = reinterpret_cast<const float*>(k.incoming->data() + kStateHeader);
-  const OptimizerKind kind = options_.optimizer.kind;
-  const bool optimizer = options_.mode == ServerMode::kOptimizer;
-  const bool with_m = optimizer && (kind != OptimizerKind::kSgd || options_.optimizer.momentum > 0);
-  const bool with_v = optimizer && (kind == OptimizerKind::kAdam || kind == OptimizerKind::kAdamW);
-  ServerDevice* dev = device_.get();
-  const size_t lane = shard.index;
-  const size_t bytes = k.n * sizeof(float);
+  // BSP: the version is the round, state_round - 1. Async: the updates
+  // applied. Every worker pushed up to the switch.
   Status st = k.failed;
-  if (st.ok()) st = copy_on(dev, lane, k.param.get(), in, bytes);
-  if (st.ok() && with_m) st = ensure_array(dev, k.m, k.n);
-  if (st.ok() && with_m) st = copy_on(dev, lane, k.m.get(), in + k.n, bytes);
-  if (st.ok() && with_v) st = ensure_array(dev, k.v, k.n);
-  if (st.ok() && with_v) st = copy_on(dev, lane, k.v.get(), in + 2 * k.n, bytes);
-  if (st.ok()) st = publish(shard, k);  // waits for the copies out of `incoming`
-  // BSP: version is the round, state_round - 1. Async: the updates applied,
-  // which Adam's bias correction counts; every worker pushed up to the switch.
-  k.version = version;
-  std::fill(k.last_round.begin(), k.last_round.end(), k.state_round - 1);
+  if (st.ok()) st = k.agg.restore(shard.lane, in, version, k.state_round - 1);
   k.awaiting_state = false;
   k.incoming.reset();
   if (!st.ok()) {
@@ -107,7 +93,7 @@ void ServerService::install_state(Shard& shard, KeyState& k) {
     std::lock_guard<std::mutex> lock(stats_mu_);
     ++stats_.states_in;
   }
-  PSLD_LOG_DEBUG("server {}: key {:#x} arrived as of round {}", rank(), k.key, k.version);
+  PSLD_LOG_DEBUG("server {}: key {:#x} arrived as of round {}", rank(), k.key, k.agg.version());
   if (k.awaiting_final) return;  // served once the transfer is final
   resume(shard, k);
 }
@@ -125,15 +111,7 @@ void ServerService::resume(Shard& shard, KeyState& k) {
 
 bool ServerService::ready_to_ship(const KeyState& k, uint64_t switch_round) const {
   if (k.awaiting_state || k.awaiting_final || !k.failed.ok()) return false;
-  if (options_.sync == SyncMode::kBsp) return k.version >= switch_round - 1;
-  // Async and staleness: every worker's pushes of this run's rounds up to the
-  // switch are applied (counted: pushes may be applied out of round order).
-  const uint64_t first = std::max<uint64_t>(k.owned_from, 1);
-  const uint64_t want = switch_round > first ? switch_round - first : 0;
-  for (uint64_t a : k.applied) {
-    if (a < want) return false;
-  }
-  return true;
+  return k.agg.applied_before(switch_round, k.owned_from);
 }
 
 void ServerService::maybe_ship(Shard& shard, KeyState& k) {
@@ -154,7 +132,7 @@ void ServerService::maybe_ship(Shard& shard, KeyState& k) {
 // Parameter, then the two moments (zeros when the optimizer keeps none),
 // fp32, into the successor's region with one write.
 void ServerService::ship_state(Shard& shard, KeyState& k, const StateWork& w) {
-  const uint64_t bytes = kStateHeader + 3 * k.n * sizeof(float);
+  const uint64_t bytes = kStateHeader + 3 * k.agg.size() * sizeof(float);
   auto staging = transport().allocate_memory(bytes, transport::MemoryKind::kHost);
   ConnectionPtr conn = worker_connection(w.conn);
   if (!staging.ok() || !conn) {
@@ -163,28 +141,15 @@ void ServerService::ship_state(Shard& shard, KeyState& k, const StateWork& w) {
     return;
   }
   std::memset((*staging)->data(), 0, kStateHeader);
-  std::memcpy((*staging)->data(), &k.version, sizeof(k.version));
+  const uint64_t version = k.agg.version();
+  std::memcpy((*staging)->data(), &version, sizeof(version));
   float* out = reinterpret_cast<float*>((*staging)->data() + kStateHeader);
-  ServerDevice* dev = device_.get();
-  const size_t lane = shard.index;
-  const size_t array_bytes = k.n * sizeof(float);
-  Status copied = copy_on(dev, lane, out, k.param.get(), array_bytes);
-  if (k.m) {
-    if (copied.ok()) copied = copy_on(dev, lane, out + k.n, k.m.get(), array_bytes);
-  } else {
-    std::memset(out + k.n, 0, array_bytes);
-  }
-  if (k.v) {
-    if (copied.ok()) copied = copy_on(dev, lane, out + 2 * k.n, k.v.get(), array_bytes);
-  } else {
-    std::memset(out + 2 * k.n, 0, array_bytes);
-  }
-  if (copied.ok()) copied = finish_on(dev, lane);
+  Status copied = k.agg.save(shard.lane, out);
   if (!copied.ok()) {
     fail_key(shard, k, copied.with_context("copying the state to ship"));
     return;
   }
-  PSLD_LOG_DEBUG("server {}: shipping key {:#x} as of round {}", rank(), k.key, k.version);
+  PSLD_LOG_DEBUG("server {}: shipping key {:#x} as of round {}", rank(), k.key, k.agg.version());
   // Both regions must outlive the write (an emulated link queues it).
   auto region = *staging;
   auto target = w.region;
@@ -450,7 +415,7 @@ void ServerService::maybe_offer(Shard& shard, KeyState& k) {
   ConnectionPtr conn = peer(to);
   if (!conn) return;  // logged by peer()
   PSLD_LOG_DEBUG("server {}: offering key {:#x} to server {} at round {}", rank(), k.key, to, t);
-  (void)send(conn, protocol::StateOffer{k.key, t, k.dtype, k.bytes});
+  (void)send(conn, protocol::StateOffer{k.key, t, k.agg.dtype(), k.agg.bytes()});
 }
 
 void ServerService::release_final(Shard& shard, uint64_t switch_round) {

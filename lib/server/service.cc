@@ -47,6 +47,7 @@ Result<std::unique_ptr<ServerService>> ServerService::start(const RuntimeOptions
   for (uint32_t i = 0; i < options.server_threads; ++i) {
     s->shards_.push_back(std::make_unique<Shard>());
     s->shards_.back()->index = i;
+    s->shards_.back()->lane = ComputeLane(s->device_.get(), i);
   }
   for (auto& shard : s->shards_) {
     Shard* raw = shard.get();

@@ -147,12 +147,9 @@ class ServerService final : public Endpoint {
   // The key's state, created on first use; `round` is the round of the
   // request that creates it (a key gained by migration waits for its state).
   KeyState& key_state(Shard& shard, Key key, protocol::DType dtype, uint64_t bytes, uint64_t round);
-  // Copies (the first push of a round) or adds a pushed chunk into the
-  // accumulator, and waits for it: the landing slot may be reused after.
+  // Reduces a push into the key's accumulator (Aggregator::reduce) and
+  // waits for it: the landing slot may be reused after.
   Status reduce_push(Shard& shard, KeyState& k, const PushWork& w);
-  // Brings the pull source up to date with the parameter (fp16/bf16
-  // conversion; with a device, the copy to host memory) and waits for it.
-  Status publish(const Shard& shard, KeyState& k);
   // A device operation on the key failed: answers what waits for it, and
   // every later request, with `why` (docs/gpu.md, "GPU servers").
   void fail_key(Shard& shard, KeyState& k, const Status& why);

@@ -153,34 +153,14 @@ ServerService::KeyState& ServerService::key_state(Shard& shard, Key key, DType d
   k.owned_from = run;
   k.key = key;
   k.arc = arc_of(key);
-  k.dtype = dtype;
-  k.bytes = bytes;
-  k.n = bytes / protocol::dtype_bytes(dtype);
-  k.pushed.assign(session_.welcome().num_workers, false);
-  k.last_round.assign(session_.welcome().num_workers, 0);
-  k.applied.assign(session_.welcome().num_workers, 0);
-  // Zeroed: a key pulled before any push reads zeros.
-  Status made = [&]() -> Status {
-    ServerDevice* dev = device_.get();
-    PSLD_ASSIGN_OR_RETURN(k.param, make_array<float>(dev, k.n));
-    PSLD_ASSIGN_OR_RETURN(k.acc, make_array<float>(dev, k.n));
-    if (dtype != DType::kF32) {
-      PSLD_ASSIGN_OR_RETURN(k.out16, make_array<uint16_t>(dev, k.n));
-    }
-    if (dev != nullptr) {
-      PSLD_ASSIGN_OR_RETURN(void* out, dev->allocate_host(bytes));
-      std::memset(out, 0, bytes);
-      k.out_host = HostBuffer(static_cast<uint8_t*>(out), HostFree{dev});
-    }
-    return Status::Ok();
-  }();
+  k.agg = Aggregator(AggregatorOptions{options_.sync, options_.staleness, options_.mode,
+                                       options_.optimizer, session_.welcome().num_workers},
+                     dtype, bytes);
+  Status made = k.agg.allocate(shard.lane);
   if (!made.ok()) {
     fail_key(shard, k, made.with_context(fmt::format("allocating {} bytes", bytes)));
   } else {
-    void* out = k.out_host             ? static_cast<void*>(k.out_host.get())
-                : dtype == DType::kF32 ? static_cast<void*>(k.param.get())
-                                       : static_cast<void*>(k.out16.get());
-    auto region = transport().register_memory(out, bytes, transport::MemoryKind::kHost);
+    auto region = transport().register_memory(k.agg.output(), bytes, transport::MemoryKind::kHost);
     if (region.ok()) {
       k.out_region = *region;
     } else {
@@ -188,10 +168,13 @@ ServerService::KeyState& ServerService::key_state(Shard& shard, Key key, DType d
                      region.status().to_string());
     }
   }
-  if (dtype == DType::kF32 && options_.mode == ServerMode::kSum &&
-      options_.sync == SyncMode::kBsp && k.out_region && !device_) {
-    auto acc = transport().register_memory(k.acc.get(), bytes, transport::MemoryKind::kHost);
-    if (acc.ok()) k.acc_region = *acc;  // else: apply copies, as for other keys
+  if (k.out_region && k.agg.can_swap(shard.lane)) {
+    auto acc =
+        transport().register_memory(k.agg.accumulator(), bytes, transport::MemoryKind::kHost);
+    if (acc.ok()) {
+      k.acc_region = *acc;
+      k.agg.swap_on_apply();
+    }  // else: apply copies, as for other keys
   }
   if (g) {
     k.awaiting_final = hold_until_final(k.owned_from);

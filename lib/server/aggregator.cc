@@ -1,0 +1,279 @@
+// lib/server/aggregator.cc — see aggregator.h.
+#include "lib/server/aggregator.h"
+
+#include <cstring>
+
+namespace psld {
+
+namespace kn = psld::kernels;
+using protocol::DType;
+
+Status ComputeLane::ensure(Array<float>& a, size_t n) const {
+  if (a) return Status::Ok();
+  PSLD_ASSIGN_OR_RETURN(a, make_array<float>(n));
+  return Status::Ok();
+}
+
+Status ComputeLane::copy(void* dst, const void* src, size_t bytes) const {
+  if (device_ != nullptr) return device_->copy(dst, src, bytes, lane_);
+  std::memcpy(dst, src, bytes);
+  return Status::Ok();
+}
+
+Result<const void*> ComputeLane::stage(const void* host, size_t bytes) {
+  if (device_ == nullptr) return host;
+  if (stage_bytes_ < bytes) {
+    PSLD_RETURN_IF_ERROR(device_->synchronize(lane_));  // nothing reads the old one any more
+    stage_.reset();
+    stage_bytes_ = 0;
+    PSLD_ASSIGN_OR_RETURN(stage_, make_array<uint8_t>(bytes));
+    stage_bytes_ = bytes;
+  }
+  PSLD_RETURN_IF_ERROR(device_->copy(stage_.get(), host, bytes, lane_));
+  return static_cast<const void*>(stage_.get());
+}
+
+Aggregator::Aggregator(const AggregatorOptions& options, DType dtype, uint64_t bytes)
+    : options_(options),
+      dtype_(dtype),
+      bytes_(bytes),
+      n_(bytes / protocol::dtype_bytes(dtype)),
+      pushed_(options.num_workers, false),
+      last_round_(options.num_workers, 0),
+      applied_(options.num_workers, 0) {}
+
+Status Aggregator::allocate(const ComputeLane& lane) {
+  PSLD_ASSIGN_OR_RETURN(param_, lane.make_array<float>(n_));
+  PSLD_ASSIGN_OR_RETURN(acc_, lane.make_array<float>(n_));
+  if (dtype_ != DType::kF32) {
+    PSLD_ASSIGN_OR_RETURN(out16_, lane.make_array<uint16_t>(n_));
+  }
+  if (ServerDevice* dev = lane.device(); dev != nullptr) {
+    PSLD_ASSIGN_OR_RETURN(void* out, dev->allocate_host(bytes_));
+    std::memset(out, 0, bytes_);
+    out_host_ = HostBuffer(static_cast<uint8_t*>(out), HostFree{dev});
+  }
+  return Status::Ok();
+}
+
+void* Aggregator::output() const {
+  if (out_host_) return out_host_.get();
+  if (dtype_ == DType::kF32) return param_.get();
+  return out16_.get();
+}
+
+Aggregator::Admission Aggregator::admit(uint32_t worker, uint64_t round) const {
+  if (round <= version_) return Admission::kApplied;
+  if (round > version_ + 1) return Admission::kLater;
+  if (pushed_[worker]) return Admission::kTwice;
+  return Admission::kNow;
+}
+
+Status Aggregator::accumulate(ComputeLane& lane, const void* host) {
+  PSLD_ASSIGN_OR_RETURN(const void* src, lane.stage(host, bytes_));
+  const bool first = pushes_ == 0;
+  float* acc = acc_.get();
+  const size_t n = n_;
+  Status st;
+  switch (dtype_) {
+    case DType::kF32: {
+      const auto* x = static_cast<const float*>(src);
+      st = first ? lane.copy(acc, x, bytes_) : lane.run([=](kn::MemoryKind where, void* stream) {
+        return kn::reduce_f32(where, acc, x, n, stream);
+      });
+      break;
+    }
+    case DType::kF16: {
+      const auto* x = static_cast<const uint16_t*>(src);
+      st = lane.run([=](kn::MemoryKind where, void* stream) {
+        return first ? kn::f16_to_f32(where, acc, x, n, stream)
+                     : kn::reduce_f16(where, acc, x, n, stream);
+      });
+      break;
+    }
+    case DType::kBF16: {
+      const auto* x = static_cast<const uint16_t*>(src);
+      st = lane.run([=](kn::MemoryKind where, void* stream) {
+        return first ? kn::bf16_to_f32(where, acc, x, n, stream)
+                     : kn::reduce_bf16(where, acc, x, n, stream);
+      });
+      break;
+    }
+  }
+  if (st.ok()) st = lane.finish();
+  PSLD_RETURN_IF_ERROR(st.with_context("reducing a push"));
+  ++pushes_;
+  return Status::Ok();
+}
+
+Status Aggregator::reduce(ComputeLane& lane, uint32_t worker, uint64_t round, const void* src) {
+  if (options_.sync == SyncMode::kBsp) {
+    PSLD_RETURN_IF_ERROR(accumulate(lane, src));
+    pushed_[worker] = true;
+    return Status::Ok();
+  }
+  // Async and bounded staleness: every push is an update of its own.
+  pushes_ = 0;
+  PSLD_RETURN_IF_ERROR(accumulate(lane, src));
+  last_round_[worker] = std::max(last_round_[worker], round);
+  ++applied_[worker];
+  return Status::Ok();
+}
+
+Status Aggregator::set_initial(ComputeLane& lane, const void* src) {
+  pushes_ = 0;
+  Status st = accumulate(lane, src);
+  if (st.ok()) st = lane.copy(param_.get(), acc_.get(), n_ * sizeof(float));
+  if (st.ok()) st = publish(lane);
+  pushes_ = 0;
+  return st;
+}
+
+Status Aggregator::publish(ComputeLane& lane) {
+  const float* param = param_.get();
+  uint16_t* out16 = out16_.get();
+  const size_t n = n_;
+  if (dtype_ == DType::kF16) {
+    PSLD_RETURN_IF_ERROR(lane.run([=](kn::MemoryKind where, void* stream) {
+      return kn::f32_to_f16(where, out16, param, n, stream);
+    }));
+  }
+  if (dtype_ == DType::kBF16) {
+    PSLD_RETURN_IF_ERROR(lane.run([=](kn::MemoryKind where, void* stream) {
+      return kn::f32_to_bf16(where, out16, param, n, stream);
+    }));
+  }
+  if (!out_host_) return Status::Ok();
+  const void* out = dtype_ == DType::kF32 ? static_cast<const void*>(param) : out16;
+  PSLD_RETURN_IF_ERROR(lane.copy(out_host_.get(), out, bytes_));
+  return lane.finish();
+}
+
+Status Aggregator::apply(ComputeLane& lane) {
+  const bool bsp = options_.sync == SyncMode::kBsp;
+  float* param = param_.get();
+  const float* acc = acc_.get();
+  const size_t n = n_;
+  Status st;
+  if (options_.mode == ServerMode::kSum) {
+    if (bsp) {
+      // The round's sum. The service applies only once no pull write reads
+      // the parameter, and the next round's first push overwrites acc whole.
+      if (swap_) {
+        std::swap(param_, acc_);
+      } else {
+        st = lane.copy(param, acc, n * sizeof(float));
+      }
+    } else {
+      st = lane.run([=](kn::MemoryKind where, void* stream) {
+        return kn::reduce_f32(where, param, acc, n, stream);  // the running total
+      });
+    }
+  } else {
+    const OptimizerOptions& o = options_.optimizer;
+    switch (o.kind) {
+      case OptimizerKind::kSgd: {
+        const kn::SgdParams p{o.lr, o.weight_decay};
+        st = lane.run([=](kn::MemoryKind where, void* stream) {
+          return kn::sgd_f32(where, param, acc, n, p, stream);
+        });
+        break;
+      }
+      case OptimizerKind::kMomentum: {
+        st = lane.ensure(m_, n);
+        if (!st.ok()) break;
+        float* m = m_.get();
+        const kn::MomentumParams p{o.lr,           o.momentum, o.dampening,
+                                   o.weight_decay, o.nesterov, version_ == 0};
+        st = lane.run([=](kn::MemoryKind where, void* stream) {
+          return kn::momentum_f32(where, param, m, acc, n, p, stream);
+        });
+        break;
+      }
+      case OptimizerKind::kAdam:
+      case OptimizerKind::kAdamW: {
+        st = lane.ensure(m_, n);
+        if (st.ok()) st = lane.ensure(v_, n);
+        if (!st.ok()) break;
+        float* m = m_.get();
+        float* v = v_.get();
+        const kn::AdamParams p{o.lr,        o.beta1,        o.beta2,
+                               o.eps,       o.weight_decay, o.kind == OptimizerKind::kAdamW,
+                               version_ + 1};
+        st = lane.run([=](kn::MemoryKind where, void* stream) {
+          return kn::adam_f32(where, param, m, v, acc, n, p, stream);
+        });
+        break;
+      }
+    }
+  }
+  if (st.ok()) st = publish(lane);
+  PSLD_RETURN_IF_ERROR(st);
+  ++version_;
+  pushes_ = 0;
+  std::fill(pushed_.begin(), pushed_.end(), false);
+  return Status::Ok();
+}
+
+bool Aggregator::pull_ready(uint64_t round) const {
+  switch (options_.sync) {
+    case SyncMode::kBsp:
+      return version_ >= round;
+    case SyncMode::kAsync:
+      return true;
+    case SyncMode::kStaleness: {
+      // Every worker's pushes up to round - staleness must be in.
+      const uint64_t slowest = *std::min_element(last_round_.begin(), last_round_.end());
+      return slowest + options_.staleness >= round;
+    }
+  }
+  return true;
+}
+
+bool Aggregator::applied_before(uint64_t switch_round, uint64_t run_start) const {
+  if (options_.sync == SyncMode::kBsp) return version_ >= switch_round - 1;
+  // Async and staleness: every worker's pushes of this run's rounds up to the
+  // switch are applied (counted: pushes may be applied out of round order).
+  const uint64_t first = std::max<uint64_t>(run_start, 1);
+  const uint64_t want = switch_round > first ? switch_round - first : 0;
+  return std::all_of(applied_.begin(), applied_.end(), [&](uint64_t a) { return a >= want; });
+}
+
+Status Aggregator::save(ComputeLane& lane, float* out) const {
+  const size_t bytes = n_ * sizeof(float);
+  Status st = lane.copy(out, param_.get(), bytes);
+  if (m_) {
+    if (st.ok()) st = lane.copy(out + n_, m_.get(), bytes);
+  } else {
+    std::memset(out + n_, 0, bytes);
+  }
+  if (v_) {
+    if (st.ok()) st = lane.copy(out + 2 * n_, v_.get(), bytes);
+  } else {
+    std::memset(out + 2 * n_, 0, bytes);
+  }
+  if (st.ok()) st = lane.finish();
+  return st;
+}
+
+Status Aggregator::restore(ComputeLane& lane, const float* in, uint64_t version,
+                           uint64_t last_round) {
+  const OptimizerKind kind = options_.optimizer.kind;
+  const bool optimizer = options_.mode == ServerMode::kOptimizer;
+  const bool with_m = optimizer && (kind != OptimizerKind::kSgd || options_.optimizer.momentum > 0);
+  const bool with_v = optimizer && (kind == OptimizerKind::kAdam || kind == OptimizerKind::kAdamW);
+  const size_t bytes = n_ * sizeof(float);
+  Status st = lane.copy(param_.get(), in, bytes);
+  if (st.ok() && with_m) st = lane.ensure(m_, n_);
+  if (st.ok() && with_m) st = lane.copy(m_.get(), in + n_, bytes);
+  if (st.ok() && with_v) st = lane.ensure(v_, n_);
+  if (st.ok() && with_v) st = lane.copy(v_.get(), in + 2 * n_, bytes);
+  if (st.ok()) st = publish(lane);  // waits for the copies out of `in`
+  // BSP: version is the round, the switch round - 1. Async: the updates
+  // applied, which Adam's bias correction counts.
+  version_ = version;
+  std::fill(last_round_.begin(), last_round_.end(), last_round);
+  return st;
+}
+
+}  // namespace psld
