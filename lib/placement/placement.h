@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <set>
 #include <span>
 #include <string_view>
 #include <vector>
@@ -174,6 +175,8 @@ class Placement {
   const std::vector<ServerInfo>& servers() const { return servers_; }
   // The member with this id, or nullptr.
   const ServerInfo* find_server(ServerId id) const;
+  // The servers that own at least one arc.
+  std::set<ServerId> owners() const { return std::set<ServerId>(owner_.begin(), owner_.end()); }
   // The arcs `id` owns, in hash order (empty for a non-member).
   std::vector<Arc> arcs_of(ServerId id) const;
   // The fraction of the hash space `id` owns, in [0, 1].
