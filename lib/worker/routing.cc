@@ -1,0 +1,242 @@
+// Routing, the worker's side of placement and migration (DESIGN.md §3, §7;
+// docs/migration.md): each chunk sent to the server its epoch names, a
+// Moved answer re-routed, epoch changes applied, the per-server pump and
+// the issue of a chunk, and the progress report the low watermark is made of.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "base/log.h"
+#include "gpu/cuda_copy_engine.h"
+#include "kernels/dispatch.h"
+#include "lib/worker/service.h"
+
+namespace psld {
+
+using protocol::DType;
+using transport::Clock;
+using transport::ConnectionPtr;
+
+void WorkerService::route(ChunkOp op, std::optional<Clock::time_point> deadline) {
+  const Tensor& t = tensors_[op.tensor];
+  const Key key = make_key(t.id, op.chunk);
+  // The initial value is round 0 of the key.
+  const uint64_t round = op.kind == RequestKind::kInit ? 0 : op.round;
+  const ServerId owner = epochs_->owner(key, round);
+  auto it = servers_.find(owner);
+  if (it == servers_.end()) {
+    op.request->complete_part(Unavailable(fmt::format("no connection to server {}", owner)));
+    return;
+  }
+  if (it->second.lost) {
+    orphans_.push_back({std::move(op), owner, deadline ? *deadline : Clock::now() + orphan_grace(),
+                        it->second.lost_why});
+    return;
+  }
+  it->second.backlog.push_back(std::move(op));
+}
+
+void WorkerService::on_moved(ServerConn& s, const protocol::Moved& m) {
+  auto it = pending_.find(m.tag);
+  if (it == pending_.end()) return;
+  Pending p = std::move(it->second);
+  pending_.erase(it);
+  if (p.other_tag != 0) pending_.erase(p.other_tag);  // a push_pull's pull: never answered
+  const uint64_t known = epochs_->latest().epoch();
+  PSLD_LOG_DEBUG("worker {}: server {} says key {:#x} round {} moved (its epoch {}, ours {})",
+                 rank(), s.rank, m.key, p.op.round, m.epoch, known);
+  if (m.epoch > known) {
+    // The server already knows the epoch that moved the key; it reaches
+    // this worker with its commit.
+    moved_.push_back({std::move(p.op), m.epoch});
+    return;
+  }
+  const Tensor& t = tensors_[p.op.tensor];
+  const uint64_t round = p.op.kind == RequestKind::kInit ? 0 : p.op.round;
+  if (epochs_->owner(make_key(t.id, p.op.chunk), round) == s.rank) {
+    p.request->complete_part(Moved(fmt::format(
+        "key {:#x} is not on server {} in epoch {}, though this worker's epoch {} puts it there",
+        m.key, s.rank, m.epoch, known)));
+    return;
+  }
+  route(std::move(p.op));
+  for (auto& [r, srv] : servers_)
+    pump(srv);
+}
+
+void WorkerService::on_epoch_change(const protocol::EpochChange& change) {
+  if (change.step == protocol::EpochStep::kPrepare) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!epochs_) {
+      early_epochs_.push_back(change);
+      return;
+    }
+    auto next = epochs_->follow(change.epoch, change.delta);
+    if (!next.ok()) {
+      PSLD_LOG_ERROR("worker {}: {}", rank(), next.status().to_string());
+      return;
+    }
+    epochs_->push(*next, change.switch_round);
+    PSLD_LOG_DEBUG("worker {}: epoch {} from round {}", rank(), change.epoch, change.switch_round);
+    if (change.step == protocol::EpochStep::kAbort) {
+      // Also when its connection still looks fine (it hung): the epoch
+      // routes nothing to it any more.
+      auto lost = servers_.find(change.lost_server);
+      if (lost != servers_.end()) {
+        server_lost(lost->second,
+                    Unavailable(fmt::format("server {} was removed from the job by the coordinator",
+                                            change.lost_server)));
+      }
+    }
+    // What waited for a lost server goes where this epoch says.
+    std::vector<Orphan> orphans;
+    orphans.swap(orphans_);
+    for (auto& o : orphans)
+      route(std::move(o.op), o.deadline);
+    // What a server sent back for this epoch goes out again.
+    std::vector<MovedOp> still;
+    for (auto& m : moved_) {
+      if (m.epoch <= change.epoch) {
+        route(std::move(m.op));
+      } else {
+        still.push_back(std::move(m));
+      }
+    }
+    moved_.swap(still);
+    for (auto& [r, srv] : servers_)
+      pump(srv);
+  }
+  flush();
+}
+
+void WorkerService::pump(ServerConn& s) {
+  if (s.lost) return;
+  while (!s.backlog.empty()) {
+    ChunkOp& op = s.backlog.front();
+    const bool needs_slot = op.kind != RequestKind::kPull && !in_place(s, op);
+    if (needs_slot && s.free_slots.empty()) return;  // waits for Credit
+    uint32_t slot = 0;
+    if (needs_slot) {
+      slot = s.free_slots.front();
+      s.free_slots.pop_front();
+    }
+    ChunkOp next = std::move(op);
+    s.backlog.pop_front();
+    issue(s, std::move(next), slot);
+  }
+}
+
+bool WorkerService::in_place(const ServerConn& s, const ChunkOp& op) const {
+  // Only a push whose request completes with a pull: until then the tensor
+  // is the library's, so the server may read it whenever the round lets it.
+  if (op.kind != RequestKind::kPushPull && op.kind != RequestKind::kInit) return false;
+  return s.mapped.count(tensors_[op.tensor].id) != 0;
+}
+
+void WorkerService::issue(ServerConn& s, ChunkOp op, uint32_t slot) {
+  Tensor& t = tensors_[op.tensor];
+  const ChunkSpan span = t.layout->chunk(op.chunk);
+  auto tag = [&] {
+    uint32_t v = next_tag_++;
+    if (v == 0) v = next_tag_++;
+    return v;
+  };
+  ConnectionPtr conn = s.conn;
+  if (op.kind == RequestKind::kPull) {
+    const uint32_t pull_tag = tag();
+    pending_[pull_tag] = Pending{op.request, 0, s.rank, Clock::now(), op, /*lands=*/true};
+    protocol::PullRequest pr{pull_tag, t.dtype,  span.bytes,
+                             span.key, op.round, epochs_->latest().epoch()};
+    outbox_.push_back([this, conn, pr, rank = s.rank] {
+      Status st = send(conn, pr);
+      if (!st.ok()) {
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          op_failed(rank, conn, pr.tag, st);
+        }
+        flush();
+      }
+    });
+    return;
+  }
+  const uint32_t push_tag = tag();
+  uint32_t pull_tag = 0;
+  uint8_t flags = 0;
+  if (op.kind == RequestKind::kPushPull || op.kind == RequestKind::kInit) {
+    pull_tag = tag();
+    flags |= protocol::kPushThenPull;
+    if (op.kind == RequestKind::kInit) flags |= protocol::kPushInit;
+    pending_[pull_tag] = Pending{op.request, push_tag, s.rank, Clock::now(), op, /*lands=*/true};
+    pending_[push_tag] = Pending{op.request, pull_tag, s.rank, Clock::now(), op};
+  } else {
+    // A plain push completes when the server says it took it (Credit).
+    pending_[push_tag] = Pending{op.request, 0, s.rank, Clock::now(), op};
+  }
+  loads_[s.rank].bytes_pushed += span.bytes;
+  load_->record(s.rank, LoadMetric::kPushedBytes, static_cast<double>(span.bytes));
+  if (in_place(s, op)) {
+    flags |= protocol::kPushMapped;
+    slot = protocol::kNoSlot;
+  }
+  protocol::PushMeta meta{
+      push_tag, slot,    t.dtype, span.key, op.round, span.bytes, epochs_->latest().epoch(),
+      flags,    pull_tag};
+  transport::WriteRequest wr{t.region.get(), t.region_offset + span.offset,
+                             s.slots.get(),  slot * s.slot_bytes,
+                             span.bytes,     push_tag};
+  auto region = t.region;  // kept alive by the lambda
+  auto slots = s.slots;
+  outbox_.push_back([this, conn, meta, wr, region, slots, rank = s.rank] {
+    Status st = send(conn, meta);
+    auto done = [this, conn, rank, tag = meta.tag](Status ws) {
+      if (!ws.ok()) {
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          op_failed(rank, conn, tag, ws);
+        }
+        flush();
+      }
+    };
+    // In place: the metadata is all; the server reads the chunk itself.
+    if (st.ok() && !(meta.flags & protocol::kPushMapped)) st = conn->write(wr, done);
+    if (!st.ok()) done(st);
+  });
+}
+
+protocol::WorkerProgress WorkerService::progress() {
+  std::lock_guard<std::mutex> lock(mu_);
+  // Per tensor id: a pull names the tensor's current round and a push the
+  // next one, so no new request goes below the current round; what is in
+  // flight (waiting for credit, an answer, an epoch or a lost server's
+  // fate) may still be sent, again or for the first time, with its own.
+  // An id this worker has not registered (it may yet) gets 0.
+  TensorId last = 0;
+  for (const auto& t : tensors_)
+    last = std::max(last, t.id);
+  std::vector<uint64_t> low(last, 0);
+  for (const auto& t : tensors_)
+    low[t.id - 1] = t.push_round;
+  auto at = [&](const ChunkOp& op) {
+    uint64_t& r = low[tensors_[op.tensor].id - 1];
+    r = std::min(r, op.round);
+  };
+  for (const auto& [tag, p] : pending_)
+    at(p.op);
+  for (const auto& [r, s] : servers_) {
+    for (const auto& op : s.backlog)
+      at(op);
+  }
+  for (const auto& m : moved_)
+    at(m.op);
+  for (const auto& o : orphans_)
+    at(o.op);
+  for (const auto& [tensor_round, n] : staging_) {
+    uint64_t& r = low[tensors_[tensor_round.first].id - 1];
+    r = std::min(r, tensor_round.second);
+  }
+  return {last, protocol::pack_rounds(low)};
+}
+
+}  // namespace psld
