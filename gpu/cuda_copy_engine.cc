@@ -5,7 +5,7 @@
 
 #include <vector>
 
-namespace psld::transport {
+namespace psld {
 namespace {
 
 Status cuda_error(cudaError_t e, std::string_view what) {
@@ -80,4 +80,4 @@ Result<std::unique_ptr<CopyEngine>> create_cuda_copy_engine(size_t lanes) {
   return std::unique_ptr<CopyEngine>(new CudaCopyEngine(std::move(streams)));
 }
 
-}  // namespace psld::transport
+}  // namespace psld

@@ -34,7 +34,7 @@ struct EngineLog {
   uint64_t fail_copy_to_host = 0;
 };
 
-class FakeCopyEngine final : public transport::CopyEngine {
+class FakeCopyEngine final : public CopyEngine {
  public:
   FakeCopyEngine(FakeDevice& device, std::shared_ptr<EngineLog> log)
       : device_(device), log_(std::move(log)) {}
@@ -96,8 +96,8 @@ class DeviceTensors : public ::testing::TestWithParam<std::string> {
       o.memory_kind_of = [dev](const void* p) {
         return dev->contains(p) ? MemoryKind::kCuda : MemoryKind::kHost;
       };
-      o.copy_engine = [dev, log]() -> Result<std::unique_ptr<transport::CopyEngine>> {
-        return std::unique_ptr<transport::CopyEngine>(new FakeCopyEngine(*dev, log));
+      o.copy_engine = [dev, log]() -> Result<std::unique_ptr<CopyEngine>> {
+        return std::unique_ptr<CopyEngine>(new FakeCopyEngine(*dev, log));
       };
       if (more) more(o);
     };
@@ -304,7 +304,7 @@ TEST_P(DeviceTensors, DirectWhereTheTransportCannotIsAClearErrorThatRegistersNot
 
 TEST_P(DeviceTensors, NoCopyEngineIsAClearErrorNamingTheTensor) {
   Cluster c(1, 1, fake_gpu([](RuntimeOptions& o) {
-              o.copy_engine = []() -> Result<std::unique_ptr<transport::CopyEngine>> {
+              o.copy_engine = []() -> Result<std::unique_ptr<CopyEngine>> {
                 return Unavailable("no CUDA device: cudaGetDeviceCount found none");
               };
             }),

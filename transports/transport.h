@@ -184,7 +184,7 @@ struct CommonOptions {
 
 // Whether a transport can register memory of one kind, and how or why not.
 // The runtime uses it to choose between writing device tensors directly and
-// staging them through host memory (transports/stager.h), and prints it.
+// staging them through host memory (lib/worker/device_staging.h), and prints it.
 struct MemorySupport {
   bool supported = false;
   // How ("ibv_reg_dmabuf_mr on a dma-buf of the allocation, else ibv_reg_mr

@@ -17,7 +17,7 @@
 #include "lib/server/server_device.h"
 #include "psld/config.h"
 #include "psld/keys.h"
-#include "transports/stager.h"
+#include "gpu/copy_engine.h"
 
 namespace psld {
 
@@ -77,10 +77,10 @@ struct RuntimeOptions {
   double compute_bytes_per_second = 0;
   // Where a registered tensor's memory is (default: the CUDA driver's
   // answer, kernels::memory_kind_of) and the copy engine that stages CUDA
-  // tensors (default: transport::create_cuda_copy_engine). Tests replace
+  // tensors (default: create_cuda_copy_engine). Tests replace
   // both to run the staged path on host memory posing as device memory.
   std::function<transport::MemoryKind(const void*)> memory_kind_of;
-  std::function<Result<std::unique_ptr<transport::CopyEngine>>()> copy_engine;
+  std::function<Result<std::unique_ptr<CopyEngine>>()> copy_engine;
   // The device of a server with server_device = kCuda (default:
   // create_cuda_server_device with one lane per server thread). Tests
   // replace it with a fake GPU.

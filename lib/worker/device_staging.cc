@@ -74,7 +74,7 @@ std::string describe_gpu_path(const RuntimeOptions& options) {
 // ---- DeviceCopier
 
 Result<std::unique_ptr<DeviceCopier>> DeviceCopier::start(
-    std::unique_ptr<transport::CopyEngine> engine) {
+    std::unique_ptr<CopyEngine> engine) {
   if (!engine) return InvalidArgument("device copier: no copy engine");
   if (engine->lanes() < 2) {
     return InvalidArgument(
@@ -85,7 +85,7 @@ Result<std::unique_ptr<DeviceCopier>> DeviceCopier::start(
   return c;
 }
 
-DeviceCopier::DeviceCopier(std::unique_ptr<transport::CopyEngine> engine)
+DeviceCopier::DeviceCopier(std::unique_ptr<CopyEngine> engine)
     : engine_(std::move(engine)) {}
 
 DeviceCopier::~DeviceCopier() {

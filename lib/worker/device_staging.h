@@ -28,7 +28,7 @@
 
 #include "lib/config/runtime_options.h"
 #include "psld/status.h"
-#include "transports/stager.h"
+#include "gpu/copy_engine.h"
 #include "transports/transport.h"
 
 namespace psld {
@@ -59,7 +59,7 @@ class DeviceCopier {
 
   // Takes the engine (it needs two lanes: one per direction, so a push's
   // copies and a pull's overlap) and starts the thread.
-  static Result<std::unique_ptr<DeviceCopier>> start(std::unique_ptr<transport::CopyEngine> engine);
+  static Result<std::unique_ptr<DeviceCopier>> start(std::unique_ptr<CopyEngine> engine);
   // stop(), then the engine goes.
   ~DeviceCopier();
   DeviceCopier(const DeviceCopier&) = delete;
@@ -102,10 +102,10 @@ class DeviceCopier {
     uint64_t bytes = 0;
   };
 
-  explicit DeviceCopier(std::unique_ptr<transport::CopyEngine> engine);
+  explicit DeviceCopier(std::unique_ptr<CopyEngine> engine);
   void run();
 
-  std::unique_ptr<transport::CopyEngine> engine_;
+  std::unique_ptr<CopyEngine> engine_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   Lane lanes_[2];  // indexed by Direction, which is also the engine lane

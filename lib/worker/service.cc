@@ -571,7 +571,7 @@ Result<DeviceCopier*> WorkerService::copier() {
   std::lock_guard<std::mutex> lock(device_mu_);
   if (copier_) return copier_.get();
   auto engine =
-      options_.copy_engine ? options_.copy_engine() : transport::create_cuda_copy_engine(2);
+      options_.copy_engine ? options_.copy_engine() : create_cuda_copy_engine(2);
   if (!engine.ok()) return engine.status().with_context("starting the CUDA copy engine");
   PSLD_ASSIGN_OR_RETURN(copier_, DeviceCopier::start(std::move(engine).value()));
   return copier_.get();
