@@ -50,6 +50,11 @@ TEST(CApi, AWorkerPushPullsThroughTheCApi) {
 
   std::vector<float> x(1000, 3.0f);
   uint32_t t = 0;
+  // A dtype that is no psld_dtype is refused before it becomes a psld::DType.
+  EXPECT_EQ(psld_register_tensor(w, "bad", 7, x.size() * 4, x.data(), nullptr, &t),
+            PSLD_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(psld_last_error()).find("dtype 7 is not one of"), std::string::npos)
+      << psld_last_error();
   ASSERT_EQ(psld_register_tensor(w, "x", PSLD_FLOAT32, x.size() * 4, x.data(), nullptr, &t),
             PSLD_OK)
       << psld_last_error();
