@@ -64,10 +64,8 @@ void CoordinatorService::send_prepare() {
   // serve at least one round for the next one to take its keys from it).
   sw.switch_round = std::max(max_round_ + sw.margin, last_switch_round_ + 1);
   sw.yes.clear();
-  for (const auto& [rank, id] : servers_) {
-    post(members_.at(id).conn, protocol::EpochChange{protocol::EpochStep::kPrepare, sw.next.epoch(),
-                                                     sw.switch_round, sw.delta_bytes, 0});
-  }
+  post_all(servers_, protocol::EpochChange{protocol::EpochStep::kPrepare, sw.next.epoch(),
+                                           sw.switch_round, sw.delta_bytes, 0});
 }
 
 void CoordinatorService::handle_vote(const Member& m, const protocol::EpochVote& vote) {
@@ -101,10 +99,8 @@ void CoordinatorService::commit_switch() {
   Switch& sw = *switch_;
   const protocol::EpochChange commit{protocol::EpochStep::kCommit, sw.next.epoch(), sw.switch_round,
                                      sw.delta_bytes, 0};
-  for (const auto& [rank, id] : servers_)
-    post(members_.at(id).conn, commit);
-  for (const auto& [rank, id] : workers_)
-    post(members_.at(id).conn, commit);
+  post_all(servers_, commit);
+  post_all(workers_, commit);
   PSLD_LOG_INFO("coordinator: epoch {} from round {} ({} ranges move)", sw.next.epoch(),
                 sw.switch_round, sw.delta.assignments.size());
   Placement before = std::move(*placement_);
@@ -146,8 +142,7 @@ void CoordinatorService::finish_transfer_if_done() {
   // From now on the new owners hold state like any other owner.
   ever_owned_.merge(placement_->owners());
   const protocol::EpochFinal final{placement_->epoch(), transfer_->switch_round};
-  for (const auto& [rank, id] : servers_)
-    post(members_.at(id).conn, final);
+  post_all(servers_, final);
   PSLD_LOG_DEBUG("coordinator: the transfer of epoch {} at round {} is final", final.epoch,
                  final.switch_round);
   transfer_.reset();
@@ -204,8 +199,7 @@ void CoordinatorService::publish_watermark() {
     return;
   }
   watermark_ = std::move(mark);
-  for (const auto& [rank, id] : servers_)
-    post(members_.at(id).conn, *watermark_);
+  post_all(servers_, *watermark_);
 }
 
 // mu_ held. A server that never owned an arc outside an open transfer holds
@@ -265,10 +259,8 @@ void CoordinatorService::publish_abort(uint32_t rank) {
   }
   const uint64_t round = transfer_ ? transfer_->switch_round : last_switch_round_;
   const protocol::EpochChange abort{protocol::EpochStep::kAbort, next->epoch(), round, bytes, rank};
-  for (const auto& [r, id] : servers_)
-    post(members_.at(id).conn, abort);
-  for (const auto& [r, id] : workers_)
-    post(members_.at(id).conn, abort);
+  post_all(servers_, abort);
+  post_all(workers_, abort);
   PSLD_LOG_INFO(
       "coordinator: epoch {} from round {}: server {} removed, {} ranges back to their "
       "owners",

@@ -6,6 +6,7 @@
 #include <random>
 
 #include "base/log.h"
+#include "base/thread.h"
 #include "lib/placement/epoch_log.h"
 
 namespace psld {
@@ -61,7 +62,8 @@ Result<std::unique_ptr<CoordinatorService>> CoordinatorService::start(
     PSLD_ASSIGN_OR_RETURN(auto b, Balancer::make(options.balancer));
     c->balancer_.emplace(std::move(b));
   }
-  c->monitor_ = std::thread([raw = c.get()] { raw->monitor(); });
+  PSLD_RETURN_IF_ERROR(
+      start_thread(c->monitor_, "coordinator monitor", [raw = c.get()] { raw->monitor(); }));
   PSLD_LOG_INFO("coordinator listening at {} for {} workers, {} servers (+{} standby)",
                 c->address(), options.num_workers, options.num_servers, options.num_standby);
   return c;
@@ -108,6 +110,21 @@ void CoordinatorService::on_accept(const ConnectionPtr& conn) {
 
 void CoordinatorService::post(const ConnectionPtr& conn, protocol::Message message) {
   outbox_.emplace_back(conn, std::move(message));
+}
+
+void CoordinatorService::post_all(const std::map<uint32_t, uint64_t>& ranks,
+                                  const protocol::Message& message) {
+  for (const auto& [rank, id] : ranks) {
+    if (const Member* m = find_member(id)) post(m->conn, message);
+  }
+}
+
+const CoordinatorService::Member* CoordinatorService::find_member(uint64_t id) const {
+  auto it = members_.find(id);
+  if (it != members_.end()) return &it->second;
+  PSLD_LOG_ERROR("coordinator: connection {} is listed as a member but is none (please report)",
+                 id);
+  return nullptr;
 }
 
 void CoordinatorService::flush() {
@@ -172,9 +189,7 @@ void CoordinatorService::handle_control(const ConnectionPtr& conn, protocol::Mes
     entered.insert(m.rank);
     if (entered.size() == options_.num_workers) {
       barriers_.erase(b->barrier);
-      for (const auto& [rank, id] : workers_) {
-        post(members_.at(id).conn, protocol::BarrierRelease{b->barrier});
-      }
+      post_all(workers_, protocol::BarrierRelease{b->barrier});
     }
   } else if (auto* hb = std::get_if<protocol::Heartbeat>(&message)) {
     post(conn, protocol::Heartbeat{hb->sequence});  // members watch us too
@@ -304,8 +319,9 @@ void CoordinatorService::maybe_start_job() {
 
 void CoordinatorService::send_job_state(const Member& m) {
   protocol::ServerList list;
-  for (const auto& [rank, id] : servers_)
-    list.servers.push_back({rank, members_.at(id).address});
+  for (const auto& [rank, id] : servers_) {
+    if (const Member* server = find_member(id)) list.servers.push_back({rank, server->address});
+  }
   post(m.conn, list);
   for (const auto& piece : placement_chunks(*placement_))
     post(m.conn, piece);

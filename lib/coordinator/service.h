@@ -97,6 +97,12 @@ class CoordinatorService final : public Endpoint {
   // sending under our lock while the transport's thread waits for it in a
   // handler would deadlock.
   void post(const transport::ConnectionPtr& conn, protocol::Message message);
+  // Posts `message` to each member of `ranks` (workers_ or servers_).
+  void post_all(const std::map<uint32_t, uint64_t>& ranks, const protocol::Message& message);
+  // The member of connection `id`, or nullptr. workers_ and servers_ name
+  // admitted members only, so a miss there is a broken invariant: logged,
+  // never an exception.
+  const Member* find_member(uint64_t id) const;
   void flush();
 
   // All of these run with mu_ held.
