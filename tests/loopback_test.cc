@@ -238,8 +238,11 @@ TEST(ProgressThread, DeliversEventsAndSleepsWhenIdle) {
   srec.write_hook = [&](const ConnectionPtr&, uint32_t, uint64_t) {
     handler_thread = std::this_thread::get_id();
   };
-  ProgressThread pt(*server, 50ms);
-  ProgressThread ct(*client, 50ms);
+  auto started_pt = ProgressThread::start(*server, 50ms);
+  auto started_ct = ProgressThread::start(*client, 50ms);
+  ASSERT_TRUE(started_pt.ok() && started_ct.ok());
+  ProgressThread& pt = **started_pt;
+  ProgressThread& ct = **started_ct;
   auto conn = *client->connect(server->address());
   std::vector<uint8_t> source(64, 2);
   auto src = *client->register_memory(source.data(), source.size(), MemoryKind::kHost);

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include "base/log.h"
+#include "base/thread.h"
 
 namespace psld {
 
@@ -98,7 +99,7 @@ Status MemberSession::join(std::vector<uint8_t> listen_address) {
                                options_.connect_timeout.count()));
   }
   last_heard_ = Clock::now();
-  heartbeat_ = std::thread([this] { heartbeat_loop(); });
+  PSLD_RETURN_IF_ERROR(start_thread(heartbeat_, "heartbeat", [this] { heartbeat_loop(); }));
   const bool started = cv_.wait_until(
       lock, deadline, [&] { return !health_.ok() || (have_servers_ && placement_); });
   if (!health_.ok()) return health_;
@@ -343,12 +344,12 @@ Status MemberSession::send_to_coordinator(const protocol::Message& message) {
   return endpoint_.send(conn, message);
 }
 
-void MemberSession::start_reports(std::chrono::milliseconds interval, ReportFn make) {
+Status MemberSession::start_reports(std::chrono::milliseconds interval, ReportFn make) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (reporter_.joinable() || interval.count() <= 0) return;
+  if (reporter_.joinable() || interval.count() <= 0) return Status::Ok();
   reports_stop_ = false;
-  reporter_ =
-      std::thread([this, interval, make = std::move(make)] { report_loop(interval, make); });
+  return start_thread(reporter_, "load report",
+                      [this, interval, make = std::move(make)] { report_loop(interval, make); });
 }
 
 void MemberSession::stop_reports() {

@@ -93,7 +93,7 @@ class MemberSession {
   void on_tick(TickFn fn);
   // Sends a message to the coordinator (Unavailable when not connected).
   Status send_to_coordinator(const protocol::Message& message);
-  void start_reports(std::chrono::milliseconds interval, ReportFn make);
+  Status start_reports(std::chrono::milliseconds interval, ReportFn make);
   void stop_reports();
 
  private:

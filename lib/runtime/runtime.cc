@@ -15,7 +15,7 @@ Status Endpoint::start(const EndpointOptions& options) {
           : transport::create_transport(options.transport, options.options, this);
   if (!t.ok()) return t.status().with_context("creating the '" + options.transport + "' transport");
   transport_ = std::move(t).value();
-  progress_ = std::make_unique<transport::ProgressThread>(*transport_);
+  PSLD_ASSIGN_OR_RETURN(progress_, transport::ProgressThread::start(*transport_));
   return Status::Ok();
 }
 

@@ -9,6 +9,7 @@
 #include <unordered_map>
 
 #include "base/log.h"
+#include "base/thread.h"
 #include "lib/server/key_state.h"
 
 namespace psld {
@@ -51,7 +52,8 @@ Result<std::unique_ptr<ServerService>> ServerService::start(const RuntimeOptions
   }
   for (auto& shard : s->shards_) {
     Shard* raw = shard.get();
-    shard->thread = std::thread([srv = s.get(), raw] { srv->shard_loop(*raw); });
+    PSLD_RETURN_IF_ERROR(start_thread(shard->thread, "server shard",
+                                      [srv = s.get(), raw] { srv->shard_loop(*raw); }));
   }
   s->session_.on_epoch(
       [srv = s.get()](const protocol::EpochChange& e) { srv->on_epoch_change(e); });
@@ -65,12 +67,14 @@ Result<std::unique_ptr<ServerService>> ServerService::start(const RuntimeOptions
     s->epochs_.emplace(s->session_.placement());
     s->owned_ever_ = !s->epochs_->latest().arcs_of(s->rank()).empty();
   }
-  s->session_.start_reports(options.stats_interval, [srv = s.get()](uint64_t window_ns) {
-    std::vector<protocol::Message> out;
-    for (auto& r : srv->load_->close_window(srv->rank(), srv->newest_epoch(), window_ns))
-      out.emplace_back(std::move(r));
-    return out;
-  });
+  Status reports =
+      s->session_.start_reports(options.stats_interval, [srv = s.get()](uint64_t window_ns) {
+        std::vector<protocol::Message> out;
+        for (auto& r : srv->load_->close_window(srv->rank(), srv->newest_epoch(), window_ns))
+          out.emplace_back(std::move(r));
+        return out;
+      });
+  PSLD_RETURN_IF_ERROR(reports);
   PSLD_LOG_INFO("server {} listening at {}; keys {}", s->rank(), s->address(),
                 s->device_ ? "on " + s->device_->describe() : std::string("in host memory"));
   return s;

@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "base/thread.h"
 #include "kernels/dispatch.h"
 #include "transports/loopback/loopback.h"
 
@@ -73,20 +74,18 @@ std::string describe_gpu_path(const RuntimeOptions& options) {
 
 // ---- DeviceCopier
 
-Result<std::unique_ptr<DeviceCopier>> DeviceCopier::start(
-    std::unique_ptr<CopyEngine> engine) {
+Result<std::unique_ptr<DeviceCopier>> DeviceCopier::start(std::unique_ptr<CopyEngine> engine) {
   if (!engine) return InvalidArgument("device copier: no copy engine");
   if (engine->lanes() < 2) {
     return InvalidArgument(
         fmt::format("device copier: the copy engine has {} lanes; it needs 2", engine->lanes()));
   }
   std::unique_ptr<DeviceCopier> c(new DeviceCopier(std::move(engine)));
-  c->thread_ = std::thread([p = c.get()] { p->run(); });
+  PSLD_RETURN_IF_ERROR(start_thread(c->thread_, "device copier", [p = c.get()] { p->run(); }));
   return c;
 }
 
-DeviceCopier::DeviceCopier(std::unique_ptr<CopyEngine> engine)
-    : engine_(std::move(engine)) {}
+DeviceCopier::DeviceCopier(std::unique_ptr<CopyEngine> engine) : engine_(std::move(engine)) {}
 
 DeviceCopier::~DeviceCopier() {
   stop();

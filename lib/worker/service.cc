@@ -68,20 +68,22 @@ Result<std::unique_ptr<WorkerService>> WorkerService::start(const RuntimeOptions
   for (const auto& e : early)
     w->on_epoch_change(e);
   PSLD_RETURN_IF_ERROR(w->connect_servers());
-  w->session_.start_reports(options.stats_interval, [wk = w.get()](uint64_t window_ns) {
-    std::vector<protocol::Message> out;
-    uint64_t epoch = 0;
-    {
-      std::lock_guard<std::mutex> lock(wk->mu_);
-      epoch = wk->epochs_->latest().epoch();
-    }
-    for (auto& r : wk->load_->close_window(wk->rank(), epoch, window_ns)) {
-      r.rounds = wk->max_round_.load();  // workers: the highest round pushed
-      out.emplace_back(std::move(r));
-    }
-    out.emplace_back(wk->progress());
-    return out;
-  });
+  Status reports =
+      w->session_.start_reports(options.stats_interval, [wk = w.get()](uint64_t window_ns) {
+        std::vector<protocol::Message> out;
+        uint64_t epoch = 0;
+        {
+          std::lock_guard<std::mutex> lock(wk->mu_);
+          epoch = wk->epochs_->latest().epoch();
+        }
+        for (auto& r : wk->load_->close_window(wk->rank(), epoch, window_ns)) {
+          r.rounds = wk->max_round_.load();  // workers: the highest round pushed
+          out.emplace_back(std::move(r));
+        }
+        out.emplace_back(wk->progress());
+        return out;
+      });
+  PSLD_RETURN_IF_ERROR(reports);
   w->gpu_path_text_ = describe_gpu_path(options.gpu_path, w->transport());
   PSLD_LOG_INFO("worker {} of {} joined; {} servers; CUDA tensors: {}", w->rank(), w->num_workers(),
                 w->servers_.size(), w->gpu_path_text_);
@@ -570,8 +572,7 @@ Result<void*> WorkerService::allocate(size_t bytes) {
 Result<DeviceCopier*> WorkerService::copier() {
   std::lock_guard<std::mutex> lock(device_mu_);
   if (copier_) return copier_.get();
-  auto engine =
-      options_.copy_engine ? options_.copy_engine() : create_cuda_copy_engine(2);
+  auto engine = options_.copy_engine ? options_.copy_engine() : create_cuda_copy_engine(2);
   if (!engine.ok()) return engine.status().with_context("starting the CUDA copy engine");
   PSLD_ASSIGN_OR_RETURN(copier_, DeviceCopier::start(std::move(engine).value()));
   return copier_.get();

@@ -5,8 +5,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <memory>
 #include <thread>
 
+#include "base/thread.h"
 #include "transports/transport.h"
 
 namespace psld::transport {
@@ -14,9 +16,13 @@ namespace psld::transport {
 class ProgressThread {
  public:
   // idle_wait bounds one sleep; wake() or any event ends it sooner.
-  explicit ProgressThread(Transport& transport,
-                          std::chrono::milliseconds idle_wait = std::chrono::milliseconds(100))
-      : transport_(transport), idle_wait_(idle_wait), thread_([this] { run(); }) {}
+  static Result<std::unique_ptr<ProgressThread>> start(
+      Transport& transport, std::chrono::milliseconds idle_wait = std::chrono::milliseconds(100)) {
+    std::unique_ptr<ProgressThread> p(new ProgressThread(transport, idle_wait));
+    PSLD_RETURN_IF_ERROR(
+        start_thread(p->thread_, "transport progress", [raw = p.get()] { raw->run(); }));
+    return p;
+  }
   ~ProgressThread() { stop(); }
   ProgressThread(const ProgressThread&) = delete;
   ProgressThread& operator=(const ProgressThread&) = delete;
@@ -33,6 +39,8 @@ class ProgressThread {
   std::thread::native_handle_type native_handle() { return thread_.native_handle(); }
 
  private:
+  ProgressThread(Transport& transport, std::chrono::milliseconds idle_wait)
+      : transport_(transport), idle_wait_(idle_wait) {}
   void run() {
     while (!stop_.load(std::memory_order_acquire)) {
       if (transport_.progress() == 0) transport_.wait(idle_wait_);
@@ -42,7 +50,7 @@ class ProgressThread {
   Transport& transport_;
   const std::chrono::milliseconds idle_wait_;
   std::atomic<bool> stop_{false};
-  std::thread thread_;  // last: starts after the other members exist
+  std::thread thread_;
 };
 
 }  // namespace psld::transport
