@@ -347,6 +347,25 @@ TEST(VerbsSendQueue, SharedBudgetBoundsAllQueuesTogether) {
   EXPECT_EQ(b.backlog(), 2u);
 }
 
+// A completion the queue did not post (a device reporting one twice) is a
+// checked error that changes nothing: no assert, no budget wrapped around.
+TEST(VerbsSendQueue, ACompletionOfNothingPostedIsRefused) {
+  SlotBudget budget(2);
+  SendQueue<int> q(2, 10, &budget);
+  ASSERT_TRUE(q.push(1));
+  auto post = [](int&) { return PostResult::kPosted; };
+  ASSERT_EQ(q.drain(post), 1u);
+  EXPECT_TRUE(q.complete());
+  EXPECT_FALSE(q.complete()) << "nothing was posted any more";
+  EXPECT_EQ(q.posted(), 0u);
+  EXPECT_EQ(budget.used(), 0u);
+  EXPECT_FALSE(budget.release()) << "a release without an acquire";
+  EXPECT_EQ(budget.used(), 0u);
+  EXPECT_TRUE(budget.try_acquire());
+  EXPECT_TRUE(budget.try_acquire());
+  EXPECT_FALSE(budget.try_acquire()) << "the capacity is unchanged";
+}
+
 TEST(VerbsSendQueue, NotNowKeepsTheHeadAndItsSlot) {
   SlotBudget budget(10);
   SendQueue<int> q(10, 10, &budget);

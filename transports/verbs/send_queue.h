@@ -6,7 +6,6 @@
 #pragma once
 
 #include <algorithm>
-#include <cassert>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -28,9 +27,12 @@ class SlotBudget {
     ++used_;
     return true;
   }
-  void release(uint32_t n = 1) {
-    assert(n <= used_);
+  // False when more is released than was acquired (a completion the queue
+  // did not post): the budget is then left at zero, never wrapped around.
+  bool release(uint32_t n = 1) {
+    const bool ok = n <= used_;
     used_ -= std::min(n, used_);
+    return ok;
   }
   uint32_t used() const { return used_; }
   uint32_t capacity() const { return capacity_; }
@@ -100,12 +102,13 @@ class SendQueue {
     return n;
   }
 
-  // A posted work request completed (successfully or not).
-  void complete() {
-    assert(posted_ > 0);
-    if (posted_ == 0) return;
+  // A posted work request completed (successfully or not). False for a
+  // completion of nothing posted (a device that reports one twice), which
+  // changes nothing.
+  bool complete() {
+    if (posted_ == 0) return false;
     --posted_;
-    shared_->release();
+    return shared_->release();
   }
 
   // Returns every posted slot to the shared budget without completions: only
