@@ -611,9 +611,9 @@ class Cluster {
     std::unique_ptr<Cluster> c(new Cluster);
     c->psld_memory_ = opts.psld_memory;
     RuntimeOptions& base = c->base_;
-    base.endpoint.transport = "ucx";
-    base.endpoint.options.ucx.tls = m.tls;
-    base.endpoint.options.common.op_timeout = 30s;
+    base.net.transport = "ucx";
+    base.net.options.ucx.tls = m.tls;
+    base.net.options.common.op_timeout = 30s;
     base.secret = "ps_bench";
     base.num_workers = shape.workers;
     base.num_servers = shape.servers;

@@ -241,10 +241,10 @@ Result<RunResult> run_policy(const Options& o, const Scenario& sc, Policy policy
   const std::vector<ModelKey> keys = model_keys(tensors, chunk);
 
   RuntimeOptions base;
-  base.endpoint.transport = o.transport;
-  base.endpoint.options.loopback.fabric = std::make_shared<transport::LoopbackFabric>();
-  base.endpoint.options.ucx.tls = "tcp";
-  base.endpoint.options.common.op_timeout = 30s;
+  base.net.transport = o.transport;
+  base.net.options.loopback.fabric = std::make_shared<transport::LoopbackFabric>();
+  base.net.options.ucx.tls = "tcp";
+  base.net.options.common.op_timeout = 30s;
   base.secret = "stragglers";
   base.num_workers = o.workers;
   base.num_servers = num_servers;
@@ -291,9 +291,9 @@ Result<RunResult> run_policy(const Options& o, const Scenario& sc, Policy policy
     RuntimeOptions opt = base;
     if (i < total_servers) {
       if (sc.resource == Resource::kLink) {
-        opt.endpoint.emulate_link = true;
-        opt.endpoint.link.egress_bytes_per_second = o.rate;
-        opt.endpoint.link.ingress_bytes_per_second = o.rate;
+        opt.net.emulate_link = true;
+        opt.net.link.egress_bytes_per_second = o.rate;
+        opt.net.link.ingress_bytes_per_second = o.rate;
       } else {
         opt.compute_bytes_per_second = o.rate;
       }

@@ -25,9 +25,9 @@ TEST(MigrationBalancer, MovesLoadOffAServerBehindASlowLinkWhileTrainingStaysExac
   // Server 0 (the first started) sits behind a 20 MB/s link each way.
   c.server_tweak = [](uint32_t i, RuntimeOptions& o) {
     if (i != 0) return;
-    o.endpoint.emulate_link = true;
-    o.endpoint.link.egress_bytes_per_second = 20e6;
-    o.endpoint.link.ingress_bytes_per_second = 20e6;
+    o.net.emulate_link = true;
+    o.net.link.egress_bytes_per_second = 20e6;
+    o.net.link.ingress_bytes_per_second = 20e6;
   };
   ASSERT_TRUE(c.start().ok());
   const ServerId slow = c.servers[0]->rank();

@@ -35,12 +35,15 @@ struct Cluster {
   explicit Cluster(uint32_t num_workers, uint32_t num_servers,
                    const std::function<void(RuntimeOptions&)>& tweak = nullptr,
                    const std::string& transport = "loopback") {
-    base.endpoint.transport = transport;
-    base.endpoint.options.loopback.fabric = fabric;
-    base.endpoint.options.ucx.tls = "tcp";
-    base.endpoint.options.common.op_timeout = 5s;
+    base.net.transport = transport;
+    base.net.options.loopback.fabric = fabric;
+    base.net.options.ucx.tls = "tcp";
+    base.net.options.common.op_timeout = 5s;
     base.num_workers = num_workers;
     base.num_servers = num_servers;
+    // The tests check integer sums: the summation service, said here since
+    // the library's default (Config's) is server.mode = optimizer.
+    base.mode = ServerMode::kSum;
     base.chunk_bytes = 64 * 1024;
     base.slots_per_worker = 4;
     base.heartbeat_interval = 50ms;

@@ -1013,6 +1013,37 @@ TEST(Config, SecretIsNeverPrinted) {
   EXPECT_EQ(*back, expected);
 }
 
+// RuntimeOptions{} (what in-process jobs, tests and benchmarks start from)
+// has the defaults a user's Config{} gives.
+TEST(Config, RuntimeOptionsDefaultToConfigsDefaults) {
+  const RuntimeOptions want = runtime_options_from_config(Config{});
+  const RuntimeOptions got;
+  EXPECT_EQ(got.chunk_bytes, want.chunk_bytes);
+  EXPECT_EQ(got.slots_per_worker, want.slots_per_worker);
+  EXPECT_EQ(got.sync, want.sync);
+  EXPECT_EQ(got.staleness, want.staleness);
+  EXPECT_EQ(got.mode, want.mode);
+  EXPECT_EQ(got.mode, ServerMode::kOptimizer);
+  EXPECT_EQ(got.optimizer.kind, want.optimizer.kind);
+  EXPECT_EQ(got.optimizer.lr, want.optimizer.lr);
+  EXPECT_EQ(got.optimizer.momentum, want.optimizer.momentum);
+  EXPECT_EQ(got.optimizer.dampening, want.optimizer.dampening);
+  EXPECT_EQ(got.optimizer.nesterov, want.optimizer.nesterov);
+  EXPECT_EQ(got.optimizer.beta1, want.optimizer.beta1);
+  EXPECT_EQ(got.optimizer.beta2, want.optimizer.beta2);
+  EXPECT_EQ(got.optimizer.eps, want.optimizer.eps);
+  EXPECT_EQ(got.optimizer.weight_decay, want.optimizer.weight_decay);
+  EXPECT_EQ(got.server_threads, want.server_threads);
+  EXPECT_EQ(got.server_device, want.server_device);
+  EXPECT_EQ(got.heartbeat_interval, want.heartbeat_interval);
+  EXPECT_EQ(got.heartbeat_timeout, want.heartbeat_timeout);
+  EXPECT_EQ(got.connect_timeout, want.connect_timeout);
+  EXPECT_EQ(got.stats_interval, want.stats_interval);
+  EXPECT_EQ(got.balancer_enabled, want.balancer_enabled);
+  EXPECT_EQ(got.balancer_interval, want.balancer_interval);
+  EXPECT_EQ(got.gpu_path, want.gpu_path);
+}
+
 // The [balancer] keys default to the balancer's own defaults and reach it.
 TEST(Config, BalancerKeysDefaultToTheBalancersOptionsAndReachThem) {
   const BalancerOptions want;

@@ -363,8 +363,8 @@ INSTANTIATE_TEST_SUITE_P(Transports, GpuServers, ::testing::ValuesIn(test_backen
 TEST(CudaServerDevice, WithoutAGpuAServerSaysWhyItCannotStartElseSumsAreExact) {
   if (!kernels::cuda_device_present()) {
     RuntimeOptions o;
-    o.endpoint.transport = "loopback";
-    o.endpoint.options.common.listen_address = "server";
+    o.net.transport = "loopback";
+    o.net.options.common.listen_address = "server";
     o.server_device = ServerDeviceKind::kCuda;
     auto server = ServerService::start(o);
     ASSERT_FALSE(server.ok());

@@ -608,7 +608,7 @@ constexpr ServerId kStandby = 3;
 std::function<void(uint32_t, RuntimeOptions&)> numbered_servers(const std::string& backend) {
   return [backend](uint32_t i, RuntimeOptions& o) {
     o.rank = static_cast<int32_t>(i);
-    if (backend != "loopback") o.endpoint.emulate_link = true;
+    if (backend != "loopback") o.net.emulate_link = true;
   };
 }
 
@@ -620,7 +620,7 @@ std::function<void(uint32_t, RuntimeOptions&)> numbered_servers(const std::strin
 // (uct_tcp_sockcm_ep_recv, on UCX's async thread), which is not what a
 // crashed process does to the survivors.
 void kill_server(Cluster& c, ServerId victim) {
-  if (c.base.endpoint.transport == "loopback") {
+  if (c.base.net.transport == "loopback") {
     c.servers[victim]->shutdown();
     return;
   }

@@ -93,7 +93,7 @@ std::vector<int> dims() {
 struct MlpCluster : Cluster {
   MlpCluster()
       : Cluster(kWorkers, kServers, [](RuntimeOptions& o) {
-          o.endpoint.options.common.op_timeout = 10s;
+          o.net.options.common.op_timeout = 10s;
           // Small chunks so that every layer but the last spreads over both servers.
           o.chunk_bytes = 64 * 1024;
           o.mode = ServerMode::kOptimizer;

@@ -425,13 +425,13 @@ TEST_P(Runtime, StalenessBoundsHowFarAheadAFastWorkerRuns) {
 
 // Speaks the worker side of the protocol to one server by hand, to send what
 // a WorkerService never does: requests for keys the server does not own.
-class RawWorker final : public Endpoint {
+class RawWorker final : public ProcessRuntime {
  public:
-  static Result<std::unique_ptr<RawWorker>> start(const EndpointOptions& options) {
+  static Result<std::unique_ptr<RawWorker>> start(const NetOptions& options) {
     std::unique_ptr<RawWorker> r(new RawWorker);
-    EndpointOptions ep = options;
+    NetOptions ep = options;
     ep.options.common.listen_address.clear();
-    PSLD_RETURN_IF_ERROR(r->Endpoint::start(ep));
+    PSLD_RETURN_IF_ERROR(r->ProcessRuntime::start(ep));
     return r;
   }
   ~RawWorker() override { stop(); }
@@ -519,7 +519,7 @@ TEST_P(Runtime, ARequestForAKeyTheServerDoesNotOwnIsAnsweredMoved) {
   std::vector<float> source(tensor.size());
   for (size_t i = 0; i < source.size(); ++i)
     source[i] = static_cast<float>(i % 1000);
-  auto raw_or = RawWorker::start(c.base.endpoint);
+  auto raw_or = RawWorker::start(c.base.net);
   ASSERT_TRUE(raw_or.ok()) << raw_or.status().to_string();
   RawWorker& raw = **raw_or;
   auto conn_or = connect_text(raw.transport(), server.address());
@@ -636,7 +636,7 @@ TEST(RuntimeUcxShm, PushPullsOfAllocatedTensorsAreReadInPlaceAndExact) {
   GTEST_SKIP() << "UCX's shared-memory fifos are invisible to ThreadSanitizer";
 #endif
   Cluster c(
-      2, 2, [](RuntimeOptions& o) { o.endpoint.options.ucx.tls = "sm,tcp"; }, "ucx");
+      2, 2, [](RuntimeOptions& o) { o.net.options.ucx.tls = "sm,tcp"; }, "ucx");
   ASSERT_TRUE(c.start().ok());
   const std::vector<size_t> elems = {3, 4099, 40000};  // 1 + 1 + 3 chunks of 64 KiB
   Status s = on_all(c, [&](size_t wi) -> Status {

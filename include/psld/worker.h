@@ -1,13 +1,13 @@
 // psld/worker.h — what a trainer embeds.
 //
-//   auto cfg = psld::load_config({argv_rest});            // file, PSLD_* env, flags, launcher env
-//   auto worker = psld::Worker::join(*cfg);               // blocks until the job starts
+//   auto cfg = psld::load_config({argv_rest});  // file, PSLD_* env, flags, launcher env
+//   auto worker = psld::Worker::join(*cfg);     // blocks until the job starts
 //   auto w = worker->register_tensor("fc1.weight", psld::DType::kFloat32,
 //                                    bytes, grad_and_param, initial_value);
 //   for (...) {
-//     compute gradients into grad_and_param;
-//     auto req = worker->push_pull(*w);                   // zero-copy: reads and writes your
-//     memory req->wait();                                        // now it holds the new parameters
+//     // compute gradients into grad_and_param, then
+//     auto req = worker->push_pull(*w);  // zero-copy: reads and writes your memory
+//     req->wait();                       // now it holds the new parameters
 //   }
 //   worker->shutdown();
 //

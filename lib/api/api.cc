@@ -48,7 +48,7 @@ Result<std::unique_ptr<Worker>> Worker::join(const Config& config) {
   }
   if (options.rank == 0) {
     RuntimeOptions c = options;
-    c.endpoint.options.common.listen_address = config.job.coordinator;
+    c.net.options.common.listen_address = config.job.coordinator;
     auto coordinator = CoordinatorService::start(c);
     if (!coordinator.ok()) {
       return coordinator.status().with_context("worker 0 runs the coordinator of a colocated job");
@@ -198,7 +198,7 @@ void Server::shutdown() {
 Result<std::unique_ptr<Coordinator>> Coordinator::start(const Config& config) {
   PSLD_RETURN_IF_ERROR(check_config(config));
   RuntimeOptions o = runtime_options_from_config(config);
-  o.endpoint.options.common.listen_address = config.job.coordinator;
+  o.net.options.common.listen_address = config.job.coordinator;
   PSLD_ASSIGN_OR_RETURN(auto impl, CoordinatorService::start(o));
   return std::unique_ptr<Coordinator>(new Coordinator(std::move(impl)));
 }

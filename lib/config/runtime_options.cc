@@ -26,22 +26,22 @@ std::string_view server_device_name(ServerDeviceKind kind) {
 
 RuntimeOptions runtime_options_from_config(const Config& c) {
   RuntimeOptions o;
-  o.endpoint.transport = c.job.transport;
-  o.endpoint.options.common.listen_address = c.job.listen;
+  o.net.transport = c.job.transport;
+  o.net.options.common.listen_address = c.job.listen;
   if (c.data.request_timeout_ms > 0) {
-    o.endpoint.options.common.op_timeout = std::chrono::milliseconds(c.data.request_timeout_ms);
+    o.net.options.common.op_timeout = std::chrono::milliseconds(c.data.request_timeout_ms);
   }
-  o.endpoint.options.ucx.tls = c.ucx.tls;
-  o.endpoint.options.ucx.write_path = c.ucx.write_path;
-  o.endpoint.options.ucx.notify_ring_slots = c.ucx.notify_ring_slots;
-  o.endpoint.options.verbs.device = c.verbs.device;
-  o.endpoint.options.verbs.port = static_cast<uint8_t>(c.verbs.port);
-  o.endpoint.options.verbs.gid_index = c.verbs.gid_index;
+  o.net.options.ucx.tls = c.ucx.tls;
+  o.net.options.ucx.write_path = c.ucx.write_path;
+  o.net.options.ucx.notify_ring_slots = c.ucx.notify_ring_slots;
+  o.net.options.verbs.device = c.verbs.device;
+  o.net.options.verbs.port = static_cast<uint8_t>(c.verbs.port);
+  o.net.options.verbs.gid_index = c.verbs.gid_index;
   if (c.link.egress_bytes_per_second || c.link.ingress_bytes_per_second || c.link.latency_us) {
-    o.endpoint.emulate_link = true;
-    o.endpoint.link.egress_bytes_per_second = static_cast<double>(c.link.egress_bytes_per_second);
-    o.endpoint.link.ingress_bytes_per_second = static_cast<double>(c.link.ingress_bytes_per_second);
-    o.endpoint.link.latency = std::chrono::microseconds(c.link.latency_us);
+    o.net.emulate_link = true;
+    o.net.link.egress_bytes_per_second = static_cast<double>(c.link.egress_bytes_per_second);
+    o.net.link.ingress_bytes_per_second = static_cast<double>(c.link.ingress_bytes_per_second);
+    o.net.link.latency = std::chrono::microseconds(c.link.latency_us);
   }
   o.coordinator_address = c.job.coordinator;
   o.secret = c.job.secret;

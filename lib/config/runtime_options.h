@@ -9,6 +9,7 @@
 #include <memory>
 #include <string>
 
+#include "gpu/copy_engine.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "lib/balancer/balancer.h"
 #include "lib/placement/placement.h"
@@ -17,7 +18,6 @@
 #include "lib/server/server_device.h"
 #include "psld/config.h"
 #include "psld/keys.h"
-#include "gpu/copy_engine.h"
 
 namespace psld {
 
@@ -38,30 +38,33 @@ enum class ServerDeviceKind : uint8_t {
 };
 std::string_view server_device_name(ServerDeviceKind kind);
 
+// What a process of a job runs with. Every field that has a Config key
+// defaults to that key's default (Config{}), so in-process jobs (tests,
+// benchmarks) run with what users get unless they say otherwise.
 struct RuntimeOptions {
-  EndpointOptions endpoint;         // transport name and options (listen address, ...)
+  NetOptions net;                   // transport name and options (listen address, ...)
   std::string coordinator_address;  // text form of the coordinator's transport address
   std::string secret;
   uint32_t num_workers = 1;
   uint32_t num_servers = 1;
   uint32_t num_standby = 0;
   int32_t rank = -1;  // -1: assigned by the coordinator
-  uint64_t chunk_bytes = kDefaultChunkBytes;
-  uint32_t slots_per_worker = 16;
-  SyncMode sync = SyncMode::kBsp;
-  uint32_t staleness = 0;
-  ServerMode mode = ServerMode::kSum;
+  uint64_t chunk_bytes = DataConfig{}.chunk_bytes;
+  uint32_t slots_per_worker = DataConfig{}.slots_per_worker;
+  SyncMode sync = DataConfig{}.sync;
+  uint32_t staleness = DataConfig{}.staleness_rounds;
+  ServerMode mode = ServerConfig{}.mode;
   OptimizerOptions optimizer;
-  uint32_t server_threads = 1;
+  uint32_t server_threads = static_cast<uint32_t>(ServerConfig{}.threads);
   ServerDeviceKind server_device = ServerDeviceKind::kCpu;
-  std::chrono::milliseconds heartbeat_interval{500};
-  std::chrono::milliseconds heartbeat_timeout{5000};
-  std::chrono::milliseconds connect_timeout{10000};
+  std::chrono::milliseconds heartbeat_interval{LivenessConfig{}.heartbeat_interval_ms};
+  std::chrono::milliseconds heartbeat_timeout{LivenessConfig{}.heartbeat_timeout_ms};
+  std::chrono::milliseconds connect_timeout{LivenessConfig{}.connect_timeout_ms};
   // How often servers and workers send a LoadReport; 0: never.
-  std::chrono::milliseconds stats_interval{100};
+  std::chrono::milliseconds stats_interval{StatsConfig{}.interval_ms};
   // The coordinator's balancer (lib/balancer/balancer.h): plans every interval.
-  bool balancer_enabled = false;
-  std::chrono::milliseconds balancer_interval{1000};
+  bool balancer_enabled = BalancerConfig{}.enabled;
+  std::chrono::milliseconds balancer_interval{BalancerConfig{}.interval_ms};
   BalancerOptions balancer;
   GpuPath gpu_path = GpuPath::kAuto;
 

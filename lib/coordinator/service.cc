@@ -43,7 +43,7 @@ Result<std::unique_ptr<CoordinatorService>> CoordinatorService::start(
   if (options.num_workers == 0 || options.num_servers == 0) {
     return InvalidArgument("a job needs at least one worker and one server");
   }
-  if (options.endpoint.options.common.listen_address.empty()) {
+  if (options.net.options.common.listen_address.empty()) {
     return InvalidArgument("the coordinator needs a listen address");
   }
   if (const auto& p = options.initial_placement) {
@@ -57,7 +57,7 @@ Result<std::unique_ptr<CoordinatorService>> CoordinatorService::start(
     }
   }
   std::unique_ptr<CoordinatorService> c(new CoordinatorService(options));
-  PSLD_RETURN_IF_ERROR(c->Endpoint::start(options.endpoint));
+  PSLD_RETURN_IF_ERROR(c->ProcessRuntime::start(options.net));
   if (options.balancer_enabled) {
     PSLD_ASSIGN_OR_RETURN(auto b, Balancer::make(options.balancer));
     c->balancer_.emplace(std::move(b));

@@ -27,7 +27,7 @@
 
 namespace psld {
 
-class CoordinatorService final : public Endpoint {
+class CoordinatorService final : public ProcessRuntime {
  public:
   static Result<std::unique_ptr<CoordinatorService>> start(const RuntimeOptions& options);
   ~CoordinatorService() override;

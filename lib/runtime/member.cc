@@ -19,8 +19,9 @@ std::string hostname() {
 }
 }  // namespace
 
-MemberSession::MemberSession(Endpoint& endpoint, protocol::Role role, const RuntimeOptions& options)
-    : endpoint_(endpoint), role_(role), options_(options) {}
+MemberSession::MemberSession(ProcessRuntime& runtime, protocol::Role role,
+                             const RuntimeOptions& options)
+    : runtime_(runtime), role_(role), options_(options) {}
 
 MemberSession::~MemberSession() {
   stop_reports();
@@ -50,7 +51,7 @@ Status MemberSession::join(std::vector<uint8_t> listen_address) {
   // connection is a failed dial, retried like a refused one.
   Status last;
   while (true) {
-    auto conn = connect_text(endpoint_.transport(), options_.coordinator_address);
+    auto conn = connect_text(runtime_.transport(), options_.coordinator_address);
     if (conn.ok()) {
       std::vector<protocol::Message> early;
       {
@@ -141,7 +142,7 @@ bool MemberSession::handle(const ConnectionPtr& conn, protocol::Message& message
     }
     hello.pid = static_cast<uint32_t>(getpid());
     hello.host = hostname();
-    (void)endpoint_.send(conn, hello);
+    (void)runtime_.send(conn, hello);
     return true;
   }
   if (auto* e = std::get_if<protocol::EpochChange>(&message)) {
@@ -281,7 +282,7 @@ Result<protocol::TensorInfo> MemberSession::register_tensor(const protocol::Regi
     r.request = next_request_++;
     conn = coordinator_;
   }
-  PSLD_RETURN_IF_ERROR(endpoint_.send(conn, r));
+  PSLD_RETURN_IF_ERROR(runtime_.send(conn, r));
   std::unique_lock<std::mutex> lock(mu_);
   if (!cv_.wait_for(lock, timeout,
                     [&] { return registrations_.count(r.request) || !health_.ok(); })) {
@@ -304,7 +305,7 @@ Status MemberSession::barrier(std::chrono::milliseconds timeout) {
     id = next_barrier_++;
     conn = coordinator_;
   }
-  PSLD_RETURN_IF_ERROR(endpoint_.send(conn, protocol::BarrierEnter{id}));
+  PSLD_RETURN_IF_ERROR(runtime_.send(conn, protocol::BarrierEnter{id}));
   std::unique_lock<std::mutex> lock(mu_);
   if (!cv_.wait_for(lock, timeout, [&] { return released_barriers_.count(id) || !health_.ok(); })) {
     return Timeout(
@@ -325,7 +326,7 @@ void MemberSession::goodbye() {
   }
   cv_.notify_all();
   if (heartbeat_.joinable()) heartbeat_.join();
-  if (conn && conn->is_open() && endpoint_.send(conn, protocol::Shutdown{}).ok()) {
+  if (conn && conn->is_open() && runtime_.send(conn, protocol::Shutdown{}).ok()) {
     // Wait for the coordinator's acknowledgement before the caller closes the
     // transport: a close that overtook the goodbye would look like a crash.
     std::unique_lock<std::mutex> lock(mu_);
@@ -341,7 +342,7 @@ Status MemberSession::send_to_coordinator(const protocol::Message& message) {
     conn = coordinator_;
   }
   if (!conn) return Unavailable("not connected to the coordinator");
-  return endpoint_.send(conn, message);
+  return runtime_.send(conn, message);
 }
 
 Status MemberSession::start_reports(std::chrono::milliseconds interval, ReportFn make) {
@@ -376,7 +377,7 @@ void MemberSession::report_loop(std::chrono::milliseconds interval, const Report
     std::vector<protocol::Message> messages = make(window_ns);
     if (conn && conn->is_open()) {
       for (const auto& m : messages)
-        (void)endpoint_.send(conn, m);
+        (void)runtime_.send(conn, m);
     }
     lock.lock();
     if (last) return;
@@ -389,7 +390,7 @@ void MemberSession::report_failure(const std::string& reason) {
     std::lock_guard<std::mutex> lock(mu_);
     conn = coordinator_;
   }
-  if (conn) (void)endpoint_.send(conn, protocol::JobFailed{reason});
+  if (conn) (void)runtime_.send(conn, protocol::JobFailed{reason});
 }
 
 void MemberSession::on_tick(TickFn fn) {
@@ -409,7 +410,7 @@ void MemberSession::heartbeat_loop() {
     }
     ConnectionPtr conn = coordinator_;
     lock.unlock();
-    if (conn && conn->is_open()) (void)endpoint_.send(conn, protocol::Heartbeat{++seq});
+    if (conn && conn->is_open()) (void)runtime_.send(conn, protocol::Heartbeat{++seq});
     {
       std::lock_guard<std::mutex> tick(tick_mu_);
       if (tick_) tick_();

@@ -3,7 +3,7 @@
 // list, placement), tensor registration, barriers, heartbeats in both
 // directions, and the job's end (Shutdown, or JobFailed with the reason).
 //
-// The owning Endpoint forwards the coordinator connection's messages and
+// The owning ProcessRuntime forwards the coordinator connection's messages and
 // disconnect to handle() / on_disconnect(); blocking calls wait on a
 // condition variable and give up with a clear error when the job fails, the
 // coordinator goes silent, or their timeout passes.
@@ -30,7 +30,7 @@ namespace psld {
 
 class MemberSession {
  public:
-  MemberSession(Endpoint& endpoint, protocol::Role role, const RuntimeOptions& options);
+  MemberSession(ProcessRuntime& runtime, protocol::Role role, const RuntimeOptions& options);
   ~MemberSession();
 
   // Connects, proves the secret, and waits for Welcome and the job state
@@ -101,7 +101,7 @@ class MemberSession {
   void report_loop(std::chrono::milliseconds interval, const ReportFn& make);
   void fail(const std::string& reason);
 
-  Endpoint& endpoint_;
+  ProcessRuntime& runtime_;
   const protocol::Role role_;
   const RuntimeOptions options_;
   transport::ConnectionPtr coordinator_;

@@ -4,11 +4,11 @@
 
 namespace psld {
 
-Endpoint::~Endpoint() {
+ProcessRuntime::~ProcessRuntime() {
   stop();
 }
 
-Status Endpoint::start(const EndpointOptions& options) {
+Status ProcessRuntime::start(const NetOptions& options) {
   Result<std::unique_ptr<transport::Transport>> t =
       options.emulate_link
           ? transport::create_emulated_link(options.transport, options.options, options.link, this)
@@ -19,23 +19,25 @@ Status Endpoint::start(const EndpointOptions& options) {
   return Status::Ok();
 }
 
-void Endpoint::stop() {
+void ProcessRuntime::stop() {
   if (progress_) progress_->stop();
   if (transport_) transport_->shutdown();
 }
 
-std::string Endpoint::address() const {
+std::string ProcessRuntime::address() const {
   if (!transport_) return {};
   auto blob = transport_->address();
   return std::string(blob.begin(), blob.end());
 }
 
-Status Endpoint::send(const transport::ConnectionPtr& conn, const protocol::Message& message) {
+Status ProcessRuntime::send(const transport::ConnectionPtr& conn,
+                            const protocol::Message& message) {
   if (!conn) return Unavailable("no connection");
   return conn->send(protocol::encode(message), nullptr);
 }
 
-void Endpoint::on_message(const transport::ConnectionPtr& conn, std::span<const uint8_t> bytes) {
+void ProcessRuntime::on_message(const transport::ConnectionPtr& conn,
+                                std::span<const uint8_t> bytes) {
   Result<protocol::Message> m = protocol::decode(bytes);
   if (!m.ok()) {
     malformed_.fetch_add(1);
@@ -45,7 +47,7 @@ void Endpoint::on_message(const transport::ConnectionPtr& conn, std::span<const 
   on_control(conn, std::move(m).value());
 }
 
-void Endpoint::on_malformed(const transport::ConnectionPtr& conn, const Status& why) {
+void ProcessRuntime::on_malformed(const transport::ConnectionPtr& conn, const Status& why) {
   PSLD_LOG_WARN("dropped a malformed message from {}: {}", conn->peer(), why.to_string());
 }
 

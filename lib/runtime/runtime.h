@@ -1,4 +1,4 @@
-// Endpoint: one transport, its progress thread, and decoding of control
+// ProcessRuntime: one transport, its progress thread, and decoding of control
 // messages, shared by the coordinator, servers and workers.
 //
 // Handler calls arrive on the progress thread; subclasses must keep them
@@ -18,7 +18,7 @@
 
 namespace psld {
 
-struct EndpointOptions {
+struct NetOptions {
   std::string transport = "ucx";
   transport::TransportOptions options;
   // Wrap the transport in an emulated link (straggler experiments).
@@ -26,13 +26,13 @@ struct EndpointOptions {
   transport::LinkOptions link;
 };
 
-class Endpoint : public transport::Handler {
+class ProcessRuntime : public transport::Handler {
  public:
-  ~Endpoint() override;
+  ~ProcessRuntime() override;
 
   // Creates the transport and starts its progress thread. Call once, from
   // the subclass's factory, after the subclass is fully constructed.
-  Status start(const EndpointOptions& options);
+  Status start(const NetOptions& options);
   // Stops the progress thread and shuts the transport down; idempotent.
   void stop();
 

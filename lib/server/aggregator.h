@@ -91,15 +91,16 @@ class ComputeLane {
 
 // The server's optimizer (server.mode = optimizer; config optimizer.*).
 struct OptimizerOptions {
-  OptimizerKind kind = OptimizerKind::kSgd;
-  float lr = 0.01f;
-  float momentum = 0.0f;
-  float dampening = 0.0f;
-  bool nesterov = false;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 0.0f;
+  // The defaults are Config's (include/psld/config.h), in one place.
+  OptimizerKind kind = OptimizerConfig{}.kind;
+  float lr = static_cast<float>(OptimizerConfig{}.lr);
+  float momentum = static_cast<float>(OptimizerConfig{}.momentum);
+  float dampening = static_cast<float>(OptimizerConfig{}.dampening);
+  bool nesterov = OptimizerConfig{}.nesterov;
+  float beta1 = static_cast<float>(OptimizerConfig{}.beta1);
+  float beta2 = static_cast<float>(OptimizerConfig{}.beta2);
+  float eps = static_cast<float>(OptimizerConfig{}.eps);
+  float weight_decay = static_cast<float>(OptimizerConfig{}.weight_decay);
 };
 
 struct AggregatorOptions {

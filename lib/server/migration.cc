@@ -256,10 +256,10 @@ void ServerService::on_epoch_change(const protocol::EpochChange& change) {
       // Requests that waited for this epoch are looked at again.
       const uint64_t newest = change.epoch;
       std::vector<std::tuple<uint64_t, Key, Work>> still;
-      for (auto& f : future_) {
+      for (auto& f : waiting_for_epoch_) {
         (std::get<0>(f) <= newest ? wake : still).push_back(std::move(f));
       }
-      future_.swap(still);
+      waiting_for_epoch_.swap(still);
     }
   }
   if (change.step == EpochStep::kPrepare) {
@@ -295,13 +295,13 @@ bool ServerService::hold_until_final(uint64_t run) const {
 bool ServerService::wait_for_epoch(uint64_t epoch, Key key, Work work) {
   std::lock_guard<std::mutex> lock(epoch_mu_);
   const uint64_t newest = prepared_ ? prepared_->epoch : epochs_->latest().epoch();
-  if (epoch <= newest || future_.size() >= kMaxWaitingForEpoch) return false;
+  if (epoch <= newest || waiting_for_epoch_.size() >= kMaxWaitingForEpoch) return false;
   std::visit(
       [](auto& w) {
         if constexpr (requires { w.requeued; }) w.requeued = true;
       },
       work);
-  future_.emplace_back(epoch, key, std::move(work));
+  waiting_for_epoch_.emplace_back(epoch, key, std::move(work));
   return true;
 }
 

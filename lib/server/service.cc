@@ -20,7 +20,7 @@ using transport::ConnectionPtr;
 namespace kn = psld::kernels;
 
 Result<std::unique_ptr<ServerService>> ServerService::start(const RuntimeOptions& options) {
-  if (options.endpoint.options.common.listen_address.empty()) {
+  if (options.net.options.common.listen_address.empty()) {
     return InvalidArgument("a server needs a listen address");
   }
   if (options.server_threads == 0 || options.server_threads > 256) {
@@ -44,7 +44,7 @@ Result<std::unique_ptr<ServerService>> ServerService::start(const RuntimeOptions
     s->device_ = std::move(device).value();
   }
   PSLD_ASSIGN_OR_RETURN(s->load_, LoadRecorder::make(protocol::Role::kServer));
-  PSLD_RETURN_IF_ERROR(s->Endpoint::start(options.endpoint));
+  PSLD_RETURN_IF_ERROR(s->ProcessRuntime::start(options.net));
   for (uint32_t i = 0; i < options.server_threads; ++i) {
     s->shards_.push_back(std::make_unique<Shard>());
     s->shards_.back()->index = i;

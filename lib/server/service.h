@@ -48,7 +48,7 @@ struct ServerStats {
   uint64_t runs_freed = 0;
 };
 
-class ServerService final : public Endpoint {
+class ServerService final : public ProcessRuntime {
  public:
   // Starts listening, joins the job and waits for its start (connect_timeout).
   static Result<std::unique_ptr<ServerService>> start(const RuntimeOptions& options);
@@ -245,13 +245,12 @@ class ServerService final : public Endpoint {
   bool owned_ever_ = false;
   // Requests that name an epoch newer than this server's, with that epoch.
   static constexpr size_t kMaxWaitingForEpoch = 4096;
-  std::vector<std::tuple<uint64_t, Key, Work>> future_;  // guarded by epoch_mu_
+  std::vector<std::tuple<uint64_t, Key, Work>> waiting_for_epoch_;  // guarded by epoch_mu_
   std::atomic<uint64_t> max_round_seen_{0};
   // Connections this server dialled to other servers (migration), by id.
   std::mutex peers_mu_;
   std::map<ServerId, transport::ConnectionPtr> peers_;
-  // State requests in flight: (connection, tag) -> key.
-  // (connection, tag) -> (key, run).
+  // State requests in flight: (connection, tag) -> (key, run).
   std::map<std::pair<uint64_t, uint32_t>, std::pair<Key, uint64_t>> incoming_;  // peers_mu_
   uint32_t next_state_tag_ = 1;  // guarded by peers_mu_
 

@@ -57,15 +57,15 @@ std::string describe_gpu_path(const RuntimeOptions& options) {
     void on_write(const transport::ConnectionPtr&, uint32_t, uint64_t) override {}
     void on_message(const transport::ConnectionPtr&, std::span<const uint8_t>) override {}
   } handler;
-  transport::TransportOptions o = options.endpoint.options;
+  transport::TransportOptions o = options.net.options;
   o.common.listen_address.clear();
-  if (options.endpoint.transport == "loopback" && !o.loopback.fabric) {
+  if (options.net.transport == "loopback" && !o.loopback.fabric) {
     o.loopback.fabric = std::make_shared<transport::LoopbackFabric>();
   }
-  auto t = transport::create_transport(options.endpoint.transport, o, &handler);
+  auto t = transport::create_transport(options.net.transport, o, &handler);
   if (!t.ok()) {
-    return fmt::format("unknown: the {} transport does not start here ({})",
-                       options.endpoint.transport, t.status().message());
+    return fmt::format("unknown: the {} transport does not start here ({})", options.net.transport,
+                       t.status().message());
   }
   std::string out = describe_gpu_path(options.gpu_path, **t);
   (*t)->shutdown();

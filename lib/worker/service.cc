@@ -53,9 +53,9 @@ Status RequestState::status() const {
 Result<std::unique_ptr<WorkerService>> WorkerService::start(const RuntimeOptions& options) {
   std::unique_ptr<WorkerService> w(new WorkerService(options));
   PSLD_ASSIGN_OR_RETURN(w->load_, LoadRecorder::make(protocol::Role::kWorker));
-  EndpointOptions ep = options.endpoint;
+  NetOptions ep = options.net;
   ep.options.common.listen_address.clear();  // workers only dial
-  PSLD_RETURN_IF_ERROR(w->Endpoint::start(ep));
+  PSLD_RETURN_IF_ERROR(w->ProcessRuntime::start(ep));
   w->session_.on_epoch([wk = w.get()](const protocol::EpochChange& e) { wk->on_epoch_change(e); });
   w->session_.on_tick([wk = w.get()] { wk->on_tick(); });
   PSLD_RETURN_IF_ERROR(w->session_.join({}));

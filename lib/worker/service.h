@@ -53,7 +53,7 @@ struct ServerLoadStats {
   uint64_t answer_latency_ns = 0;  // summed over those answers
 };
 
-class WorkerService final : public Endpoint {
+class WorkerService final : public ProcessRuntime {
  public:
   // Joins the job (connect_timeout), connects to every server and gets its grant.
   static Result<std::unique_ptr<WorkerService>> start(const RuntimeOptions& options);
