@@ -1,0 +1,302 @@
+// lib/balancer/explore.cc — explore: remember a step, judge it, roll it back; probe a server.
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "lib/balancer/internal.h"
+
+namespace psld {
+
+using namespace balancer_detail;
+
+namespace {
+
+// A cooldown doubles with each rollback in a row, up to 2^4 = 16 times.
+constexpr uint32_t kMaxCooldownDoublings = 4;
+// Rebalance steps in a row without a measured gain that end a rebalance.
+constexpr uint32_t kFlatSteps = 2;
+
+}  // namespace
+
+// ---- Explore: remember a step, judge it, undo it ----------------------------------
+
+double Balancer::Decision::range_load(uint64_t lo, uint64_t hi) const {
+  double load = 0;
+  for (size_t i = p_.arc_index_of_hash(lo);; ++i) {
+    const Arc a = p_.arc(i);
+    load += arc_load_[i] *
+            fraction_of(hashes_in(std::max(a.lo, lo), std::min(a.hi, hi)), hashes_in(a.lo, a.hi));
+    if (a.hi >= hi) break;
+  }
+  return load;
+}
+
+bool Balancer::Decision::in_effect(const Move& m) const {
+  for (size_t i = p_.arc_index_of_hash(m.lo);; ++i) {
+    const Arc a = p_.arc(i);
+    if (a.owner != m.to) return false;
+    if (a.hi >= m.hi) return true;
+  }
+}
+
+// A server's time per round over the last evaluation_windows windows: the
+// least of them, not their mean. On a shared machine noise only adds time (a
+// round that waited for a core, a spike of 2-3x), so one spiky window must not
+// make a good move look bad; a move that really slowed a server shows in
+// every window.
+std::optional<double> Balancer::Decision::least_service_before(const Tracked& t) const {
+  // Windows of the current epoch; failing that, the newest ones before it.
+  for (const bool exact : {true, false}) {
+    double least = 0;
+    uint32_t n = 0;
+    for (auto it = t.history.rbegin(); it != t.history.rend() && n < o_.evaluation_windows; ++it) {
+      if (exact ? it->epoch == p_.epoch() : it->epoch <= p_.epoch()) {
+        least = n == 0 ? it->service_s : std::min(least, it->service_s);
+        ++n;
+      }
+    }
+    if (n > 0) return least;
+  }
+  return std::nullopt;
+}
+
+std::optional<double> Balancer::Decision::least_service_after(const Tracked& t,
+                                                              uint64_t epoch) const {
+  double least = 0;
+  uint32_t n = 0;
+  for (auto it = t.history.rbegin(); it != t.history.rend() && n < o_.evaluation_windows; ++it) {
+    if (it->epoch >= epoch) {
+      least = n == 0 ? it->service_s : std::min(least, it->service_s);
+      ++n;
+    }
+  }
+  if (n < o_.evaluation_windows) return std::nullopt;
+  return least;
+}
+
+void Balancer::Decision::remember(const PlanStep& step, const std::vector<Node>& nodes,
+                                  std::vector<ServerId> added) {
+  Pending p;
+  p.decision = b_.decision_;
+  p.kind = step.kind;
+  p.to_epoch = step.change.next.epoch();
+  p.moves = step.moves;
+  p.added = std::move(added);
+  p.predicted_after_s = step.predicted_round_s_after;
+  for (const Node& n : nodes) {
+    if (n.gave <= 0 && n.got <= 0) continue;
+    Involved inv;
+    inv.id = n.id;
+    inv.received = n.got > 0;
+    inv.predicted_s = n.rate > 0 ? std::max(0.0, n.load - n.gave + n.got) / n.rate : kInf;
+    if (auto it = b_.servers_.find(n.id); it != b_.servers_.end()) {
+      inv.rate = it->second.rate;
+      inv.rate_var = it->second.rate_var;
+      inv.rate_samples = it->second.rate_samples;
+    }
+    if (const Member* m = member(n.id)) {
+      if (auto before = least_service_before(*m->t)) {
+        p.measured_before_s = std::max(p.measured_before_s, *before);
+      }
+    }
+    p.involved.push_back(inv);
+  }
+  std::sort(p.involved.begin(), p.involved.end(),
+            [](const Involved& a, const Involved& b) { return a.id < b.id; });
+  b_.pending_ = std::move(p);
+}
+
+Result<Balancer::Decision::Verdict> Balancer::Decision::evaluate() {
+  Verdict v;
+  if (!b_.pending_) return v;
+  const Pending& pd = *b_.pending_;
+  const uint64_t age = b_.decision_ - pd.decision;
+  auto give_up = [&](std::string why) {
+    v.note = fmt::format("dropped decision {}: {}", pd.decision, why);
+    b_.pending_.reset();
+    return v;
+  };
+  if (p_.epoch() < pd.to_epoch) {
+    if (age > o_.pending_timeout_decisions) {
+      return give_up(fmt::format("epoch {} was not published within {} decisions", pd.to_epoch,
+                                 o_.pending_timeout_decisions));
+    }
+    v.wait = v.unpublished = true;
+    v.note = fmt::format("waiting for epoch {} of decision {}", pd.to_epoch, pd.decision);
+    return v;
+  }
+  std::vector<Move> live;
+  for (const Move& m : pd.moves)
+    if (in_effect(m)) live.push_back(m);
+  if (!pd.moves.empty() && live.empty()) {
+    return give_up("a later placement changed every range it moved");
+  }
+
+  // The measurement: every involved active server's windows at the new epoch.
+  // A receiver measured slower than predicted by the tolerance is to blame.
+  double after = 0;
+  std::vector<ServerId> missing;
+  std::vector<ServerId> blamed;
+  std::vector<ServerId> receivers;
+  for (const Involved& inv : pd.involved) {
+    const Member* m = member(inv.id);
+    if (m == nullptr || !m->active()) continue;  // left or draining: nothing to wait for
+    if (inv.received) receivers.push_back(inv.id);
+    if (auto s = least_service_after(*m->t, pd.to_epoch)) {
+      after = std::max(after, *s);
+      if (inv.received && *s > (1 + o_.rollback_tolerance) * inv.predicted_s) {
+        blamed.push_back(inv.id);
+      }
+    } else {
+      missing.push_back(inv.id);
+    }
+  }
+  if (!missing.empty()) {
+    if (age > o_.pending_timeout_decisions) {
+      return give_up(fmt::format("{} sent no {} windows of epoch {} within {} decisions",
+                                 ids_text(missing), o_.evaluation_windows, pd.to_epoch,
+                                 o_.pending_timeout_decisions));
+    }
+    v.wait = true;
+    v.note = fmt::format("waiting for {} windows of epoch {} from {} to judge decision {}",
+                         o_.evaluation_windows, pd.to_epoch, ids_text(missing), pd.decision);
+    return v;
+  }
+  const bool judged = pd.kind == StepKind::kRebalance || pd.kind == StepKind::kScaleOut ||
+                      pd.kind == StepKind::kProbe;
+  if (!judged || !(pd.measured_before_s > 0)) {
+    v.note = fmt::format("decision {} took effect", pd.decision);
+    b_.pending_.reset();
+    return v;
+  }
+  const std::string measured =
+      fmt::format("measured round {} (predicted {}, before {}: {})", seconds_text(after),
+                  seconds_text(pd.predicted_after_s), seconds_text(pd.measured_before_s),
+                  change_text(pd.measured_before_s, after));
+  if (after <= (1 + o_.rollback_tolerance) * pd.measured_before_s) {
+    for (ServerId id : receivers)
+      if (auto it = b_.servers_.find(id); it != b_.servers_.end()) it->second.rollbacks = 0;
+    v.note = fmt::format("kept decision {}: {}", pd.decision, measured);
+    // Predictions at the scale of the noise keep finding a few percent to
+    // gain. Two steps in a row that did not gain settle_gain when measured
+    // (one can be bad luck) end the rebalance until stragglers show again.
+    if (pd.kind == StepKind::kRebalance && b_.rebalancing_) {
+      const bool flat = after > (1 - o_.settle_gain) * pd.measured_before_s;
+      b_.flat_steps_ = flat ? b_.flat_steps_ + 1 : 0;
+      if (b_.flat_steps_ >= kFlatSteps) {
+        b_.rebalancing_ = false;
+        v.note +=
+            fmt::format("; {} steps without a measurable gain, the rebalance ends", b_.flat_steps_);
+      }
+    }
+    b_.pending_.reset();
+    return v;
+  }
+
+  // Worse beyond the tolerance: undo what is still in place. A range whose
+  // old owner is draining or gone stays where it is.
+  std::vector<Node> nodes = base_nodes();
+  std::vector<Move> back;
+  for (const Move& m : live) {
+    const Member* from = member(m.from);
+    if (from == nullptr || !from->active()) continue;
+    back.push_back(Move{m.lo, m.hi, m.to, m.from, range_load(m.lo, m.hi)});
+  }
+  std::vector<MembershipChange> membership;
+  size_t active = active_count_;
+  for (ServerId id : pd.added) {
+    const Member* added = member(id);
+    if (added != nullptr && added->active() && active > 1) {
+      membership.push_back(MembershipChange::set_state(id, ServerState::kDraining));
+      --active;
+    }
+  }
+  // Undone because of the blamed receivers (all receivers when none was
+  // mispredicted alone): they cool down, and forget what they showed at a
+  // load they will not carry.
+  if (blamed.empty()) blamed = receivers;
+  const uint64_t decision = pd.decision;
+  const Pending undone = *b_.pending_;
+  b_.pending_.reset();
+  b_.rebalancing_ = false;  // a new rebalance waits for stragglers to show again
+  if (back.empty() && membership.empty()) {
+    v.note = fmt::format("decision {} made the round slower ({}), but none of it can be undone",
+                         decision, measured);
+    return v;
+  }
+  PSLD_ASSIGN_OR_RETURN(PlanStep step,
+                        finish(StepKind::kRollback, std::move(back), std::move(membership), nodes));
+  uint64_t until = b_.decision_;
+  for (const Involved& inv : undone.involved) {
+    if (!std::binary_search(blamed.begin(), blamed.end(), inv.id)) continue;
+    auto it = b_.servers_.find(inv.id);
+    if (it == b_.servers_.end()) continue;
+    Tracked& t = it->second;
+    const uint64_t cooldown = uint64_t{o_.rollback_cooldown_decisions}
+                              << std::min(t.rollbacks, kMaxCooldownDoublings);
+    t.cooldown_until = b_.decision_ + cooldown;
+    until = std::max(until, t.cooldown_until);
+    t.rollbacks = std::min(t.rollbacks + 1, kMaxStreak);
+    if (inv.rate_samples > 0) {
+      t.rate = inv.rate;
+      t.rate_var = inv.rate_var;
+      t.rate_samples = inv.rate_samples;
+    }
+  }
+  step.reason = fmt::format(
+      "rollback of decision {} -> epoch {}: {} exceeds the tolerance {:.0f}%; {}; no new load for "
+      "{} until decision {}",
+      decision, step.change.next.epoch(), measured, 100 * o_.rollback_tolerance, moves_text(step),
+      ids_text(blamed), until);
+  remember(step, nodes);
+  v.rollback = std::move(step);
+  return v;
+}
+
+// ---- The steps ------------------------------------------------------------------
+
+Result<std::optional<PlanStep>> Balancer::Decision::probe_step() {
+  const Member* target = nullptr;
+  for (const Member& m : members_) {
+    const Tracked& t = *m.t;
+    if (!m.active() || cooling(t) || t.windows_since_rate < o_.probe_after_windows) continue;
+    if (t.last_probe != 0 && b_.decision_ - t.last_probe < o_.probe_interval_decisions) continue;
+    target = &m;
+    break;
+  }
+  if (target == nullptr || active_count_ < 2) return std::optional<PlanStep>();
+  size_t source = members_.size();
+  for (size_t i = 0; i < members_.size(); ++i) {
+    const Member& m = members_[i];
+    if (!m.active() || m.id == target->id || !(m.load > 0)) continue;
+    if (source == members_.size() || m.time() > members_[source].time()) source = i;
+  }
+  if (source == members_.size()) return std::optional<PlanStep>();
+  const double amount = std::min(o_.probe_fraction * active_load_ / active_count_,
+                                 o_.max_step_fraction * members_[source].load);
+  if (!(amount > 0)) return std::optional<PlanStep>();
+
+  std::vector<Node> nodes = base_nodes();
+  nodes[source].out = amount;
+  const size_t t = static_cast<size_t>(target - members_.data());
+  nodes[t].receives = true;
+  nodes[t].in = amount;
+  PSLD_ASSIGN_OR_RETURN(PlanStep step, realise(StepKind::kProbe, nodes, {}));
+  if (step.moves.empty()) return std::optional<PlanStep>();
+  target->t->last_probe = b_.decision_;
+  step.reason = fmt::format(
+      "probe -> epoch {}: server {} has had no rate sample for {} windows (last estimate {}/s); "
+      "it gets {}/round to measure it; predicted round at that estimate {} -> {} ({}); {}",
+      step.change.next.epoch(), target->id, target->t->windows_since_rate, bytes_text(target->rate),
+      bytes_text(step.moved_bytes_per_round), seconds_text(step.predicted_round_s_before),
+      seconds_text(step.predicted_round_s_after),
+      change_text(step.predicted_round_s_before, step.predicted_round_s_after), moves_text(step));
+  remember(step, nodes);
+  return std::optional<PlanStep>(std::move(step));
+}
+
+}  // namespace psld

@@ -1,0 +1,163 @@
+// What the balancer's files share: the class of one decision,
+// Balancer::Decision, whose members are defined by phase in balancer.cc (the
+// entry points and the log), predict.cc (predict, detect), plan.cc (exploit),
+// explore.cc (judge, roll back, probe) and scale.cc, and the helpers more than
+// one of them uses. Internal to lib/balancer/.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "lib/balancer/balancer.h"
+
+namespace psld {
+namespace balancer_detail {
+
+// Hash counts need 65 bits: one range can cover all 2^64 hashes.
+__extension__ typedef unsigned __int128 u128;
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+// Streak counters saturate here (about 19 years of 10 ms windows).
+constexpr uint32_t kMaxStreak = 1u << 30;
+
+inline u128 hashes_in(uint64_t lo, uint64_t hi) {
+  return u128{hi} - lo + 1;
+}
+
+inline double fraction_of(u128 part, u128 whole) {
+  return static_cast<double>(static_cast<long double>(part) / static_cast<long double>(whole));
+}
+
+std::string bytes_text(double bytes);
+std::string seconds_text(double s);
+std::string change_text(double before, double after);
+std::string ids_text(const std::vector<ServerId>& ids);
+
+}  // namespace balancer_detail
+
+// ---- One decision --------------------------------------------------------------
+
+class Balancer::Decision {
+ public:
+  Decision(Balancer& balancer, const Placement& placement, const BalancerInput& input)
+      : b_(balancer), o_(balancer.options_), p_(placement), in_(input) {}
+
+  Result<Plan> run();
+
+ private:
+  // A member as this decision sees it.
+  struct Member {
+    ServerId id = 0;
+    ServerState state = ServerState::kActive;
+    double weight = 1;
+    Tracked* t = nullptr;
+    double load = 0;  // bytes per round under the input placement
+    size_t arcs = 0;
+    double rate = 0;  // planning rate, bytes/s
+    bool estimated = false;
+    bool active() const { return state == ServerState::kActive; }
+    double time() const { return rate > 0 ? load / rate : (load > 0 ? balancer_detail::kInf : 0); }
+  };
+  // A server in one step's plan: every member, then the standby servers a
+  // scale-out adds. Node i is member i for i < members_.size().
+  struct Node {
+    ServerId id = 0;
+    double load = 0;
+    double rate = 0;
+    bool receives = false;                  // may take load
+    bool must_empty = false;                // every arc leaves, zero-load ones too
+    double max_out = 0;                     // trust region, giving
+    double max_in = balancer_detail::kInf;  // trust region, taking
+    double out = 0;                         // planned
+    double in = 0;                          // planned
+    double gave = 0;                        // realised by the chosen ranges
+    double got = 0;
+    double time() const { return rate > 0 ? load / rate : (load > 0 ? balancer_detail::kInf : 0); }
+  };
+  // What the previous step's measurement says.
+  struct Verdict {
+    bool wait = false;         // for the next epoch, or for its windows
+    bool unpublished = false;  // for the next epoch
+    std::optional<PlanStep> rollback;
+    std::string note;
+  };
+
+  void ingest();
+  void add_rate_sample(Tracked& t, double rate) const;
+  void measure_load();
+  bool estimate_rates();
+  void update_streaks();
+  // The standard error of the EWMA: the spread of the samples times
+  // sqrt(alpha / (2 - alpha)), the EWMA's variance reduction for
+  // independent samples (0.42 for alpha = 0.3).
+  double rate_error(const Tracked& t) const {
+    return std::sqrt(t.rate_var * o_.rate_ewma_alpha / (2 - o_.rate_ewma_alpha));
+  }
+
+  std::vector<Node> base_nodes() const;
+  bool cooling(const Tracked& t) const { return t.cooldown_until > b_.decision_; }
+  // The trust region: a fraction of the load, but at least one minimal move,
+  // or a server holding little load could never give it away.
+  double step_limit(double load) const {
+    return std::max(o_.max_step_fraction * load, std::min(load, min_move_));
+  }
+  // What a server may take: a fraction of its load or of the mean load,
+  // whichever is larger, so that an empty server ramps up in a few steps
+  // and a rate measured at a small load is tried at a larger one gradually.
+  double take_limit(double load) const {
+    return o_.max_step_fraction * std::max(load, active_load_ / std::max<size_t>(active_count_, 1));
+  }
+  void water_fill(std::vector<Node>& nodes) const;
+  void fill_receivers(std::vector<Node>& nodes, double total_out) const;
+  Result<PlanStep> realise(StepKind kind, std::vector<Node>& nodes,
+                           std::vector<MembershipChange> membership) const;
+  Result<PlanStep> finish(StepKind kind, std::vector<Move> moves,
+                          std::vector<MembershipChange> membership, std::vector<Node>& nodes) const;
+  double range_load(uint64_t lo, uint64_t hi) const;
+  bool in_effect(const Move& m) const;
+  std::optional<double> least_service_before(const Tracked& t) const;
+  std::optional<double> least_service_after(const Tracked& t, uint64_t epoch) const;
+  void remember(const PlanStep& step, const std::vector<Node>& nodes,
+                std::vector<ServerId> added = {});
+  const Member* member(ServerId id) const;
+
+  Result<Verdict> evaluate();
+  Result<std::optional<PlanStep>> drain_step();
+  Result<std::optional<PlanStep>> scale_in_step();
+  Result<std::optional<PlanStep>> scale_out_step(std::string* note);
+  Result<std::optional<PlanStep>> rebalance_step(std::string* note);
+  Result<std::optional<PlanStep>> probe_step();
+
+  std::string moves_text(const PlanStep& step) const;
+  std::string cost_text(const PlanStep& step) const;
+  std::string straggler_text() const;
+  Result<Plan> finish_plan(std::string prefix, std::optional<PlanStep> step, std::string hold);
+
+  Balancer& b_;
+  const BalancerOptions& o_;
+  const Placement& p_;
+  const BalancerInput& in_;
+
+  Plan plan_;
+  std::vector<ServerId> standby_ids_;  // sorted
+  std::vector<Member> members_;        // as p_.servers(), sorted by id
+  std::vector<double> arc_load_;       // per arc of p_
+  std::vector<uint32_t> arc_member_;   // per arc of p_: the owner's index in members_
+  double prior_per_weight_ = 0;        // rate of a server never measured, per unit of weight
+  double total_load_ = 0;              // all members
+  double active_load_ = 0;
+  double active_rate_ = 0;
+  size_t active_count_ = 0;
+  double min_move_ = 0;  // bytes per round
+  double period_s_ = 0;  // the job's round time as workers see it; 0: unknown
+  double other_s_ = 0;   // the part of a round that is not server time
+  uint32_t new_windows_ = 0;
+  std::string scale_in_why_;
+};
+
+}  // namespace psld

@@ -1,0 +1,479 @@
+// lib/balancer/plan.cc — exploit: water-filling, moves cut from arcs, the rebalance step.
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <queue>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "lib/balancer/internal.h"
+
+namespace psld {
+
+using namespace balancer_detail;
+
+namespace {
+
+// Water levels are found by bisection. 100 halvings shrink any bracket below
+// the spacing of doubles, and a fixed count keeps the result deterministic.
+constexpr int kBisectionSteps = 100;
+// Relative slack when two loads computed along different paths are compared.
+constexpr double kSlack = 1e-9;
+
+// A hash range on its way to a new owner.
+struct Piece {
+  uint64_t lo = 0;
+  uint64_t hi = 0;
+  double load = 0;
+  size_t from = 0;    // the source's node
+  bool must = false;  // its source is being emptied: it cannot stay
+};
+
+}  // namespace
+
+// ---- Plan moves -----------------------------------------------------------------
+
+std::vector<Balancer::Decision::Node> Balancer::Decision::base_nodes() const {
+  std::vector<Node> nodes(members_.size());
+  for (size_t i = 0; i < members_.size(); ++i) {
+    nodes[i].id = members_[i].id;
+    nodes[i].load = members_[i].load;
+    nodes[i].rate = members_[i].rate;
+  }
+  return nodes;
+}
+
+// Sources give down to a common level lambda (each at most max_out, draining
+// ones everything) and receivers fill up to it: the level at which what the
+// sources can give equals what the receivers can take. Unbounded, that is the
+// rate-proportional split, lambda = total load / total rate.
+void Balancer::Decision::water_fill(std::vector<Node>& nodes) const {
+  double receiving_rate = 0;
+  double total = 0;
+  double top = 0;
+  for (const Node& n : nodes) {
+    total += n.load;
+    if (n.must_empty) continue;
+    if (n.receives) receiving_rate += n.rate;
+    if (n.rate > 0) top = std::max(top, n.time());
+  }
+  if (!(receiving_rate > 0)) return;
+  auto out_at = [](const Node& n, double level) {
+    return n.must_empty ? n.load : std::min(n.max_out, std::max(0.0, n.load - level * n.rate));
+  };
+  auto in_at = [](const Node& n, double level) {
+    return n.receives && !n.must_empty ? std::min(n.max_in, std::max(0.0, level * n.rate - n.load))
+                                       : 0.0;
+  };
+  double lo = 0;
+  double hi = std::max(top, total / receiving_rate);
+  for (int step = 0; step < kBisectionSteps; ++step) {
+    const double mid = 0.5 * (lo + hi);
+    double out = 0;
+    double in = 0;
+    for (const Node& n : nodes) {
+      out += out_at(n, mid);
+      in += in_at(n, mid);
+    }
+    (out > in ? lo : hi) = mid;
+  }
+  // Where the trust region holds a source above the level, the round cannot
+  // get below that source's time this step: the others give only down to
+  // it, and moves that would not shorten this round wait for the next step.
+  double level = hi;
+  for (const Node& n : nodes) {
+    if (!n.must_empty && n.rate > 0) level = std::max(level, (n.load - out_at(n, hi)) / n.rate);
+  }
+  double total_out = 0;
+  for (Node& n : nodes) {
+    n.out = out_at(n, level);
+    if (!n.must_empty && n.out > 0) {
+      if (n.load - n.out < min_move_) {
+        n.out = n.load;  // leave no dust behind
+      } else if (n.out < min_move_ * (1 - kSlack)) {
+        n.out = 0;  // not worth a migration
+      }
+    }
+    total_out += n.out;
+  }
+  fill_receivers(nodes, total_out);
+}
+
+// Which receivers take `total_out`, and how much each. Filling every server
+// below the level would cut a piece for each of them (511 pieces for one
+// straggler among 512 servers); instead the emptiest k receivers fill to a
+// common level mu_k (each up to its max_in): as many as can each take at
+// least a minimal move, but never so few that they would rise above the
+// highest time a server keeps.
+void Balancer::Decision::fill_receivers(std::vector<Node>& nodes, double total_out) const {
+  if (!(total_out > 0)) return;
+  auto candidate = [](const Node& n) {
+    return n.receives && !n.must_empty && n.out == 0 && n.rate > 0 && n.max_in > 0;
+  };
+  // The highest time any server keeps after giving: receivers need not
+  // rise above it.
+  double top = 0;
+  for (const Node& n : nodes) {
+    if (n.must_empty || !(n.rate > 0)) continue;
+    top = std::max(top, (n.load - n.out) / n.rate);
+  }
+  std::vector<size_t> cand;
+  for (size_t i = 0; i < nodes.size(); ++i)
+    if (candidate(nodes[i])) cand.push_back(i);
+  if (cand.empty()) return;
+  auto in_at = [&](size_t i, double level) {
+    const Node& n = nodes[cand[i]];
+    return std::min(n.max_in, std::max(0.0, level * n.rate - n.load));
+  };
+  // The level at which the first k candidates take total_out (the highest
+  // useful one when their room is not enough).
+  auto level = [&](size_t k) {
+    double lo = 0;
+    double hi = 0;
+    for (size_t i = 0; i < k; ++i) {
+      const Node& n = nodes[cand[i]];
+      hi = std::max(hi, std::isfinite(n.max_in) ? (n.load + n.max_in) / n.rate
+                                                : (n.load + total_out) / n.rate);
+    }
+    for (int step = 0; step < kBisectionSteps; ++step) {
+      const double mid = 0.5 * (lo + hi);
+      double in = 0;
+      for (size_t i = 0; i < k; ++i)
+        in += in_at(i, mid);
+      (in < total_out ? lo : hi) = mid;
+    }
+    return hi;
+  };
+  // A server that cannot take a minimal move below the level all candidates
+  // would share (a very slow one) takes nothing: a crumb would not be worth
+  // its migration. Better a crumb than nothing, though.
+  const double shared = std::max(top, level(cand.size()));
+  std::vector<size_t> useful;
+  for (size_t i = 0; i < cand.size(); ++i)
+    if (in_at(i, shared) >= min_move_) useful.push_back(cand[i]);
+  if (!useful.empty()) cand = std::move(useful);
+  std::sort(cand.begin(), cand.end(), [&](size_t a, size_t b) {
+    const double ta = nodes[a].time();
+    const double tb = nodes[b].time();
+    return ta != tb ? ta < tb : nodes[a].id < nodes[b].id;
+  });
+  auto least_in = [&](size_t k) {
+    const double mu = level(k);
+    double least = kInf;
+    for (size_t i = 0; i < k; ++i)
+      least = std::min(least, in_at(i, mu));
+    return least;
+  };
+  // Binary searches: the level does not rise and least_in does not grow
+  // with k (more receivers share the same bytes).
+  const size_t n = cand.size();
+  size_t lo = 1;
+  size_t hi = n;
+  auto enough = [&](size_t k) {  // k receivers take it all and stay at or below `top`
+    const double mu = level(k);
+    double in = 0;
+    for (size_t i = 0; i < k; ++i)
+      in += in_at(i, mu);
+    return mu <= top && in >= total_out * (1 - kSlack);
+  };
+  while (lo < hi) {  // the fewest receivers that are enough
+    const size_t mid = lo + (hi - lo) / 2;
+    if (enough(mid)) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  const size_t k_level = lo;
+  size_t k_min = 0;  // the most receivers that each take a minimal move
+  if (least_in(1) >= min_move_) {
+    lo = 1;
+    hi = n;
+    while (lo < hi) {
+      const size_t mid = lo + (hi - lo + 1) / 2;
+      if (least_in(mid) >= min_move_) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    k_min = lo;
+  }
+  const size_t k = std::max(k_level, k_min);
+  const double mu = level(k);
+  for (size_t i = 0; i < k; ++i)
+    nodes[cand[i]].in = in_at(i, mu);
+}
+
+namespace {
+
+// The first part of `p` holding about `want` of its load (uniform over its
+// hashes) and the rest; nothing when p is one hash or `want` covers it.
+std::optional<std::pair<Piece, Piece>> split_piece(const Piece& p, double want) {
+  const u128 width = hashes_in(p.lo, p.hi);
+  if (width < 2 || !(p.load > 0) || !(want < p.load)) return std::nullopt;
+  const long double x = static_cast<long double>(want) / p.load;
+  u128 head = static_cast<u128>(x * static_cast<long double>(width));
+  head = std::max<u128>(head, 1);
+  if (head >= width) return std::nullopt;
+  Piece a = p;
+  Piece b = p;
+  a.hi = p.lo + static_cast<uint64_t>(head - 1);
+  a.load = p.load * fraction_of(head, width);
+  b.lo = a.hi + 1;
+  b.load = p.load - a.load;
+  return std::make_pair(a, b);
+}
+
+}  // namespace
+
+// Turns the planned out / in amounts into hash ranges: whole arcs where they
+// fit, and one cut arc per source and per receiver at most.
+Result<PlanStep> Balancer::Decision::realise(StepKind kind, std::vector<Node>& nodes,
+                                             std::vector<MembershipChange> membership) const {
+  std::vector<char> source(nodes.size(), 0);
+  for (size_t i = 0; i < members_.size(); ++i)
+    source[i] = nodes[i].must_empty ? members_[i].arcs > 0 : nodes[i].out > 0;
+  std::vector<std::vector<uint32_t>> arcs(nodes.size());
+  for (size_t k = 0; k < arc_member_.size(); ++k) {
+    if (source[arc_member_[k]]) arcs[arc_member_[k]].push_back(static_cast<uint32_t>(k));
+  }
+
+  auto heavier = [](const Piece& a, const Piece& b) {
+    return a.load != b.load ? a.load < b.load : a.lo > b.lo;
+  };
+  std::priority_queue<Piece, std::vector<Piece>, decltype(heavier)> pieces(heavier);
+  auto arc_piece = [&](uint32_t k, size_t from, bool must) {
+    const Arc a = p_.arc(k);
+    return Piece{a.lo, a.hi, arc_load_[k], from, must};
+  };
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    if (!source[i]) continue;
+    std::vector<uint32_t>& list = arcs[i];
+    if (nodes[i].must_empty) {
+      for (uint32_t k : list)
+        pieces.push(arc_piece(k, i, true));
+      continue;
+    }
+    // Biggest arcs first while they fit; then a cut of the smallest arc that
+    // did not fit, for what is left (unless that is dust).
+    std::sort(list.begin(), list.end(), [&](uint32_t a, uint32_t b) {
+      return arc_load_[a] != arc_load_[b] ? arc_load_[a] > arc_load_[b] : a < b;
+    });
+    double want = nodes[i].out;
+    const bool all = want >= nodes[i].load * (1 - kSlack);  // every arc that carries load
+    std::optional<uint32_t> cut;
+    for (uint32_t k : list) {
+      if (!(arc_load_[k] > 0)) break;
+      if (all || arc_load_[k] <= want * (1 + kSlack)) {
+        pieces.push(arc_piece(k, i, all));
+        want -= arc_load_[k];
+      } else {
+        cut = k;
+      }
+    }
+    if (cut && want > std::max(0.5 * min_move_, kSlack * nodes[i].out)) {
+      if (auto parts = split_piece(arc_piece(*cut, i, false), want)) pieces.push(parts->first);
+    }
+  }
+
+  struct Slot {
+    double left = 0;
+    ServerId id = 0;
+    size_t node = 0;
+  };
+  auto roomier = [](const Slot& a, const Slot& b) {
+    return a.left != b.left ? a.left < b.left : a.id > b.id;
+  };
+  std::priority_queue<Slot, std::vector<Slot>, decltype(roomier)> slots(roomier);
+  std::optional<size_t> fallback;  // for pieces that must leave when no room is left
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    const Node& n = nodes[i];
+    if (n.in > 0) slots.push(Slot{n.in, n.id, i});
+    if (n.receives && !n.must_empty && n.out <= 0 && n.rate > 0 &&
+        (!fallback || n.time() < nodes[*fallback].time())) {
+      fallback = i;
+    }
+  }
+
+  std::vector<Move> moves;
+  auto give = [&](const Piece& piece, size_t to) {
+    moves.push_back(Move{piece.lo, piece.hi, nodes[piece.from].id, nodes[to].id, piece.load});
+  };
+  const double dust = kSlack * std::max(min_move_, 1.0);
+  while (!pieces.empty()) {
+    const Piece piece = pieces.top();
+    pieces.pop();
+    while (!slots.empty() && slots.top().left <= dust)
+      slots.pop();
+    if (slots.empty()) {
+      if (piece.must) {
+        if (!fallback) {
+          return FailedPrecondition(
+              fmt::format("server {} must be emptied but no active server can take its arcs",
+                          nodes[piece.from].id));
+        }
+        give(piece, *fallback);
+      }
+      continue;  // a piece that may stay, stays
+    }
+    Slot slot = slots.top();
+    slots.pop();
+    if (piece.load <= slot.left * (1 + kSlack)) {
+      give(piece, slot.node);
+      slot.left -= piece.load;
+      slots.push(slot);
+      continue;
+    }
+    if (slot.left < 0.5 * min_move_) {  // room too small to cut a piece for
+      if (piece.must) {
+        give(piece, slot.node);  // this is the roomiest receiver left
+        slot.left -= piece.load;
+        slots.push(slot);
+      }
+      continue;
+    }
+    auto parts = split_piece(piece, slot.left);
+    if (!parts) {  // one hash, heavier than the room
+      if (piece.must) {
+        give(piece, slot.node);
+        slot.left -= piece.load;
+        slots.push(slot);
+      } else {
+        slots.push(slot);  // the piece stays where it is; the room is for others
+      }
+      continue;
+    }
+    give(parts->first, slot.node);
+    pieces.push(parts->second);
+  }
+  return finish(kind, std::move(moves), std::move(membership), nodes);
+}
+
+Result<PlanStep> Balancer::Decision::finish(StepKind kind, std::vector<Move> moves,
+                                            std::vector<MembershipChange> membership,
+                                            std::vector<Node>& nodes) const {
+  std::sort(moves.begin(), moves.end(), [](const Move& a, const Move& b) { return a.lo < b.lo; });
+  std::vector<Move> merged;
+  for (const Move& m : moves) {
+    if (!merged.empty() && merged.back().hi + 1 == m.lo && merged.back().from == m.from &&
+        merged.back().to == m.to) {
+      merged.back().hi = m.hi;
+      merged.back().bytes_per_round += m.bytes_per_round;
+    } else {
+      merged.push_back(m);
+    }
+  }
+
+  PlacementDelta delta;
+  delta.from_epoch = p_.epoch();
+  delta.to_epoch = p_.epoch() + 1;  // run() checked that the counter is not exhausted
+  delta.membership = std::move(membership);
+  for (const Move& m : merged) {
+    if (!delta.assignments.empty() && delta.assignments.back().hi + 1 == m.lo &&
+        delta.assignments.back().owner == m.to) {
+      delta.assignments.back().hi = m.hi;
+    } else {
+      delta.assignments.push_back(RangeAssignment{m.lo, m.hi, m.to});
+    }
+  }
+  PSLD_ASSIGN_OR_RETURN(Placement next, p_.apply(delta));
+  for (const RangeAssignment& a : delta.assignments) {
+    const ServerInfo* s = next.find_server(a.owner);
+    if (s == nullptr || s->state != ServerState::kActive) {
+      return Internal(
+          fmt::format("the balancer planned a move to server {}, which is not active", a.owner));
+    }
+  }
+
+  auto node_of = [&](ServerId id) {
+    for (size_t i = members_.size(); i < nodes.size(); ++i)
+      if (nodes[i].id == id) return i;
+    return static_cast<size_t>(member(id) - members_.data());
+  };
+  for (Node& n : nodes)
+    n.gave = n.got = 0;
+  double moved = 0;
+  for (const Move& m : merged) {
+    nodes[node_of(m.from)].gave += m.bytes_per_round;
+    nodes[node_of(m.to)].got += m.bytes_per_round;
+    moved += m.bytes_per_round;
+  }
+  double before = 0;
+  double after = 0;
+  double cost = 0;
+  for (const Node& n : nodes) {
+    const double load = std::max(0.0, n.load - n.gave + n.got);
+    before = std::max(before, n.time());
+    if (load > 0) after = std::max(after, n.rate > 0 ? load / n.rate : kInf);
+    if (n.rate > 0) {
+      cost = std::max(cost, (n.gave + n.got) * o_.migration_bytes_per_load_byte / n.rate);
+    }
+  }
+  return PlanStep{kind,
+                  PlacementChange{std::move(next), std::move(delta)},
+                  std::move(merged),
+                  before,
+                  after,
+                  moved,
+                  moved * o_.migration_bytes_per_load_byte,
+                  cost,
+                  {}};
+}
+
+// ---- The steps ------------------------------------------------------------------
+
+Result<std::optional<PlanStep>> Balancer::Decision::rebalance_step(std::string* note) {
+  std::vector<ServerId> stragglers;
+  for (const Member& m : members_)
+    if (m.active() && m.t->straggler_windows >= o_.straggler_windows) stragglers.push_back(m.id);
+  if (!b_.rebalancing_ && stragglers.empty()) return std::optional<PlanStep>();
+
+  std::vector<Node> nodes = base_nodes();
+  for (size_t i = 0; i < members_.size(); ++i) {
+    if (!members_[i].active()) continue;
+    nodes[i].max_out = step_limit(members_[i].load);
+    nodes[i].max_in = take_limit(members_[i].load);
+    nodes[i].receives = !cooling(*members_[i].t);
+  }
+  water_fill(nodes);
+  bool any = false;
+  for (const Node& n : nodes)
+    any = any || n.out > 0;
+  if (!any) {
+    b_.rebalancing_ = false;
+    *note = "balanced: every move would be below the minimum";
+    return std::optional<PlanStep>();
+  }
+  PSLD_ASSIGN_OR_RETURN(PlanStep step, realise(StepKind::kRebalance, nodes, {}));
+  const double before = step.predicted_round_s_before;
+  const double gain = before - step.predicted_round_s_after;
+  const double cost = step.migration_cost_s / o_.horizon_rounds;
+  if (!(gain > cost) || gain < o_.settle_gain * before) {
+    b_.rebalancing_ = false;
+    const std::string best = fmt::format(
+        "the best step would gain {} per round ({}) against {} of migration per round",
+        seconds_text(gain), change_text(before, step.predicted_round_s_after), seconds_text(cost));
+    *note = stragglers.empty() ? "balanced: " + best
+                               : fmt::format("stragglers: {}, but {}", straggler_text(), best);
+    return std::optional<PlanStep>();
+  }
+  const bool started = !b_.rebalancing_;
+  if (started) b_.flat_steps_ = 0;
+  b_.rebalancing_ = true;
+  step.reason = fmt::format(
+      "rebalance -> epoch {}: {}; predicted round {} -> {} ({}, balanced {}); {}; {}",
+      step.change.next.epoch(),
+      started ? fmt::format("stragglers: {}", straggler_text())
+              : fmt::format("continues (stragglers: {})",
+                            stragglers.empty() ? std::string("none now") : straggler_text()),
+      seconds_text(before), seconds_text(step.predicted_round_s_after),
+      change_text(before, step.predicted_round_s_after), seconds_text(plan_.balanced_round_s),
+      moves_text(step), cost_text(step));
+  remember(step, nodes);
+  return std::optional<PlanStep>(std::move(step));
+}
+
+}  // namespace psld

@@ -1,0 +1,267 @@
+// lib/balancer/predict.cc — predict and detect: rates, loads, stragglers, the scale streaks.
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "lib/balancer/internal.h"
+
+namespace psld {
+
+using namespace balancer_detail;
+
+namespace {
+
+// A rate sample further than this many spreads and this fraction from the
+// estimate, kShiftWindows times in a row on the same side, is a new level.
+// 0.2 is twice the +-10% that window-to-window noise reaches on a shared host.
+constexpr double kShiftSpreads = 3;
+constexpr double kShiftFraction = 0.2;
+constexpr int kShiftWindows = 2;
+
+uint32_t add_windows(uint32_t streak, uint32_t windows) {
+  return std::min(kMaxStreak, streak + std::min(windows, kMaxStreak));
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+}  // namespace
+
+// ---- Predict --------------------------------------------------------------------
+
+void Balancer::Decision::add_rate_sample(Tracked& t, double rate) const {
+  // A stale estimate says nothing about today: the first sample after a long
+  // gap (a probe of an empty server) starts afresh instead of being averaged
+  // with it.
+  if (t.rate_samples == 0 || t.windows_since_rate >= o_.probe_after_windows) {
+    t.rate = rate;
+    t.rate_var = 0;
+    t.rate_samples = 1;
+    t.shift_windows = 0;
+    t.last_rate = rate;
+    t.windows_since_rate = 0;
+    return;
+  }
+  // A straggler appears or recovers from one window to the next; an EWMA
+  // alone would take ~10 windows to follow. Two samples in a row far from the
+  // estimate, on the same side, restart it from them.
+  const double d = rate - t.rate;
+  const bool far =
+      std::fabs(d) > std::max(kShiftSpreads * std::sqrt(t.rate_var), kShiftFraction * t.rate);
+  const int side = d > 0 ? 1 : -1;
+  t.shift_windows = far ? (t.shift_windows * side > 0 ? t.shift_windows + side : side) : 0;
+  if (std::abs(t.shift_windows) >= kShiftWindows) {
+    const double half_gap = 0.5 * (rate - t.last_rate);
+    t.rate = 0.5 * (rate + t.last_rate);
+    t.rate_var = half_gap * half_gap;
+    t.rate_samples = 2;
+    t.shift_windows = 0;
+  } else {
+    // Exponentially weighted mean and variance (the incremental form of
+    // Finch 2009, "Incremental calculation of weighted mean and variance").
+    t.rate += o_.rate_ewma_alpha * d;
+    t.rate_var = (1 - o_.rate_ewma_alpha) * (t.rate_var + o_.rate_ewma_alpha * d * d);
+    ++t.rate_samples;
+  }
+  t.last_rate = rate;
+  t.windows_since_rate = 0;
+}
+
+void Balancer::Decision::ingest() {
+  for (const ServerSpec& s : in_.standby)
+    standby_ids_.push_back(s.id);
+  std::sort(standby_ids_.begin(), standby_ids_.end());
+  auto known = [&](ServerId id) {
+    return p_.find_server(id) != nullptr ||
+           std::binary_search(standby_ids_.begin(), standby_ids_.end(), id);
+  };
+  // Forget servers that left: what the balancer holds is bounded by the
+  // members and standby servers of the last decision.
+  for (auto it = b_.servers_.begin(); it != b_.servers_.end();) {
+    if (known(it->first)) {
+      it->second.new_windows = 0;
+      ++it;
+    } else {
+      it = b_.servers_.erase(it);
+    }
+  }
+  for (const ServerHistory& h : in_.servers) {
+    if (!known(h.id)) continue;
+    Tracked& t = b_.servers_[h.id];
+    for (const ServerWindow& w : h.windows) {
+      if (t.seen && w.seq <= t.last_seq) continue;  // read by an earlier decision
+      t.seen = true;
+      t.last_seq = w.seq;
+      t.new_windows = add_windows(t.new_windows, 1);
+      if (w.bytes > 0 && w.busy_s > 0) {
+        add_rate_sample(t, w.bytes / w.busy_s);
+      } else {
+        t.windows_since_rate = add_windows(t.windows_since_rate, 1);
+      }
+      if (w.rounds > 0) {
+        t.history.push_back(
+            WindowRecord{w.seq, w.epoch, w.busy_s / static_cast<double>(w.rounds), w.round_s});
+        while (t.history.size() > o_.history_windows)
+          t.history.pop_front();
+      }
+    }
+  }
+}
+
+void Balancer::Decision::measure_load() {
+  const size_t n_arcs = p_.num_arcs();
+  arc_load_.assign(n_arcs, 0.0);
+  // A measured range spreads its load over the current arcs it overlaps, in
+  // proportion to the hashes they share: keys are hashed, so hashes are the
+  // best guess of where the bytes are.
+  size_t i = 0;
+  for (const RangeLoad& r : in_.ranges) {
+    if (r.bytes_per_round <= 0) continue;
+    i = std::max(i, p_.arc_index_of_hash(r.lo));
+    const u128 width = hashes_in(r.lo, r.hi);
+    for (;; ++i) {
+      const Arc a = p_.arc(i);
+      const uint64_t lo = std::max(a.lo, r.lo);
+      const uint64_t hi = std::min(a.hi, r.hi);
+      arc_load_[i] += r.bytes_per_round * fraction_of(hashes_in(lo, hi), width);
+      if (a.hi >= r.hi) break;  // the next range may start in this arc
+    }
+  }
+
+  const std::vector<ServerInfo>& infos = p_.servers();
+  members_.resize(infos.size());
+  for (size_t m = 0; m < infos.size(); ++m) {
+    members_[m].id = infos[m].id;
+    members_[m].state = infos[m].state;
+    members_[m].weight = infos[m].weight;
+    members_[m].t = &b_.servers_[infos[m].id];
+  }
+  arc_member_.resize(n_arcs);
+  for (size_t k = 0; k < n_arcs; ++k) {
+    const ServerId owner = p_.arc(k).owner;
+    const auto it = std::lower_bound(infos.begin(), infos.end(), owner,
+                                     [](const ServerInfo& s, ServerId v) { return s.id < v; });
+    const auto m = static_cast<uint32_t>(it - infos.begin());
+    arc_member_[k] = m;
+    members_[m].load += arc_load_[k];
+    ++members_[m].arcs;
+  }
+}
+
+bool Balancer::Decision::estimate_rates() {
+  // Plan with a pessimistic rate: a server whose samples scatter gets less
+  // load than its mean promises, and never less than half of it.
+  std::vector<double> per_weight;
+  std::vector<double> any_per_weight;
+  for (Member& m : members_) {
+    const Tracked& t = *m.t;
+    if (t.rate_samples == 0 || !(t.rate > 0)) continue;
+    m.estimated = true;
+    m.rate = std::max(t.rate - o_.rate_confidence * rate_error(t), 0.5 * t.rate);
+    (m.active() ? per_weight : any_per_weight).push_back(m.rate / m.weight);
+  }
+  if (per_weight.empty()) per_weight = any_per_weight;
+  if (per_weight.empty()) return false;
+  // A server never measured is assumed to be a typical one.
+  prior_per_weight_ = median(per_weight);
+  for (Member& m : members_) {
+    if (!m.estimated) m.rate = prior_per_weight_ * m.weight;
+    total_load_ += m.load;
+    if (m.active()) {
+      active_load_ += m.load;
+      active_rate_ += m.rate;
+      ++active_count_;
+    }
+  }
+  min_move_ = active_count_ > 0 ? o_.min_move_fraction * total_load_ / active_count_ : 0;
+  return true;
+}
+
+// ---- Detect ---------------------------------------------------------------------
+
+void Balancer::Decision::update_streaks() {
+  for (Member& m : members_) {
+    Tracked& t = *m.t;
+    new_windows_ = std::max(new_windows_, t.new_windows);
+    if (t.new_windows == 0) continue;
+    if (!m.active() || active_count_ < 2) {
+      t.straggler_windows = 0;
+      continue;
+    }
+    // "The others": the time per round the rest would have if balanced among
+    // themselves. A server above it by the threshold slows the round.
+    const double others = (active_load_ - m.load) / (active_rate_ - m.rate);
+    const bool straggling = m.time() > (1 + o_.straggler_threshold) * others;
+    t.straggler_windows = straggling ? add_windows(t.straggler_windows, t.new_windows) : 0;
+  }
+
+  // The job's pace: the round time workers report (the median over servers,
+  // which see the same rounds), and how much of it is not server time.
+  std::vector<double> rounds;
+  double busiest = 0;
+  for (const Member& m : members_) {
+    if (m.t->history.empty()) continue;
+    const WindowRecord& last = m.t->history.back();
+    busiest = std::max(busiest, last.service_s);
+    if (m.active() && last.round_s > 0) rounds.push_back(last.round_s);
+  }
+  plan_.measured_round_s = busiest;
+  if (!rounds.empty()) {
+    period_s_ = median(rounds);
+    other_s_ = std::max(0.0, period_s_ - busiest);
+  }
+  if (new_windows_ == 0) return;
+
+  // Server-bound: even balanced, the servers would be busy most of a round.
+  const double balanced = plan_.balanced_round_s;
+  const bool bound = period_s_ > 0 && balanced >= o_.scale_out_utilisation * (other_s_ + balanced);
+  b_.server_bound_windows_ = bound ? add_windows(b_.server_bound_windows_, new_windows_) : 0;
+
+  // Scale-in: the slowest active server (the least loaded, then the highest
+  // id, among equals), if the others could absorb its load.
+  const Member* candidate = nullptr;
+  auto key = [](const Member& m) { return std::make_tuple(m.rate, m.load, ~m.id); };
+  if (o_.scale_in && active_count_ >= 2 && active_count_ > o_.min_active_servers) {
+    for (const Member& m : members_) {
+      if (m.active() && (candidate == nullptr || key(m) < key(*candidate))) candidate = &m;
+    }
+  }
+  bool drainable = false;
+  if (candidate != nullptr) {
+    std::vector<double> rates;
+    for (const Member& m : members_)
+      if (m.active()) rates.push_back(m.rate);
+    const double without = total_load_ / (active_rate_ - candidate->rate);
+    const bool fits = other_s_ + without <= (1 + o_.scale_in_max_slowdown) * (other_s_ + balanced);
+    const bool idle = period_s_ > 0 && without <= o_.scale_in_utilisation * (other_s_ + without);
+    const bool slow = candidate->rate < o_.slow_rate_fraction * median(rates);
+    drainable = fits && (idle || slow);
+    if (drainable) {
+      scale_in_why_ =
+          idle
+              ? fmt::format("idle: without it the servers would be busy {:.0f}% of a {} round",
+                            100 * without / (other_s_ + without), seconds_text(other_s_ + without))
+              : fmt::format("slow: {}/s is {:.0f}% of the median {}/s", bytes_text(candidate->rate),
+                            100 * candidate->rate / median(rates), bytes_text(median(rates)));
+      scale_in_why_ +=
+          fmt::format("; the others absorb its load, predicted round {} -> {}",
+                      seconds_text(other_s_ + balanced), seconds_text(other_s_ + without));
+    }
+  }
+  // The streak belongs to the cluster, not to one server: among equal idle
+  // servers, noise picks a different slowest one every window.
+  if (drainable) {
+    b_.scale_in_candidate_ = candidate->id;
+    b_.scale_in_windows_ = add_windows(b_.scale_in_windows_, new_windows_);
+  } else {
+    b_.scale_in_windows_ = 0;
+  }
+}
+
+}  // namespace psld

@@ -1,0 +1,51 @@
+// What load_config reads besides its flags and the defaults: the PSLD_
+// environment (env.cc), the environment of launchers (launchers.cc) and the
+// TOML file (file.cc). Internal to lib/config/.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "lib/config/fields.h"
+#include "psld/config.h"
+#include "psld/status.h"
+
+namespace psld::config_detail {
+
+// One value from the environment, a flag or a launcher, waiting to be applied.
+struct TextSetting {
+  const Field* field;
+  std::string text;
+  std::string source;
+};
+
+std::vector<std::string> process_env_names();
+
+class Env {
+ public:
+  explicit Env(const ConfigSources& s) : s_(s) {}
+  // nullptr when unset.
+  const char* get(const std::string& name) const {
+    return s_.getenv ? s_.getenv(name.c_str()) : nullptr;
+  }
+  std::vector<std::string> names() const {
+    return s_.env_names ? s_.env_names() : process_env_names();
+  }
+
+ private:
+  const ConfigSources& s_;
+};
+
+std::vector<TextSetting> read_psld_env(const Env& env, std::vector<std::string>& errors);
+
+struct Launcher {
+  std::string name = "none";
+  std::vector<TextSetting> settings;
+};
+
+Launcher detect_launcher(const Env& env, Role role, const std::string& coordinator);
+
+Status read_file(const std::string& path, const std::string& origin, Config& c,
+                 std::vector<std::string>& errors);
+
+}  // namespace psld::config_detail
