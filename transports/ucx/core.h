@@ -1,0 +1,957 @@
+// The UCX backend's internal header: the classes, constants and hot-path
+// helpers that transports/ucx/*.cc share. See ucx_transport.h for what the
+// backend offers and docs/transport-results.md for what it measured. The
+// code is cut by concern, as in UCX itself: setup.cc (context, worker,
+// callbacks), wireup.cc (connect, accept, handshake, remote keys), memory.cc,
+// ring.cc (the notification ring: its memory, offer, reading and sleeping),
+// rma.cc (the write path, the writer's side of the ring included), am.cc
+// (sends and incoming active messages), progress.cc (requests, progress,
+// wait, deadlines, closing), transport.cc (shutdown, the Transport and
+// Connection objects, the factory), util.cc.
+//
+// Threading: one mutex (Core::mu_) guards the ucp_worker and every piece of
+// connection state, and the worker runs in UCS_THREAD_MODE_SERIALIZED. Every
+// UCX callback therefore runs with mu_ held (UCX only calls back from inside
+// the ucp_* call that the locked thread made); callbacks never call the
+// Handler or a Completion: they queue Events, and progress() delivers them
+// after it released mu_, so a handler may call write/send/close freely.
+// Callbacks that would have to call UCX themselves (answering a hello,
+// closing an endpoint, starting the next flush) are deferred to
+// run_deferred(), which runs under mu_ right after the UCX call returned.
+//
+// Two exceptions, both for the notification ring (see kRingMagic): a write
+// publishes its ring record under its connection's tx_mu_ alone (and a small
+// one without a completion is copied there too, without even a reference to
+// the core: UcxCore::write_through_ring), and progress() reads rings, and
+// calls on_write for their records, without mu_ while UCX is idle. Only the
+// thread in progress() (progress_mu_) reads rings, so records and the events
+// UCX's callbacks queue are still delivered in order.
+#pragma once
+
+#include <sys/socket.h>
+#include <ucp/api/ucp.h>
+#include <unistd.h>
+#if defined(__x86_64__)
+#include <x86intrin.h>
+#endif
+
+#include <atomic>
+#include <bit>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <shared_mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "base/wire.h"
+#include "transports/common/pending_ops.h"
+#include "transports/common/registration_cache.h"
+#include "transports/ucx/ucx_transport.h"
+
+namespace psld::transport {
+
+// What every file of the backend shares and nothing outside it uses.
+namespace ucx_detail {
+
+constexpr uint32_t kKeyMagic = 0x4b585350;    // "PSXK"
+constexpr uint32_t kHelloMagic = 0x48585350;  // "PSXH"
+// 2: notifications and messages carry a sequence number, and the handshake
+// offers a notification ring.
+constexpr uint8_t kWireVersion = 2;
+// UCX 1.13 packs 9..40 bytes of remote key per region; anything near this
+// bound is not a key.
+constexpr size_t kMaxPackedRkey = 4096;
+// ucp_ep_rkey_unpack takes no length: it trusts the blob's own structure. The
+// blob is copied into a zero-padded buffer so that even a blob that passed our
+// checksum but lies about its contents cannot make UCX read past it.
+constexpr size_t kRkeyPad = 256;
+constexpr size_t kMaxAddressString = 256;
+// Messages a client holds while its handshake is not answered yet.
+constexpr size_t kMaxEarlyMessages = 1024;
+
+// Active-message ids, one handler each.
+enum AmId : unsigned {
+  kAmHello = 0x50,  // client -> server: who I am
+  kAmHelloAck,      // server -> client: who I am; the connection is ready
+  kAmMessage,       // Connection::send
+  kAmWrite,         // "am" write: header names the target, payload is the data
+  kAmNotify,        // "put" writes: the notifications of a flushed batch
+  kAmBye,           // Connection::close / shutdown: the peer should close too
+  kAmWake,          // a ring record was written while the receiver slept in wait()
+};
+
+// The target of one write, as it travels in an "am" write's header and in a
+// notification: validated by the receiver before it touches memory.
+struct WriteHeader {
+  uint64_t region = 0;
+  uint64_t secret = 0;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  uint32_t notify = 0;
+  // The connection's sequence number of this notification (see the
+  // notification ring below); set when it is sent.
+  uint64_t seq = 0;
+};
+constexpr size_t kWriteHeaderBytes = 44;
+// kAmMessage carries its sequence number as the active message's header.
+constexpr size_t kSeqHeaderBytes = 8;
+// "am" writes up to this size are sent eagerly (UCP_AM_SEND_FLAG_EAGER):
+// UCX 1.13 switches to rendezvous at 8 KiB over tcp, and its extra round trip
+// dominates mid sizes. Measured here (tcp loopback, 16 writes in flight):
+// 16 KiB 2.0 GiB/s eager vs 0.46 rendezvous, 64 KiB 3.1 vs 1.7, 128 KiB 3.6
+// vs 3.1, 256 KiB even, 768 KiB rendezvous ahead (5.0-6.0 vs 4.5-5.1). A
+// UCX_RNDV_THRESH in the environment switches this off.
+constexpr size_t kAmEagerMax = 128 << 10;
+// Notifications per active message: 64 * 44 bytes stays well inside UCX's
+// eager limit (8 KiB on tcp and sm), so a batch is one message.
+constexpr size_t kNotifyBatch = 64;
+
+// What ucp_ep_print_info says about an endpoint's lanes, condensed.
+enum class RmaKind : uint8_t { kEmulated, kSharedMemory, kRdma };
+
+struct LaneSummary {
+  RmaKind rma = RmaKind::kEmulated;
+  std::string text;  // one line for the log
+};
+
+enum class WritePath : uint8_t { kAuto, kPut, kAm };
+
+// ucp_mem_map with UCP_MEM_MAP_ALLOCATE, then where the memory is. UCX picks
+// the allocator (UCX_ALLOC_PRIO: sysv, then posix shared memory, ...), so a
+// peer on this host can map host memory allocated this way. `cuda`: device
+// memory on the calling thread's current device (UCX's cuda_copy allocator).
+struct MappedAllocation {
+  ucp_mem_h memh = nullptr;
+  uint8_t* base = nullptr;
+};
+
+// The functions and variables are hidden: libpsld.so does not export them, and
+// calls to them stay direct, as when all of this was local to one file.
+#pragma GCC visibility push(hidden)
+
+// Little-endian fields of `n` bytes (at most 8). On a little-endian host
+// these are single unaligned moves: the byte loops they replace were not
+// merged by the compiler and cost ~10 ns per ring record on each side.
+inline void store_le(uint8_t* p, uint64_t v, size_t n) {
+  if constexpr (std::endian::native == std::endian::little) {
+    std::memcpy(p, &v, n);
+  } else {
+    for (size_t i = 0; i < n; ++i)
+      p[i] = static_cast<uint8_t>(v >> (8 * i));
+  }
+}
+inline uint64_t load_le(const uint8_t* p, size_t n) {
+  uint64_t v = 0;
+  if constexpr (std::endian::native == std::endian::little) {
+    std::memcpy(&v, p, n);
+  } else {
+    for (size_t i = 0; i < n; ++i)
+      v |= static_cast<uint64_t>(p[i]) << (8 * i);
+  }
+  return v;
+}
+inline void encode_header(const WriteHeader& h, uint8_t* p) {
+  store_le(p, h.region, 8);
+  store_le(p + 8, h.secret, 8);
+  store_le(p + 16, h.offset, 8);
+  store_le(p + 24, h.length, 8);
+  store_le(p + 32, h.notify, 4);
+  store_le(p + 36, h.seq, 8);
+}
+inline WriteHeader decode_header(const uint8_t* p) {
+  return WriteHeader{load_le(p, 8),
+                     load_le(p + 8, 8),
+                     load_le(p + 16, 8),
+                     load_le(p + 24, 8),
+                     static_cast<uint32_t>(load_le(p + 32, 4)),
+                     load_le(p + 36, 8)};
+}
+
+// ---------------------------------------------------------------------------
+// The notification ring
+//
+// A write into a local peer's mapped memory is a memcpy; sending its
+// notification as an active message cost more than the copy (UCX's am path,
+// the worker's tcp lanes polled on every progress: 690 ns one way at 8 B
+// against 50 ns for ucx_perftest's ucp_put_lat). So each side of a
+// connection offers, in its handshake, a ring of notification records in
+// shared memory it allocated (ucp_mem_map with UCP_MEM_MAP_ALLOCATE); a peer
+// on the same host maps it through ucp_rkey_ptr and writes records, and the
+// owner polls it in progress(). Layout (all little-endian host order: both
+// ends run on one host):
+//
+//   [0, 64)    magic and slot count; written once by the owner
+//   [64, 128)  consumed: how many records the owner has read; by the owner
+//   [128, 192) sleep epoch, odd while the owner is in wait(); by the owner
+//   [192, 256) attached: non-zero while a peer writes here; by the peer
+//   [256, ...) slots of 64-byte records, by the peer: the WriteHeader fields,
+//              then a stamp at byte 56, stored last with release: ring
+//              position + 1, so a slot holds position p exactly when its
+//              stamp is p + 1.
+//
+// Flow control: the writer has at most `slots` records unread (it re-reads
+// `consumed` only when its cached copy says full); a full ring falls back to
+// an active message. Ordering: every notification and message of a
+// connection has a sequence number, whatever carries it; the owner delivers a
+// ring record only when its number is the next one, and an active message
+// first delivers the ring records numbered below it. Sleep: the owner makes
+// its sleep epoch odd before it sleeps and then looks at its rings once more;
+// a writer reads the epoch after publishing (a full fence on both sides, so
+// one of the two sees the other) and, once per odd epoch, sends kAmWake,
+// whose arrival wakes the owner's worker event fd.
+constexpr uint64_t kRingMagic = 0x474e495258535000ull;  // "PSXRING\0" read as bytes
+constexpr size_t kRingHeaderBytes = 256;
+constexpr size_t kRingConsumedAt = 64;
+constexpr size_t kRingSleepingAt = 128;
+constexpr size_t kRingAttachedAt = 192;
+constexpr size_t kRingRecordBytes = 64;
+constexpr size_t kRingStampAt = 56;
+constexpr uint32_t kMinRingSlots = 16;
+constexpr uint32_t kMaxRingSlots = 65536;
+// The largest write copied under its connection's tx_mu_ alone
+// (UcxCore::write_through_ring); larger ones copy in parallel.
+constexpr uint64_t kRingCopyMax = 64 * 1024;
+constexpr int kRingPollsPerCall = 4;
+// While a ring is in use and UCX has nothing to do, progress() calls
+// ucp_worker_progress at most once per this period and polls only the rings
+// in between: with tcp lanes on the endpoint a worker progress is an
+// epoll_wait, ~300 ns here, against ~40 ns for a ring poll. A period, not a
+// count of calls: a caller that progresses this transport once per
+// millisecond (a loop that waits on another one) must not see UCX progressed
+// only every few dozen milliseconds (with a count of 32 calls, the lifecycle
+// test's 1,000 shared-memory connections took 141 s instead of 6-11 s). Any
+// UCX work, any new operation and any wait() make the next progress() poll
+// UCX again.
+//
+// The period backs off: it doubles, up to kUcxPollPeriodMax, each time the
+// worker had nothing to do, and is back to kUcxPollPeriod when it had. Only
+// rings in use: one worker progress per ~50 us (~1% of a busy poll's time,
+// against ~10% every 3 us; in the shared-memory ping-pong that was ~10 ns of
+// the one-way latency). A message from another peer then waits at most that
+// period for a progress() that polls the rings only.
+//
+// Each such call polls the rings up to kRingPollsPerCall times while they
+// are empty: a busy-polling caller then pays progress()'s lock and the clock
+// read once per several polls, and notices a record sooner.
+//
+// The period is read from the time-stamp counter where there is one: 10 ns
+// here against 22 ns for steady_clock, in a loop of ~40 ns. It is not
+// converted to time: 10,000 ticks are 2.5-10 us at the 1-4 GHz of any x86-64
+// server, which is all this heuristic needs.
+#if defined(__x86_64__)
+inline uint64_t poll_clock() {
+  return __rdtsc();
+}
+constexpr uint64_t kUcxPollPeriod = 10000;  // ticks
+constexpr uint64_t kUcxPollPeriodMax = 16 * kUcxPollPeriod;
+#else
+inline uint64_t poll_clock() {
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+          .count());
+}
+constexpr uint64_t kUcxPollPeriod = 4000;  // ns
+constexpr uint64_t kUcxPollPeriodMax = 16 * kUcxPollPeriod;
+#endif
+
+// Adds one to a counter that only the holder of a lock writes (and others
+// only read): a load and a store, not an atomic read-modify-write.
+inline void count_one(std::atomic<uint64_t>& counter) {
+  counter.store(counter.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+}
+
+inline std::atomic_ref<uint64_t> ring_word(uint8_t* base, size_t at) {
+  return std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(base + at));
+}
+
+// util.cc
+uint64_t random_u64();
+uint64_t fnv1a(std::span<const uint8_t> b);
+Status ucs_to_status(ucs_status_t st, std::string_view what);
+Status parse_socket_address(const std::string& text, bool passive, sockaddr_storage* out,
+                            socklen_t* out_len);
+std::string socket_address_string(const sockaddr_storage& sa);
+LaneSummary summarize_lanes(const std::string& info);
+std::string endpoint_info(ucp_ep_h ep);
+bool tls_may_use_shared_memory(const std::string& option);
+// The next connection's id (transport.cc).
+extern std::atomic<uint64_t> g_next_connection_id;
+
+// memory.cc
+Result<MappedAllocation> map_allocated(ucp_context_h context, size_t length, bool cuda);
+
+// setup.cc: UCX's callbacks for requests and endpoints.
+void send_cb(void* request, ucs_status_t status, void* user_data);
+void recv_am_cb(void* request, ucs_status_t status, size_t length, void* user_data);
+void ep_error_cb(void* arg, ucp_ep_h ep, ucs_status_t status);
+
+#pragma GCC visibility pop
+
+}  // namespace ucx_detail
+
+using namespace ucx_detail;
+
+// The UcxCore members that take a WriteHeader were file-local while the backend
+// was one file (WriteHeader was in its anonymous namespace), so GCC inlined or
+// specialised them in their callers. They are hidden: called directly, not
+// exported from libpsld.so. Those of the write path and of the ring fast path
+// (notify_one, ring_notify, ring_publish, validate_target_cached) are also
+// inline, defined in the one file that calls them (rma.cc, ring.cc), so that
+// GCC still inlines them there.
+#define PSLD_UCX_HIDDEN [[gnu::visibility("hidden")]]
+
+// ---------------------------------------------------------------------------
+
+class UcxCore;
+class UcxConnection;
+
+// The ucp_context, shared by the core and every region so that a region that
+// outlives its transport can still be unmapped.
+struct UcxContext {
+  ucp_context_h handle = nullptr;
+  UcxContext() = default;
+  UcxContext(const UcxContext&) = delete;
+  UcxContext& operator=(const UcxContext&) = delete;
+  ~UcxContext() {
+    if (handle != nullptr) ucp_cleanup(handle);
+  }
+};
+
+// MemoryRegion::backend() and RemoteRegion::backend() of this backend's
+// regions: check_write tells its own regions by these, not by dynamic_cast
+// (two of them were ~10% of a shared-memory write). One object each for all
+// the backend's files, hidden so that taking its address needs no GOT load.
+PSLD_UCX_HIDDEN inline const char kUcxRegionTag = 'L';
+PSLD_UCX_HIDDEN inline const char kUcxRemoteRegionTag = 'R';
+
+class UcxRegion final : public MemoryRegion, public std::enable_shared_from_this<UcxRegion> {
+ public:
+  UcxRegion(uint8_t* data, size_t length, MemoryKind kind, uint64_t id,
+            std::shared_ptr<UcxContext> context, ucp_mem_h memh, uint64_t owner, uint64_t secret,
+            std::vector<uint8_t> key)
+      : MemoryRegion(data, length, kind, id, &kUcxRegionTag),
+        context_(std::move(context)),
+        memh_(memh),
+        owner_(owner),
+        secret_(secret) {
+    remote_key_ = std::move(key);
+    registration_ =
+        kind == MemoryKind::kCuda ? "ucp_mem_map (UCS_MEMORY_TYPE_CUDA)" : "ucp_mem_map";
+  }
+  ~UcxRegion() override { ucp_mem_unmap(context_->handle, memh_); }
+
+  ucp_mem_h memh() const { return memh_; }
+  uint64_t owner() const { return owner_; }
+  uint64_t secret() const { return secret_; }
+
+ private:
+  std::shared_ptr<UcxContext> context_;
+  ucp_mem_h memh_;
+  uint64_t owner_;
+  uint64_t secret_;
+};
+
+class UcxRemoteRegion final : public RemoteRegion,
+                              public std::enable_shared_from_this<UcxRemoteRegion> {
+ public:
+  UcxRemoteRegion(size_t length, uint64_t region_id, MemoryKind kind, uint64_t connection_id,
+                  uint64_t owner, uint64_t base, uint64_t secret, uint8_t* mapped, ucp_rkey_h rkey,
+                  std::weak_ptr<UcxCore> core)
+      : RemoteRegion(length, region_id, &kUcxRemoteRegionTag),
+        kind_(kind),
+        connection_id_(connection_id),
+        owner_(owner),
+        base_(base),
+        secret_(secret),
+        mapped_(mapped != nullptr),
+        mapped_base_(mapped),
+        rkey_(rkey),
+        core_(std::move(core)) {}
+  ~UcxRemoteRegion() override;
+
+  uint64_t connection_id() const { return connection_id_; }
+  // Where the exporter's memory is: device memory is never copied into by
+  // this process's CPU, and is written by rendezvous, never eagerly.
+  MemoryKind kind() const { return kind_; }
+  // The instance of the transport that exported the region.
+  uint64_t owner() const { return owner_; }
+  uint64_t base() const { return base_; }
+  uint64_t secret() const { return secret_; }
+  // The exporter's memory is mapped into ours (shared memory), so a put is a
+  // memcpy by this process.
+  bool mapped() const { return mapped_; }
+  // Where the region starts in this process (Transport::local_view); read
+  // without UcxCore::mapping_mu_: set at import, cleared only by shutdown().
+  const uint8_t* mapped_base() const { return mapped_base_; }
+
+ private:
+  friend class UcxCore;
+  MemoryKind kind_;
+  uint64_t connection_id_;
+  uint64_t owner_;
+  uint64_t base_;
+  uint64_t secret_;
+  bool mapped_;
+  uint8_t* mapped_base_;  // where base() is mapped here; guarded by UcxCore::mapping_mu_
+  ucp_rkey_h rkey_;       // guarded by UcxCore::rkey_mu_ for destruction; read under UcxCore::mu_
+  std::weak_ptr<UcxCore> core_;
+};
+
+// This side's notification ring of one connection: shared memory the peer
+// writes records into and progress() polls. Freed when the connection lets
+// go of it; a peer that still has it mapped keeps writing into its own
+// mapping harmlessly.
+class RxRing {
+ public:
+  RxRing(std::shared_ptr<UcxContext> context, ucp_mem_h memh, uint8_t* base, uint32_t slots,
+         std::vector<uint8_t> packed)
+      : context_(std::move(context)),
+        memh_(memh),
+        base_(base),
+        slots_(slots),
+        packed_(std::move(packed)) {}
+  ~RxRing() { ucp_mem_unmap(context_->handle, memh_); }
+  RxRing(const RxRing&) = delete;
+  RxRing& operator=(const RxRing&) = delete;
+
+  uint8_t* base() const { return base_; }
+  uint32_t slots() const { return slots_; }
+  const std::vector<uint8_t>& packed() const { return packed_; }
+  uint8_t* slot(uint64_t position) const {
+    return base_ + kRingHeaderBytes + (position & (slots_ - 1)) * kRingRecordBytes;
+  }
+  // Whether the record at ring position `position` is there.
+  // seq_cst, not just acquire: with the stamp's store and the sleep flag's
+  // store and load it is one side of the sleep handshake (ring_notify and
+  // wait()); on x86-64 it is the same plain load.
+  bool ready(uint64_t position) const {
+    return ring_word(slot(position), kRingStampAt).load(std::memory_order_seq_cst) == position + 1;
+  }
+  bool attached() const {
+    return ring_word(base_, kRingAttachedAt).load(std::memory_order_relaxed) != 0;
+  }
+
+  // Next ring position to read. Written only by the thread in progress()
+  // (progress_mu_); atomic because wait() looks at it from any thread.
+  std::atomic<uint64_t> read{0};
+
+ private:
+  std::shared_ptr<UcxContext> context_;
+  ucp_mem_h memh_;
+  uint8_t* base_;
+  uint32_t slots_;
+  std::vector<uint8_t> packed_;  // UCX's packed remote key, for the handshake
+};
+
+// The peer's notification ring, mapped here; guarded by its connection's
+// tx_mu_.
+struct TxRing {
+  ucp_rkey_h rkey = nullptr;
+  uint8_t* base = nullptr;
+  uint32_t slots = 0;
+  uint64_t written = 0;   // records published
+  uint64_t consumed = 0;  // the owner's `consumed`, as last read
+  // The owner's sleep epoch we last sent kAmWake for: one wake-up ends that
+  // sleep, so the writes that follow it need none.
+  uint64_t woken_epoch = 0;
+};
+
+class UcxConnection final : public Connection, public std::enable_shared_from_this<UcxConnection> {
+ public:
+  UcxConnection(UcxCore* core, std::weak_ptr<UcxCore> weak_core, bool client, std::string peer)
+      : core_(std::move(weak_core)), core_raw_(core), client_(client), peer_(std::move(peer)) {}
+
+  uint64_t id() const override { return id_; }
+  std::string peer() const override { return peer_; }
+  std::string write_path() const override {
+    switch (path_.load()) {
+      case WritePath::kPut:
+        return "put";
+      case WritePath::kAm:
+        return "am";
+      case WritePath::kAuto:
+        break;
+    }
+    return "pending (handshake not finished)";
+  }
+  Result<std::shared_ptr<RemoteRegion>> import_region(std::span<const uint8_t> key) override;
+  Status check_write(const WriteRequest& request) const override;
+  Status write(const WriteRequest& request, Completion done) override;
+  Status send(std::span<const uint8_t> message, Completion done) override;
+  void close() override;
+  bool is_open() const override { return open_.load(); }
+
+  // A put that waits for the flush that makes it visible.
+  struct Unflushed {
+    uint64_t op_id;
+    WriteHeader header;
+  };
+
+ private:
+  friend class UcxCore;
+  enum class State : uint8_t { kHandshake, kReady, kClosed };
+
+  // An operation started before the handshake finished; sent when it does.
+  struct Queued {
+    uint64_t op_id = 0;
+    bool is_write = false;
+    std::shared_ptr<UcxRegion> src;
+    std::shared_ptr<UcxRemoteRegion> remote;
+    uint64_t local_offset = 0, remote_offset = 0, length = 0;
+    uint32_t notify = 0;
+    std::vector<uint8_t> message;
+  };
+  const uint64_t id_ = g_next_connection_id.fetch_add(1);
+  std::weak_ptr<UcxCore> core_;
+  // The same core, for UcxCore::write_through_ring only, which uses it only
+  // while this connection's tx_ring_ is set (see there).
+  UcxCore* const core_raw_;
+  const bool client_;
+  const std::string peer_;
+  std::atomic<bool> open_{true};
+  std::atomic<WritePath> path_{WritePath::kAuto};
+
+  // Guarded by UcxCore::mu_.
+  State state_ = State::kHandshake;
+  ucp_ep_h ep_ = nullptr;
+  // The peer transport's instance, from the handshake (0 before): the
+  // exporter every imported key must name. Atomic: check_write reads it
+  // without mu_.
+  std::atomic<uint64_t> peer_instance_{0};
+  RmaKind rma_ = RmaKind::kEmulated;
+  // A write went by am to a region the peer did not allocate through the
+  // transport: said once per connection (a peer may have thousands).
+  bool am_fallback_logged_ = false;
+  Clock::time_point handshake_deadline_;
+  bool bye_in_flight_ = false;
+  Clock::time_point bye_deadline_;
+  std::deque<Queued> queued_;
+  // Messages that arrived before the server's handshake answer (client side),
+  // with their sequence numbers.
+  struct Early {
+    unsigned id;
+    uint64_t seq;
+    std::vector<uint8_t> bytes;
+  };
+  std::vector<Early> early_;
+  // This side's notification ring (offered in the handshake), the next
+  // sequence number to deliver, and what the log line says about the rings.
+  std::shared_ptr<RxRing> rx_ring_;
+  // Written only by the thread in progress(), like RxRing::read.
+  std::atomic<uint64_t> rx_next_seq_{0};
+  std::string ring_note_;
+
+  // The sending side of the ordering: the next sequence number, and the
+  // peer's ring when it is mapped here. Held while a sequence number is
+  // taken until its record is published or its active message is handed to
+  // UCX, so numbers are visible to the peer in order; after mu_ when both are
+  // held.
+  std::mutex tx_mu_;
+  uint64_t tx_seq_ = 0;
+  std::unique_ptr<TxRing> tx_ring_;
+  // Set once the peer's ring is mapped: write() skips tx_mu_ when false.
+  std::atomic<bool> tx_ring_mapped_{false};
+  // Records published in the peer's ring, and writes done by
+  // write_through_ring; counted here under tx_mu_ (no atomic read-modify-
+  // write on the write path), summed by UcxCore::counters(). Atomic only for
+  // counters(), which reads them without tx_mu_.
+  std::atomic<uint64_t> ring_records_{0};
+  std::atomic<uint64_t> ring_writes_{0};
+  std::vector<Unflushed> unflushed_;  // puts issued, not yet covered by a flush
+  bool flush_in_flight_ = false;
+};
+
+// One outstanding UCX request (or one operation that completed at once).
+struct OpCtx {
+  enum Kind : uint8_t {
+    kPut,
+    kFlush,
+    kAmWrite,
+    kSend,
+    kControl,
+    kBye,
+    kRecvWrite,
+    kRecvControl,
+    kClose
+  };
+  Kind kind;
+  UcxCore* core = nullptr;
+  OpCtx* prev = nullptr;  // intrusive list of live requests, for timeouts and shutdown
+  OpCtx* next = nullptr;
+  void* request = nullptr;
+  uint64_t op_id = 0;  // the user's operation, 0 for internal ones
+  Clock::time_point deadline = Clock::time_point::max();
+  std::shared_ptr<UcxConnection> conn;
+  std::shared_ptr<UcxRegion> region;        // source or target, kept registered
+  std::shared_ptr<UcxRemoteRegion> remote;  // keeps the rkey of a put alive
+  uint8_t header[kWriteHeaderBytes] = {};
+  uint32_t notify = 0;
+  uint64_t length = 0;
+  unsigned am_id = 0;
+  uint64_t seq = 0;  // of a message received by rendezvous
+  std::vector<uint8_t> bytes;
+  std::vector<UcxConnection::Unflushed> batch;
+};
+
+// What progress() delivers, in order, after releasing the worker lock.
+struct Event {
+  enum Kind : uint8_t { kCompletion, kAccept, kWrite, kMessage, kDisconnect };
+  Kind kind = kCompletion;
+  PendingOps::Ready ready;
+  ConnectionPtr conn;
+  uint32_t notify = 0;
+  uint64_t length = 0;
+  std::vector<uint8_t> bytes;
+  Status why;
+};
+
+// A user's write or send. Most finish inside the call that starts them (a
+// short message, a copy into shared memory): those never enter PendingOps and
+// their completion is queued at once. One that has to wait for UCX is added to
+// PendingOps then (op_id != 0), which gives it its deadline and makes close
+// and shutdown fail it. This keeps a map insert and erase, two allocations
+// and a lock, off the latency path.
+struct UserOp {
+  uint64_t op_id = 0;
+  Completion done;
+};
+
+// ---------------------------------------------------------------------------
+
+class UcxCore : public std::enable_shared_from_this<UcxCore> {
+ public:
+  UcxCore(const TransportOptions& options, Handler* handler, WritePath forced)
+      : options_(options), handler_(handler), forced_(forced) {}
+  ~UcxCore() {
+    shutdown();
+    if (wake_fd_ >= 0) ::close(wake_fd_);
+  }
+
+  Status init(const sockaddr_storage* listen, socklen_t listen_len);
+  void detect_cuda_support();
+
+  // Transport
+  std::vector<uint8_t> address() const { return address_; }
+  Result<ConnectionPtr> connect(std::span<const uint8_t> peer_address);
+  Result<std::shared_ptr<MemoryRegion>> register_memory(void* data, size_t length, MemoryKind kind);
+  Result<std::shared_ptr<MemoryRegion>> allocate_memory(size_t length, MemoryKind kind);
+  Status invalidate(void* data, size_t length);
+  size_t progress();
+  void wait(std::chrono::milliseconds timeout);
+  void wake() {
+    const uint64_t one = 1;
+    [[maybe_unused]] ssize_t n = ::write(wake_fd_, &one, sizeof(one));
+  }
+  void shutdown();
+  MemorySupport memory_support(MemoryKind kind) const {
+    if (kind == MemoryKind::kHost) return {true, "host memory (ucp_mem_map)"};
+    return {cuda_supported_, cuda_detail_};
+  }
+  UcxCounters counters() const {
+    UcxCounters c;
+    uint64_t ring_records = retired_ring_records_.load();
+    uint64_t ring_writes = retired_ring_writes_.load();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& [id, conn] : conns_) {
+        ring_records += conn->ring_records_.load(std::memory_order_relaxed);
+        ring_writes += conn->ring_writes_.load(std::memory_order_relaxed);
+      }
+    }
+    c.writes_put = writes_put_.load() + ring_writes;
+    c.writes_am = writes_am_.load();
+    c.flushes = flushes_.load();
+    c.rejected_writes = rejected_writes_.load();
+    c.rejected_messages = rejected_messages_.load();
+    c.notify_ring = ring_records;
+    c.notify_ring_full = notify_ring_full_.load();
+    c.ring_wakeups = ring_wakeups_.load();
+    return c;
+  }
+
+  // Connection
+  Result<std::shared_ptr<RemoteRegion>> import_region(UcxConnection& conn,
+                                                      std::span<const uint8_t> key);
+  Status check_write(const UcxConnection& conn, const WriteRequest& req) const;
+  Status write(UcxConnection& conn, const WriteRequest& req, Completion done);
+  Status send(UcxConnection& conn, std::span<const uint8_t> message, Completion done);
+  void close_connection(UcxConnection& conn);
+  void release_rkey(UcxRemoteRegion* remote);
+
+  // UCX callbacks (mu_ held).
+  void on_request_done(OpCtx* op, ucs_status_t status);
+  ucs_status_t on_am(unsigned id, const void* header, size_t header_length, void* data,
+                     size_t length, const ucp_am_recv_param_t* param);
+  void on_conn_request(ucp_conn_request_h request) { accepts_.push_back(request); }
+  void on_ep_error(ucp_ep_h ep, ucs_status_t status);
+
+ private:
+  using ConnPtr = std::shared_ptr<UcxConnection>;
+
+  Clock::time_point deadline() const { return Clock::now() + options_.common.op_timeout; }
+  void maybe_wake() {
+    if (sleepers_.load() > 0) wake();
+  }
+
+  OpCtx* new_op(OpCtx::Kind kind);
+  // Unlinks a finished request's context and keeps it for reuse.
+  void unlink_op(OpCtx* op);
+  // Like finish_request, for a request that carries a user operation.
+  void finish_user(UserOp& u, OpCtx* op, ucs_status_ptr_t r, uint64_t conn_id,
+                   std::string_view what);
+  void complete_user(UserOp& u, Status status) {
+    if (u.op_id != 0) {
+      complete(u.op_id, std::move(status));
+    } else if (u.done) {
+      push_completion(PendingOps::Ready{std::move(u.done), std::move(status)});
+    }
+  }
+  // Hands a ucp_*_nbx result to its OpCtx: completes it now, fails it now, or
+  // leaves it to the callback.
+  void finish_request(OpCtx* op, ucs_status_ptr_t r);
+  void complete(uint64_t op_id, Status status) {
+    PendingOps::Ready r = pending_.take(op_id, std::move(status));
+    if (r.done) push_completion(std::move(r));
+  }
+  void push_completion(PendingOps::Ready r) {
+    Event e;
+    e.kind = Event::kCompletion;
+    e.ready = std::move(r);
+    queue_event(std::move(e));
+  }
+  void push_event(Event::Kind kind, const ConnPtr& conn) {
+    Event e;
+    e.kind = kind;
+    e.conn = conn;
+    queue_event(std::move(e));
+  }
+  // Every event goes through here (mu_ held). An event queued outside
+  // progress() (a write's completion, a close) must make the next progress()
+  // take the path that delivers events, not the rings-only one: without
+  // this, a completion waited for the end of the UCX poll period (up to
+  // kUcxPollPeriodMax), and a window of writes refilled by their completions
+  // ran at half speed.
+  void queue_event(Event e) {
+    events_.push_back(std::move(e));
+    ucx_idle_.store(false, std::memory_order_relaxed);
+  }
+
+  void start_write(UcxConnection& conn, UserOp u, const std::shared_ptr<UcxRegion>& src,
+                   const std::shared_ptr<UcxRemoteRegion>& remote, uint64_t local_offset,
+                   uint64_t remote_offset, uint64_t length, uint32_t notify);
+  void start_flush(UcxConnection& conn);
+  void on_flushed(const ConnPtr& conn, std::vector<UcxConnection::Unflushed> batch,
+                  ucs_status_t status);
+  // Sends the notifications of writes whose bytes are visible at the peer and
+  // completes them.
+  void announce(UcxConnection& conn, const UcxConnection::Unflushed* writes, size_t n);
+  // Whether a write to `remote` is a memcpy into the peer's mapped memory.
+  // Never from device memory: the CPU cannot read it.
+  bool copies_into_mapping(const UcxConnection& conn, const UcxRegion& src,
+                           const UcxRemoteRegion& remote) const {
+    return forced_ != WritePath::kAm && conn.path_.load() == WritePath::kPut && remote.mapped() &&
+           src.kind() == MemoryKind::kHost;
+  }
+  void start_send(UcxConnection& conn, UserOp u, std::span<const uint8_t> message);
+  // The notification of one write whose bytes are already in place, as an
+  // active message.
+  PSLD_UCX_HIDDEN inline void notify_one(UcxConnection& conn, UserOp u, WriteHeader h);
+
+  // Notification ring (see the comment at kRingMagic).
+  // A zeroed ring for a new connection, or null (off, or no memory for it).
+  std::shared_ptr<RxRing> allocate_ring();
+  void write_ring_offer(WireWriter& w, const UcxConnection& conn) const;
+  bool read_ring_offer(WireReader& r, uint32_t* slots, uint64_t* base,
+                       std::span<const uint8_t>* packed);
+  // Maps the peer's offered ring where it is on this host (mu_ held).
+  void map_peer_ring(UcxConnection& conn, uint32_t slots, uint64_t base,
+                     std::span<const uint8_t> packed);
+  enum class RingResult : uint8_t { kUnavailable, kFull, kPublished, kPublishedPeerAsleep };
+  // Publishes a notification in the peer's ring; takes conn.tx_mu_, not mu_.
+  PSLD_UCX_HIDDEN inline RingResult ring_notify(UcxConnection& conn, WriteHeader h);
+  // Under conn.tx_mu_: whether the ring has no free slot (re-reading the
+  // owner's `consumed` when the cached copy says so), and publishing a record
+  // in it (never kFull: ask ring_full first).
+  static bool ring_full(TxRing& r);
+  PSLD_UCX_HIDDEN inline RingResult ring_publish(UcxConnection& conn, TxRing& r, WriteHeader h);
+
+ public:
+  // Connection::write's fast path (see the definition); false, having done
+  // nothing, where write() must run.
+  static bool write_through_ring(UcxConnection& conn, const WriteRequest& req, Status* status);
+
+ private:
+  // Sends kAmWake for a record just published in the ring of a peer asleep
+  // in wait(), if the worker and the connection are still up; the _locked
+  // one with mu_ held.
+  void wake_ring_owner(UcxConnection& conn);
+  void wake_ring_owner_locked(UcxConnection& conn);
+  // Delivers the records of conn's ring in sequence order: those numbered
+  // below `below`, and, when `stop_at_gap`, only while each is the next
+  // number (a gap is an active message still on its way). mu_ held.
+  void drain_ring(const ConnPtr& conn, uint64_t below, bool stop_at_gap);
+  // An active message numbered `seq` arrived: ring records before it go
+  // first.
+  void arrived_in_order(const ConnPtr& conn, uint64_t seq) {
+    drain_ring(conn, seq, false);
+    if (conn->rx_next_seq_.load(std::memory_order_relaxed) <= seq) {
+      conn->rx_next_seq_.store(seq + 1, std::memory_order_relaxed);
+    }
+  }
+  // The loop under drain_ring and poll_rings_unlocked: hands each record to
+  // `deliver` in sequence order. Only the thread in progress() reads rings.
+  template <typename Deliver>
+  size_t read_ring(UcxConnection& conn, RxRing& r, uint64_t below, bool stop_at_gap,
+                   Deliver&& deliver);
+  // progress()'s fast path: rings only, without mu_, handlers called at once.
+  size_t poll_rings_unlocked();
+  // Whether a sleeping owner would miss a deliverable record.
+  bool ring_has_next(const UcxConnection& conn) const;
+  void set_rings_sleeping(bool sleeping);
+  void release_rings(UcxConnection& conn);
+  // Validates one notification and queues its on_write.
+  PSLD_UCX_HIDDEN void deliver_notification(const ConnPtr& conn, const WriteHeader& h);
+  // Queues on_write(conn, notify, length) for the next delivery. mu_ held.
+  void queue_write(ConnectionPtr conn, uint32_t notify, uint64_t length);
+  bool send_control(UcxConnection& conn, unsigned id, std::vector<uint8_t> payload,
+                    OpCtx::Kind kind);
+  void handle_control(const ConnPtr& conn, unsigned id, uint64_t seq,
+                      std::span<const uint8_t> payload);
+  void handle_hello(const ConnPtr& conn, std::span<const uint8_t> payload);
+  bool hold_early(UcxConnection& conn, unsigned id, uint64_t seq, std::span<const uint8_t> payload);
+  void handle_hello_ack(const ConnPtr& conn, std::span<const uint8_t> payload);
+  void dispatch_queued(UcxConnection& conn);
+  static Status foreign_key(const UcxConnection& conn);
+  void handle_notify(const ConnPtr& conn, std::span<const uint8_t> payload);
+  void connection_ready(UcxConnection& conn);
+  std::vector<uint8_t> hello_payload(const UcxConnection& conn) const;
+  PSLD_UCX_HIDDEN bool validate_target(const WriteHeader& h, std::shared_ptr<UcxRegion>* region);
+  struct ValidTarget;
+  // validate_target for the fast path: no lock while `last` still holds.
+  PSLD_UCX_HIDDEN inline bool validate_target_cached(const WriteHeader& h, ValidTarget* last);
+  void reject_write(const UcxConnection* conn, const std::string& why);
+  ucs_status_t on_am_write(const ConnPtr& conn, const void* header, size_t header_length,
+                           void* data, size_t length, const ucp_am_recv_param_t* param);
+
+  void accept(ucp_conn_request_h request);
+  // Marks `conn` closed, fails its operations with `why`, queues its
+  // on_disconnect, and closes its endpoint (after a bye, if `send_bye`).
+  void close_locked(UcxConnection& conn, const Status& why, bool send_bye);
+  void force_close_ep(UcxConnection& conn);
+  void run_deferred();
+  void check_deadlines(Clock::time_point now);
+  void drain_graveyard();
+  void deliver(Event& e);
+  Result<std::shared_ptr<UcxRegion>> make_region(uint8_t* data, size_t length, MemoryKind kind,
+                                                 ucp_mem_h memh);
+
+  const TransportOptions options_;
+  Handler* const handler_;
+  const WritePath forced_;
+  const uint64_t instance_ = random_u64() | 1;  // never 0, which means "not known yet"
+  const size_t am_eager_max_ = std::getenv("UCX_RNDV_THRESH") != nullptr ? 0 : kAmEagerMax;
+
+  std::shared_ptr<UcxContext> context_;
+  // Whether this UCX build and configuration handle CUDA memory, found once
+  // in init() from the context's memory types; the detail says how or why not.
+  bool cuda_supported_ = false;
+  std::string cuda_detail_ = "UCX not started";
+  int efd_ = -1;
+  int wake_fd_ = -1;
+  std::vector<uint8_t> address_;
+  std::string listen_text_;
+
+  std::mutex progress_mu_;  // one progress() at a time: handlers run in order
+  mutable std::mutex mu_;   // the worker and everything below
+  ucp_worker_h worker_ = nullptr;
+  ucp_listener_h listener_ = nullptr;
+  std::atomic<bool> shut_{false};
+  std::map<uint64_t, ConnPtr> conns_;
+  std::unordered_map<ucp_ep_h, ConnPtr> by_ep_;
+  std::vector<Event> events_;
+  std::vector<Event> delivering_;  // guarded by progress_mu_
+  int64_t last_deadline_tick_ = 0;
+  OpCtx* live_ops_ = nullptr;
+  size_t live_count_ = 0;
+  std::vector<OpCtx*> free_ops_;
+  size_t handshaking_ = 0;  // connections with a handshake deadline
+  // Deferred work (see the comment at the top of the file).
+  std::vector<ucp_conn_request_h> accepts_;
+  struct Flushed {
+    ConnPtr conn;
+    std::vector<UcxConnection::Unflushed> batch;
+    ucs_status_t status;
+  };
+  std::vector<Flushed> flushed_;
+  std::vector<ConnPtr> acks_;   // accepted: the hello answer is still to send
+  std::vector<ConnPtr> ready_;  // connected: the queued operations are still to send
+  std::vector<std::pair<ConnPtr, Status>> failed_;
+  std::vector<ConnPtr> to_close_;
+  // Rings of closed connections, unmapped by run_deferred (not inside a UCX
+  // callback).
+  std::vector<std::shared_ptr<RxRing>> dead_rings_;
+
+  std::atomic<int> sleepers_{0};
+  // Connections whose ring progress() polls (ready, with a ring); mu_.
+  std::vector<ConnPtr> rx_conns_;
+  // Set by progress() when UCX had nothing to do while a peer writes into one
+  // of our rings; then progress() may poll only the rings for up to
+  // ucx_poll_period_ after last_ucx_progress_. Any thread clears it to have UCX
+  // progressed at once.
+  std::atomic<bool> ucx_idle_{false};
+  uint64_t last_ucx_progress_ = 0;             // poll_clock(); progress_mu_
+  uint64_t ucx_poll_period_ = kUcxPollPeriod;  // progress_mu_
+  bool rings_attached_ = false;                // a peer writes into one of our rings; mu_
+  // Bumped (under mu_) whenever rx_conns_ changes; progress() then copies it.
+  std::atomic<uint64_t> rx_version_{0};
+  // The last target a ring's records named, as validate_target found it:
+  // consecutive writes of a connection mostly land in one region, and this
+  // spares them export_mu_ and the table.
+  struct ValidTarget {
+    uint64_t unexported = ~uint64_t{0};  // unexported_ when validated
+    uint64_t region = 0, secret = 0, length = 0;
+  };
+  // progress()'s own copy of rx_conns_, for the fast path; progress_mu_.
+  struct Polled {
+    ConnectionPtr conn;
+    UcxConnection* ucx;
+    std::shared_ptr<RxRing> ring;  // keeps it mapped while polled, even once closed
+    ValidTarget last;
+  };
+  std::vector<Polled> polled_;
+  uint64_t polled_version_ = 0;
+  int ring_sleepers_ = 0;  // threads in wait() that advertised it; mu_
+  PendingOps pending_;
+  RegistrationCache<UcxRegion> cache_;
+  std::atomic<uint64_t> next_region_{1};
+  std::mutex export_mu_;
+  std::unordered_map<uint64_t, std::weak_ptr<UcxRegion>> exported_;
+  // Bumped (under export_mu_) whenever a region leaves exported_: a target
+  // validated while it had some value is still exported while it has it.
+  std::atomic<uint64_t> unexported_{0};
+  // Held shared while copying into a peer's mapped memory, exclusively while
+  // shutdown unmaps it; never held while taking mu_.
+  std::shared_mutex mapping_mu_;
+  std::mutex rkey_mu_;  // after mu_ when both are held
+  std::set<UcxRemoteRegion*> live_remotes_;
+  std::vector<ucp_rkey_h> graveyard_;
+  std::atomic<bool> graveyard_nonempty_{false};
+
+  std::atomic<uint64_t> writes_put_{0}, writes_am_{0}, flushes_{0}, rejected_writes_{0},
+      rejected_messages_{0}, notify_ring_full_{0}, ring_wakeups_{0};
+  // The per-connection ring counters of connections that let go of their
+  // rings (release_rings, mu_ held).
+  std::atomic<uint64_t> retired_ring_records_{0}, retired_ring_writes_{0};
+};
+
+}  // namespace psld::transport

@@ -1,0 +1,211 @@
+// UCX setup: the context, the worker, the listener and the callbacks UCX calls.
+#include "transports/ucx/core.h"
+
+#include <fmt/format.h>
+#include <sys/eventfd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+
+#include "base/log.h"
+
+namespace psld::transport {
+
+namespace ucx_detail {
+
+void send_cb(void* request, ucs_status_t status, void* user_data) {
+  auto* op = static_cast<OpCtx*>(user_data);
+  op->request = nullptr;
+  op->core->on_request_done(op, status);
+  ucp_request_free(request);
+}
+
+void recv_am_cb(void* request, ucs_status_t status, size_t /*length*/, void* user_data) {
+  auto* op = static_cast<OpCtx*>(user_data);
+  op->request = nullptr;
+  op->core->on_request_done(op, status);
+  ucp_request_free(request);
+}
+
+void ep_error_cb(void* arg, ucp_ep_h ep, ucs_status_t status) {
+  static_cast<UcxCore*>(arg)->on_ep_error(ep, status);
+}
+
+}  // namespace ucx_detail
+
+namespace {
+
+template <unsigned Id>
+ucs_status_t am_cb(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                   const ucp_am_recv_param_t* param) {
+  return static_cast<UcxCore*>(arg)->on_am(Id, header, header_length, data, length, param);
+}
+
+void conn_request_cb(ucp_conn_request_h request, void* arg) {
+  static_cast<UcxCore*>(arg)->on_conn_request(request);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Setup
+
+Status UcxCore::init(const sockaddr_storage* listen, socklen_t listen_len) {
+  ucp_config_t* config = nullptr;
+  ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
+  if (st != UCS_OK) return ucs_to_status(st, "UCX cannot read its configuration (UCX_* variables)");
+  auto release = [&] { ucp_config_release(config); };
+  const UcxOptions& ucx = options_.ucx;
+  if (!ucx.tls.empty()) {
+    st = ucp_config_modify(config, "TLS", ucx.tls.c_str());
+    if (st != UCS_OK) {
+      release();
+      return InvalidArgument(
+          fmt::format("ucx.tls '{}' was rejected by UCX ({}); use a UCX_TLS "
+                      "value such as tcp, sm,tcp or rc,sm,tcp",
+                      ucx.tls, ucs_status_string(st)));
+    }
+  }
+  // UCX 1.13 leaves the shared-memory transports out of any endpoint that asks
+  // for peer error handling unless MM_ERROR_HANDLING=y: with "sm,tcp" a
+  // connection to a local peer then ran entirely over tcp (4.8 us one way
+  // instead of 0.7 us here). With it, sysv/posix carry the active messages
+  // and the RMA, and a dead peer is found by keep-alive. The environment
+  // still wins.
+  if (std::getenv("UCX_MM_ERROR_HANDLING") == nullptr && tls_may_use_shared_memory(ucx.tls)) {
+    st = ucp_config_modify(config, "MM_ERROR_HANDLING", "y");
+    if (st != UCS_OK) PSLD_LOG_DEBUG("ucx: MM_ERROR_HANDLING not set: {}", ucs_status_string(st));
+  }
+  // Keep-alive finds a peer that died without closing its sockets (shared
+  // memory lanes have none). UCX's default of 20 s is longer than a typical
+  // op_timeout; probe four times per op_timeout, at most every 100 ms.
+  if (std::getenv("UCX_KEEPALIVE_INTERVAL") == nullptr) {
+    const auto interval = std::clamp<int64_t>(options_.common.op_timeout.count() / 4, 100, 20000);
+    st = ucp_config_modify(config, "KEEPALIVE_INTERVAL", fmt::format("{}ms", interval).c_str());
+    if (st != UCS_OK) PSLD_LOG_DEBUG("ucx: KEEPALIVE_INTERVAL not set: {}", ucs_status_string(st));
+  }
+
+  ucp_params_t params{};
+  params.field_mask =
+      UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED | UCP_PARAM_FIELD_NAME;
+  params.features = UCP_FEATURE_AM | UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+  // Regions are mapped and unmapped from any thread (a MemoryRegion dies
+  // wherever its last holder lets go), outside the worker lock: the context
+  // must lock itself.
+  params.mt_workers_shared = 1;
+  params.name = "psld";
+  context_ = std::make_shared<UcxContext>();
+  st = ucp_init(&params, config, &context_->handle);
+  release();
+  if (st != UCS_OK) {
+    context_->handle = nullptr;
+    return Unavailable(
+        fmt::format("UCX could not start (ucp_init: {}) with UCX_TLS '{}'; `ucx_info -d` lists the "
+                    "transports this machine has",
+                    ucs_status_string(st), ucx.tls.empty() ? "(default)" : ucx.tls));
+  }
+  detect_cuda_support();
+
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // mu_ serializes every call
+  st = ucp_worker_create(context_->handle, &wp, &worker_);
+  if (st != UCS_OK) {
+    worker_ = nullptr;
+    return ucs_to_status(st, "UCX could not create a worker");
+  }
+  st = ucp_worker_get_efd(worker_, &efd_);
+  if (st != UCS_OK) return ucs_to_status(st, "UCX worker has no event fd");
+  wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (wake_fd_ < 0) return Unavailable(fmt::format("eventfd: {}", std::strerror(errno)));
+
+  auto set_handler = [&](unsigned id, ucp_am_recv_callback_t cb) {
+    ucp_am_handler_param_t hp{};
+    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                    UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+    hp.id = id;
+    hp.cb = cb;
+    hp.arg = this;
+    hp.flags = UCP_AM_FLAG_WHOLE_MSG;
+    return ucp_worker_set_am_recv_handler(worker_, &hp);
+  };
+  for (auto [id, cb] :
+       {std::pair{kAmHello, &am_cb<kAmHello>}, std::pair{kAmHelloAck, &am_cb<kAmHelloAck>},
+        std::pair{kAmMessage, &am_cb<kAmMessage>}, std::pair{kAmWrite, &am_cb<kAmWrite>},
+        std::pair{kAmNotify, &am_cb<kAmNotify>}, std::pair{kAmBye, &am_cb<kAmBye>},
+        std::pair{kAmWake, &am_cb<kAmWake>}}) {
+    st = set_handler(id, cb);
+    if (st != UCS_OK) return ucs_to_status(st, "UCX refused an active-message handler");
+  }
+
+  if (listen != nullptr) {
+    ucp_listener_params_t lp{};
+    lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+    lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(listen);
+    lp.sockaddr.addrlen = listen_len;
+    lp.conn_handler.cb = conn_request_cb;
+    lp.conn_handler.arg = this;
+    st = ucp_listener_create(worker_, &lp, &listener_);
+    if (st != UCS_OK) {
+      listener_ = nullptr;
+      return Unavailable(
+          fmt::format("UCX cannot listen on '{}': {} (is the address local and "
+                      "the port free?)",
+                      options_.common.listen_address, ucs_status_string(st)));
+    }
+    ucp_listener_attr_t la{};
+    la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+    st = ucp_listener_query(listener_, &la);
+    if (st != UCS_OK) return ucs_to_status(st, "UCX cannot tell the listener's address");
+    // Text, "127.0.0.1:41234": what a launcher builds from MASTER_ADDR and a
+    // port, and what logs and configuration files can carry.
+    listen_text_ = socket_address_string(la.sockaddr);
+    address_.assign(listen_text_.begin(), listen_text_.end());
+    PSLD_LOG_INFO("ucx: listening on {} (UCX_TLS {})", listen_text_,
+                  ucx.tls.empty() ? std::string("from the environment") : ucx.tls);
+  }
+  return Status::Ok();
+}
+
+// Whether UCX handles CUDA memory here. ucp_context_query's memory_types
+// holds a type when one of the context's memory domains with transport
+// resources can detect it: for CUDA that is cuda_copy, which exists only in a
+// UCX built --with-cuda (Debian's and Ubuntu's packages are not) and is left
+// out when UCX_TLS excludes it (e.g. "tcp"). With cuda_copy UCX moves device
+// memory correctly on every lane: zero-copy where the NIC can reach GPU
+// memory (GPUDirect RDMA: the ib transports with nvidia-peermem or dma-buf),
+// else pipelined through its own host buffers.
+void UcxCore::detect_cuda_support() {
+  ucp_context_attr_t attr{};
+  attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  const ucs_status_t st = ucp_context_query(context_->handle, &attr);
+  if (st != UCS_OK) {
+    cuda_supported_ = false;
+    cuda_detail_ = fmt::format(
+        "ucp_context_query failed ({}); psld stages device tensors "
+        "through host memory",
+        ucs_status_string(st));
+  } else if ((attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) == 0) {
+    cuda_supported_ = false;
+    cuda_detail_ =
+        options_.ucx.tls.empty()
+            ? "this UCX build has no CUDA support (Debian's UCX does not); psld stages device "
+              "tensors through host memory"
+            : fmt::format(
+                  "this UCX build has no CUDA support (Debian's UCX does not), or "
+                  "ucx.tls '{}' leaves out cuda_copy; psld stages device tensors "
+                  "through host memory",
+                  options_.ucx.tls);
+  } else {
+    cuda_supported_ = true;
+    cuda_detail_ =
+        "UCX memory type cuda (ucp_mem_map with UCS_MEMORY_TYPE_CUDA; zero-copy where the "
+        "NIC reaches GPU memory, else UCX pipelines through host buffers)";
+  }
+  PSLD_LOG_INFO("ucx: CUDA memory {}: {}", cuda_supported_ ? "supported" : "not supported",
+                cuda_detail_);
+}
+
+}  // namespace psld::transport

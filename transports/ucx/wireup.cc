@@ -1,0 +1,317 @@
+// UCX wire-up: connect, accept, the handshake (hello, its answer) and remote keys.
+#include "transports/ucx/core.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "base/log.h"
+
+namespace psld::transport {
+
+UcxRemoteRegion::~UcxRemoteRegion() {
+  if (auto core = core_.lock()) core->release_rkey(this);
+}
+
+// ---------------------------------------------------------------------------
+// Connections
+
+Result<ConnectionPtr> UcxCore::connect(std::span<const uint8_t> peer_address) {
+  const std::string where(peer_address.begin(), peer_address.end());
+  if (where.empty() || where.size() > kMaxAddressString ||
+      !std::all_of(where.begin(), where.end(), [](char c) { return c > ' ' && c < 127; })) {
+    return InvalidArgument(
+        "not a UCX transport address: pass the peer's Transport::address(), "
+        "host:port text such as 127.0.0.1:41234");
+  }
+  sockaddr_storage sa{};
+  socklen_t sa_len = 0;
+  PSLD_RETURN_IF_ERROR(parse_socket_address(where, false, &sa, &sa_len));
+
+  ConnPtr conn;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (worker_ == nullptr || shut_) return Unavailable("UCX transport is shut down");
+    conn =
+        std::make_shared<UcxConnection>(this, weak_from_this(), true, fmt::format("ucx {}", where));
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+    ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&sa);
+    ep.sockaddr.addrlen = sa_len;
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = ep_error_cb;
+    ep.err_handler.arg = this;
+    ucs_status_t st = ucp_ep_create(worker_, &ep, &conn->ep_);
+    if (st != UCS_OK) {
+      return Unavailable(fmt::format("cannot connect to {}: {}", where, ucs_status_string(st)));
+    }
+    conn->handshake_deadline_ = deadline();
+    ++handshaking_;
+    conns_[conn->id()] = conn;
+    by_ep_[conn->ep_] = conn;
+    conn->rx_ring_ = allocate_ring();
+    // UCX queues what is sent before wire-up completes, so the hello goes
+    // now; writes and sends wait for the answer, which tells us the lanes.
+    send_control(*conn, kAmHello, hello_payload(*conn), OpCtx::kControl);
+    run_deferred();
+  }
+  maybe_wake();
+  return ConnectionPtr(conn);
+}
+
+std::vector<uint8_t> UcxCore::hello_payload(const UcxConnection& conn) const {
+  WireWriter w;
+  w.u32(kHelloMagic);
+  w.u8(kWireVersion);
+  w.u64(instance_);
+  w.u64(conn.id());
+  w.str(listen_text_);
+  write_ring_offer(w, conn);
+  return w.take();
+}
+
+void UcxCore::accept(ucp_conn_request_h request) {
+  if (shut_ || listener_ == nullptr) {
+    if (listener_ != nullptr) ucp_listener_reject(listener_, request);
+    return;
+  }
+  ucp_conn_request_attr_t attr{};
+  attr.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
+  std::string who = "unknown client";
+  if (ucp_conn_request_query(request, &attr) == UCS_OK) {
+    who = socket_address_string(attr.client_address);
+  }
+  ucp_ep_params_t ep{};
+  ep.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep.conn_request = request;
+  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ep.err_handler.cb = ep_error_cb;
+  ep.err_handler.arg = this;
+  auto conn =
+      std::make_shared<UcxConnection>(this, weak_from_this(), false, fmt::format("ucx {}", who));
+  ucs_status_t st = ucp_ep_create(worker_, &ep, &conn->ep_);
+  if (st != UCS_OK) {
+    PSLD_LOG_WARN("ucx: cannot accept a connection from {}: {}", who, ucs_status_string(st));
+    return;
+  }
+  // Invisible to the application until the client's hello arrives.
+  conn->handshake_deadline_ = deadline();
+  ++handshaking_;
+  conns_[conn->id()] = conn;
+  by_ep_[conn->ep_] = conn;
+  conn->rx_ring_ = allocate_ring();
+}
+
+void UcxCore::handle_hello(const ConnPtr& conn, std::span<const uint8_t> payload) {
+  WireReader r(payload);
+  uint32_t magic = 0;
+  uint8_t version = 0;
+  uint64_t instance = 0, peer_conn = 0;
+  std::string listen;
+  uint32_t ring_slots = 0;
+  uint64_t ring_base = 0;
+  std::span<const uint8_t> ring_key;
+  if (conn->client_ || conn->state_ != UcxConnection::State::kHandshake || !r.u32(&magic) ||
+      magic != kHelloMagic || !r.u8(&version) || version != kWireVersion || !r.u64(&instance) ||
+      !r.u64(&peer_conn) || !r.str(&listen, kMaxAddressString) ||
+      !read_ring_offer(r, &ring_slots, &ring_base, &ring_key) || !r.done()) {
+    ++rejected_messages_;
+    close_locked(*conn, DataLoss("malformed hello from " + conn->peer()), false);
+    return;
+  }
+  conn->peer_instance_ = instance;
+  map_peer_ring(*conn, ring_slots, ring_base, ring_key);
+  connection_ready(*conn);
+  push_event(Event::kAccept, conn);
+  acks_.push_back(conn);  // sending is deferred: this runs inside a UCX callback
+}
+
+void UcxCore::handle_hello_ack(const ConnPtr& conn, std::span<const uint8_t> payload) {
+  WireReader r(payload);
+  uint32_t magic = 0;
+  uint8_t version = 0;
+  uint64_t instance = 0, peer_conn = 0;
+  std::string listen;
+  uint32_t ring_slots = 0;
+  uint64_t ring_base = 0;
+  std::span<const uint8_t> ring_key;
+  if (!conn->client_ || conn->state_ != UcxConnection::State::kHandshake || !r.u32(&magic) ||
+      magic != kHelloMagic || !r.u8(&version) || version != kWireVersion || !r.u64(&instance) ||
+      !r.u64(&peer_conn) || !r.str(&listen, kMaxAddressString) ||
+      !read_ring_offer(r, &ring_slots, &ring_base, &ring_key) || !r.done()) {
+    ++rejected_messages_;
+    close_locked(*conn, DataLoss("malformed hello answer from " + conn->peer()), false);
+    return;
+  }
+  conn->peer_instance_ = instance;
+  map_peer_ring(*conn, ring_slots, ring_base, ring_key);
+  connection_ready(*conn);
+  ready_.push_back(conn);  // sending is deferred: this runs inside a UCX callback
+  // What the server sent right after accepting (from its on_accept handler)
+  // can overtake its deferred answer; it was held until now.
+  std::vector<UcxConnection::Early> early;
+  early.swap(conn->early_);
+  for (auto& e : early)
+    handle_control(conn, e.id, e.seq, e.bytes);
+}
+
+bool UcxCore::hold_early(UcxConnection& conn, unsigned id, uint64_t seq,
+                         std::span<const uint8_t> payload) {
+  if (!conn.client_ || conn.state_ != UcxConnection::State::kHandshake) return false;
+  // Bounded: a peer cannot make us buffer without limit before it answers.
+  if (conn.early_.size() >= kMaxEarlyMessages) return false;
+  conn.early_.push_back({id, seq, std::vector<uint8_t>(payload.begin(), payload.end())});
+  return true;
+}
+
+Status UcxCore::foreign_key(const UcxConnection& conn) {
+  return InvalidArgument(
+      "remote key was exported by another transport than this connection's peer (" + conn.peer() +
+      "); import it on a connection to the transport that registered the region");
+}
+
+void UcxCore::dispatch_queued(UcxConnection& conn) {
+  // Operations issued during the handshake go out in the order they came.
+  std::deque<UcxConnection::Queued> queued;
+  queued.swap(conn.queued_);
+  for (auto& q : queued) {
+    if (conn.state_ != UcxConnection::State::kReady) break;  // closed meanwhile: already failed
+    if (!pending_.contains(q.op_id)) continue;               // timed out meanwhile
+    if (q.is_write && q.remote->owner() != conn.peer_instance_.load()) {
+      // Imported before the handshake named the peer: checked now.
+      complete(q.op_id, foreign_key(conn));
+    } else if (q.is_write) {
+      start_write(conn, UserOp{q.op_id, nullptr}, q.src, q.remote, q.local_offset, q.remote_offset,
+                  q.length, q.notify);
+    } else {
+      start_send(conn, UserOp{q.op_id, nullptr}, q.message);
+    }
+  }
+}
+
+void UcxCore::connection_ready(UcxConnection& conn) {
+  conn.state_ = UcxConnection::State::kReady;
+  --handshaking_;
+  const std::string info = endpoint_info(conn.ep_);
+  const LaneSummary lanes = summarize_lanes(info);
+  conn.rma_ = lanes.rma;
+  WritePath path = forced_;
+  std::string why = "forced by ucx.write_path";
+  if (path == WritePath::kAuto) {
+    if (lanes.rma == RmaKind::kEmulated) {
+      path = WritePath::kAm;
+      why =
+          "UCX only emulates put on these lanes; active-message rendezvous lands the data "
+          "straight in the target";
+    } else {
+      path = WritePath::kPut;
+      why = lanes.rma == RmaKind::kRdma ? "native RDMA put"
+                                        : "shared-memory put into regions the peer allocated "
+                                          "with allocate_memory (others use am)";
+    }
+  }
+  conn.path_ = path;
+  if (conn.rx_ring_) {
+    rx_conns_.push_back(conn.shared_from_this());
+    rx_version_.fetch_add(1, std::memory_order_release);
+    // A thread already asleep advertises this ring too, so its writer wakes
+    // it. (Records published before now are read by the progress() that
+    // runs this: rings are polled after the worker.)
+    if (ring_sleepers_ > 0) {
+      ring_word(conn.rx_ring_->base(), kRingSleepingAt).store(1, std::memory_order_seq_cst);
+    }
+  }
+  PSLD_LOG_INFO("ucx: connection {} ({}): lanes {}; writes use {} ({}); notify ring: {}", conn.id(),
+                conn.peer(), lanes.text, path == WritePath::kPut ? "put" : "am", why,
+                conn.ring_note_);
+  PSLD_LOG_DEBUG("ucx: connection {} endpoint:\n{}", conn.id(), info);
+}
+
+Result<std::shared_ptr<RemoteRegion>> UcxCore::import_region(UcxConnection& conn,
+                                                             std::span<const uint8_t> key) {
+  WireReader r(key);
+  uint32_t magic = 0;
+  uint8_t version = 0, kind = 0;
+  uint64_t owner = 0, region = 0, base = 0, length = 0, secret = 0, sum = 0;
+  std::span<const uint8_t> packed;
+  if (!r.u32(&magic) || magic != kKeyMagic) {
+    return DataLoss(
+        "not a UCX remote key (a key of another transport kind, or corrupted); "
+        "import keys made by this connection's peer's ucx transport");
+  }
+  if (!r.u8(&version) || version != kWireVersion || !r.u8(&kind) || !r.u64(&owner) ||
+      !r.u64(&region) || !r.u64(&base) || !r.u64(&length) || !r.u64(&secret) ||
+      !r.blob(&packed, kMaxPackedRkey) || key.size() < 8 || !r.u64(&sum) || !r.done()) {
+    return DataLoss("malformed UCX remote key (truncated or padded)");
+  }
+  if (sum != fnv1a(key.first(key.size() - 8))) {
+    return DataLoss("UCX remote key failed its checksum (corrupted in transit?)");
+  }
+  if (length == 0 || base + length < base || packed.empty()) {
+    return DataLoss("UCX remote key describes an impossible region");
+  }
+  if (kind != static_cast<uint8_t>(MemoryKind::kHost) &&
+      kind != static_cast<uint8_t>(MemoryKind::kCuda)) {
+    return DataLoss("UCX remote key names an unknown memory kind");
+  }
+  const auto remote_kind = static_cast<MemoryKind>(kind);
+  std::vector<uint8_t> padded(packed.size() + kRkeyPad, 0);
+  std::memcpy(padded.data(), packed.data(), packed.size());
+
+  std::lock_guard<std::mutex> lock(mu_);
+  if (worker_ == nullptr || conn.state_ == UcxConnection::State::kClosed || conn.ep_ == nullptr) {
+    return Unavailable("connection to " + conn.peer() + " is closed");
+  }
+  // Before the handshake answered the peer is not known yet; then the writes
+  // check the key (check_write, dispatch_queued).
+  if (conn.peer_instance_.load() != 0 && owner != conn.peer_instance_.load()) {
+    return foreign_key(conn);
+  }
+  ucp_rkey_h rkey = nullptr;
+  ucs_status_t st = ucp_ep_rkey_unpack(conn.ep_, padded.data(), &rkey);
+  if (st != UCS_OK) {
+    return DataLoss(fmt::format("UCX could not unpack the remote key: {}", ucs_status_string(st)));
+  }
+  // Shared memory the peer allocated (UCP_MEM_MAP_ALLOCATE) is attached by
+  // the unpack; ucp_rkey_ptr says where.
+  // Device memory is never mapped for the CPU.
+  void* mapped_at = nullptr;
+  const bool mapped = remote_kind == MemoryKind::kHost &&
+                      ucp_rkey_ptr(rkey, base, &mapped_at) == UCS_OK && mapped_at != nullptr;
+  auto remote = std::make_shared<UcxRemoteRegion>(
+      length, region, remote_kind, conn.id(), owner, base, secret,
+      mapped ? static_cast<uint8_t*>(mapped_at) : nullptr, rkey, weak_from_this());
+  {
+    std::lock_guard<std::mutex> rlock(rkey_mu_);
+    live_remotes_.insert(remote.get());
+  }
+  return std::shared_ptr<RemoteRegion>(remote);
+}
+
+void UcxCore::release_rkey(UcxRemoteRegion* remote) {
+  std::lock_guard<std::mutex> lock(rkey_mu_);
+  live_remotes_.erase(remote);
+  if (remote->rkey_ != nullptr) {
+    graveyard_.push_back(remote->rkey_);
+    remote->rkey_ = nullptr;
+    graveyard_nonempty_ = true;
+  }
+}
+
+void UcxCore::drain_graveyard() {
+  if (!graveyard_nonempty_.load()) return;
+  std::vector<ucp_rkey_h> dead;
+  {
+    std::lock_guard<std::mutex> lock(rkey_mu_);
+    dead.swap(graveyard_);
+    graveyard_nonempty_ = false;
+  }
+  for (ucp_rkey_h k : dead)
+    ucp_rkey_destroy(k);
+}
+
+}  // namespace psld::transport
