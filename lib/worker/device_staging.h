@@ -26,9 +26,9 @@
 #include <string>
 #include <thread>
 
+#include "gpu/copy_engine.h"
 #include "lib/config/runtime_options.h"
 #include "psld/status.h"
-#include "gpu/copy_engine.h"
 #include "transports/transport.h"
 
 namespace psld {
