@@ -1,4 +1,4 @@
-// The balancer in the loop (DESIGN.md §5-§7): servers report load, the
+// The balancer in the loop (docs/design.md §5-§7): servers report load, the
 // coordinator's balancer plans, placement epochs switch, while workers train
 // and every sum stays exact. Integration suite: it runs for seconds, and the
 // straggler must stand out from the rest, which it does not under TSan.

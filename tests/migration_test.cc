@@ -1,4 +1,4 @@
-// Live migration (DESIGN.md §7): placement epochs switch while workers train,
+// Live migration (docs/design.md §7): placement epochs switch while workers train,
 // and the results are exactly those of a run without a switch.
 #include <gtest/gtest.h>
 

@@ -11,7 +11,7 @@
 #endif
 
 // The only place that knows which backends were compiled in; core code asks
-// by name (DESIGN.md §4: never #ifdef outside transports/).
+// by name (docs/design.md §4: never #ifdef outside transports/).
 
 namespace psld::transport {
 

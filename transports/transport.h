@@ -1,7 +1,7 @@
 // transports/transport.h — the one interface every fabric backend implements.
 //
 // A transport moves bytes and knows nothing of keys, rounds or balancing. It
-// offers exactly what psld's data path needs (DESIGN.md §4):
+// offers exactly what psld's data path needs (docs/design.md §4):
 //
 //   register memory  -> a local MemoryRegion and a packed remote key
 //   listen / connect -> Connections, identified by opaque address blobs

@@ -1,6 +1,6 @@
 // lib/balancer/balancer.h — the balancer: (placement, load history, options) -> plan.
 //
-// DESIGN.md §6; docs/balancer.md explains the model and every option. The
+// docs/design.md §6; docs/balancer.md explains the model and every option. The
 // module is pure: no I/O, no clock, no threads. It remembers what it needs
 // between decisions (rate estimates, hysteresis counters, the last plan, so
 // that it can roll it back), and the same sequence of inputs always yields the
@@ -40,7 +40,7 @@ namespace psld {
 
 // ---- Inputs: plain structs the coordinator fills from the servers' summaries.
 
-// One window of a server's load summary (DESIGN.md §5; the coordinator's
+// One window of a server's load summary (docs/design.md §5; the coordinator's
 // LoadHistory holds them: bytes = bytes_in + bytes_out, busy_s = busy_ns, and
 // round_s from what the workers reported of the server). Windows of one server
 // carry increasing `seq`; the balancer reads each window once, so a caller can

@@ -1,4 +1,4 @@
-// Epoch switches (DESIGN.md §7; docs/migration.md), the coordinator's side:
+// Epoch switches (docs/design.md §7; docs/migration.md), the coordinator's side:
 // a proposed delta prepared, voted on and committed at a switch round, the
 // transfer of the moved state, the low watermark that frees old runs, and
 // the abort when a server is lost mid-switch.

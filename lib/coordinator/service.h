@@ -1,4 +1,4 @@
-// The coordinator: control plane only, never on the data path (DESIGN.md
+// The coordinator: control plane only, never on the data path (docs/design.md
 // §2). Admits members (challenge-response with the job secret), assigns
 // ranks, hands out the server list and the epoch-0 placement, agrees tensor
 // ids, runs barriers, and watches heartbeats: a member that disconnects or
@@ -43,7 +43,7 @@ class CoordinatorService final : public ProcessRuntime {
   // A copy of the recent load the members reported.
   LoadHistory load_history() const;
 
-  // Starts a placement epoch switch (DESIGN.md §7): the servers prepare it at
+  // Starts a placement epoch switch (docs/design.md §7): the servers prepare it at
   // a switch round ahead of every worker, vote, and once all agree everyone
   // commits it; its transfer is final once every old owner shipped what it
   // loses. FailedPrecondition while another switch or its transfer is in
@@ -150,7 +150,7 @@ class CoordinatorService final : public ProcessRuntime {
   std::map<uint64_t, std::set<uint32_t>> barriers_;
   std::optional<Placement> placement_;
   LoadHistory load_;
-  // The epoch switch in flight (DESIGN.md §7).
+  // The epoch switch in flight (docs/design.md §7).
   struct Switch {
     PlacementDelta delta;
     std::vector<uint8_t> delta_bytes;

@@ -1,4 +1,4 @@
-// EpochLog: which placement epoch serves which rounds (DESIGN.md §7).
+// EpochLog: which placement epoch serves which rounds (docs/design.md §7).
 //
 // An epoch switch takes effect at a round: rounds >= switch_round of every key
 // are served under the new epoch, earlier rounds under the epochs before. A

@@ -21,7 +21,7 @@
 //                           Error; pulls arrive as writes into the worker's
 //                           tensor, notify = tag
 //   coordinator -> servers: EpochChange(prepare) -> EpochVote; then
-//                           EpochChange(commit) to every member (DESIGN.md §7)
+//                           EpochChange(commit) to every member (docs/design.md §7)
 //   old owner -> new owner: StateOffer (a key reached the switch and nobody
 //                           asked for it yet)
 //   new owner -> old owner: StateRequest -> a write of the key's state into
@@ -177,7 +177,7 @@ struct JobFailed {
 
 struct Shutdown {};
 
-// Load statistics (DESIGN.md §5). One window of a server's (per arc of the
+// Load statistics (docs/design.md §5). One window of a server's (per arc of the
 // placement, identified by the arc's first hash `lo` in `epoch`) or a
 // worker's (per server) measurements. A window whose entries do not fit one
 // control message travels in `parts` messages with the same `window`; the
@@ -296,7 +296,7 @@ struct Ack {
   uint64_t request = 0;
   uint8_t flags = 0;
 };
-// A placement epoch switch (DESIGN.md §7). Rounds >= switch_round of every
+// A placement epoch switch (docs/design.md §7). Rounds >= switch_round of every
 // key are served under epoch `epoch` (the previous epoch with `delta`
 // applied), earlier rounds under the epochs before. `prepare` goes to the
 // servers, which from then on refuse rounds >= switch_round of keys they

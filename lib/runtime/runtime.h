@@ -2,7 +2,7 @@
 // messages, shared by the coordinator, servers and workers.
 //
 // Handler calls arrive on the progress thread; subclasses must keep them
-// short (queue heavy work elsewhere: DESIGN.md §4, the transport progress
+// short (queue heavy work elsewhere: docs/design.md §4, the transport progress
 // thread never reduces or updates).
 #pragma once
 

@@ -1,4 +1,4 @@
-// Aggregation (DESIGN.md §4): pushes reduced into a key's accumulator, rounds
+// Aggregation (docs/design.md §4): pushes reduced into a key's accumulator, rounds
 // applied (sum or optimizer) under the sync mode, and pulls served from the
 // result.
 #include <fmt/format.h>

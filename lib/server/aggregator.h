@@ -1,4 +1,4 @@
-// The arithmetic of one key on a server (DESIGN.md §4): its parameter,
+// The arithmetic of one key on a server (docs/design.md §4): its parameter,
 // accumulator and optimizer state, the reduce of each push, the update of a
 // round (sum or optimizer), and the rules of the sync mode (which push may be
 // reduced now, which pull may be answered).

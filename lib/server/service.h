@@ -1,4 +1,4 @@
-// The parameter server (DESIGN.md §4): grants each worker connection a ring
+// The parameter server (docs/design.md §4): grants each worker connection a ring
 // of landing slots, reduces pushed chunks into per-key accumulators with the
 // CPU kernels (or, with server.device = cuda, in GPU memory with the CUDA
 // kernels: lib/server/server_device.h), applies the round (sum or optimizer) and
@@ -166,7 +166,7 @@ class ServerService final : public ProcessRuntime {
   // Answers a request for a key this server does not own in its epoch.
   void send_moved(uint64_t conn, uint32_t tag, Key key);
   void flush_credits(Shard& shard);
-  // Migration (DESIGN.md §7).
+  // Migration (docs/design.md §7).
   void on_epoch_change(const protocol::EpochChange& change);
   void on_final(const protocol::EpochFinal& final);
   // The heartbeat thread's clock: the transfer's fallback report.

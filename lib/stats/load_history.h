@@ -1,4 +1,4 @@
-// LoadHistory: the coordinator's bounded memory of recent load (DESIGN.md §5).
+// LoadHistory: the coordinator's bounded memory of recent load (docs/design.md §5).
 //
 // Every LoadReport from a server or worker lands here: per server a ring of
 // its last windows, per server a ring of what workers saw of it, per arc a

@@ -1,4 +1,4 @@
-// LoadRing: the fixed-capacity, lock-free ring of load samples (DESIGN.md §5),
+// LoadRing: the fixed-capacity, lock-free ring of load samples (docs/design.md §5),
 // and WindowStats, which turns a window of drained samples into a summary.
 //
 // Many producers (data-path threads recording bytes moved, queueing delay,

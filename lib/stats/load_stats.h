@@ -1,4 +1,4 @@
-// Load statistics on the data path (DESIGN.md §5): what servers and workers
+// Load statistics on the data path (docs/design.md §5): what servers and workers
 // measure, and how one window of it becomes the LoadReport sent to the
 // coordinator.
 //

@@ -1,4 +1,4 @@
-// Routing, the worker's side of placement and migration (DESIGN.md §3, §7;
+// Routing, the worker's side of placement and migration (docs/design.md §3, §7;
 // docs/migration.md): each chunk sent to the server its epoch names, a
 // Moved answer re-routed, epoch changes applied, the per-server pump and
 // the issue of a chunk, and the progress report the low watermark is made of.

@@ -1,6 +1,6 @@
 // The emulated link: a wrapper around any backend that limits its bandwidth
 // with token buckets and adds latency, so that a test or benchmark can make
-// one server a bandwidth straggler on a single machine (DESIGN.md §4).
+// one server a bandwidth straggler on a single machine (docs/design.md §4).
 //
 // Egress (writes and messages this transport sends) is shaped before the
 // operation is handed to the inner transport. Ingress (writes and messages

@@ -1,4 +1,4 @@
-// The UCX backend (DESIGN.md §4): UCP active messages and RMA over whatever
+// The UCX backend (docs/design.md §4): UCP active messages and RMA over whatever
 // UCX finds (InfiniBand/RoCE, shared memory, TCP).
 //
 // One ucp_context and one ucp_worker per Transport, so several transports
