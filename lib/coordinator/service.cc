@@ -3,9 +3,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <random>
 
 #include "base/log.h"
+#include "base/random.h"
 #include "base/thread.h"
 #include "lib/placement/epoch_log.h"
 
@@ -16,11 +16,6 @@ using transport::Clock;
 using transport::ConnectionPtr;
 
 namespace {
-
-uint64_t random_nonce() {
-  std::random_device rd;
-  return (static_cast<uint64_t>(rd()) << 32) ^ rd();
-}
 
 // A serialized placement, cut into pieces that fit one control message.
 std::vector<protocol::PlacementChunk> placement_chunks(const Placement& p) {
@@ -100,7 +95,7 @@ void CoordinatorService::on_accept(const ConnectionPtr& conn) {
     std::lock_guard<std::mutex> lock(mu_);
     Member m;
     m.conn = conn;
-    m.nonce = random_nonce();
+    m.nonce = random_u64();
     m.last_seen = Clock::now();
     members_[conn->id()] = m;
     post(conn, protocol::Challenge{m.nonce});

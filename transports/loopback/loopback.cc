@@ -10,6 +10,7 @@
 #include <functional>
 #include <random>
 
+#include "base/random.h"
 #include "base/wire.h"
 #include "transports/common/pending_ops.h"
 #include "transports/common/registration_cache.h"
@@ -23,11 +24,6 @@ constexpr std::string_view kAddressPrefix = "loopback:";
 constexpr auto kReorderHold = std::chrono::milliseconds(2);
 
 std::atomic<uint64_t> g_next_connection_id{1};
-
-uint64_t random_u64() {
-  std::random_device rd;
-  return (static_cast<uint64_t>(rd()) << 32) ^ rd();
-}
 
 }  // namespace
 

@@ -53,6 +53,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "base/hash.h"
+#include "base/random.h"
 #include "base/wire.h"
 #include "transports/common/pending_ops.h"
 #include "transports/common/registration_cache.h"
@@ -275,8 +277,6 @@ inline std::atomic_ref<uint64_t> ring_word(uint8_t* base, size_t at) {
 }
 
 // util.cc
-uint64_t random_u64();
-uint64_t fnv1a(std::span<const uint8_t> b);
 Status ucs_to_status(ucs_status_t st, std::string_view what);
 Status parse_socket_address(const std::string& text, bool passive, sockaddr_storage* out,
                             socklen_t* out_len);

@@ -129,7 +129,7 @@ Result<std::shared_ptr<UcxRegion>> UcxCore::make_region(uint8_t* data, size_t le
   w.u64(secret);
   w.blob({static_cast<const uint8_t*>(packed), packed_size});
   ucp_rkey_buffer_release(packed);
-  w.u64(fnv1a(w.data()));
+  w.u64(fnv1a64(w.data()));
   std::weak_ptr<UcxCore> weak = weak_from_this();
   auto* raw = new UcxRegion(data, length, kind, id, context_, memh, instance_, secret, w.take());
   // The deleter unexports the region, so a peer's later write is rejected.

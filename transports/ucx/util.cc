@@ -10,25 +10,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
-#include <random>
 #include <set>
 #include <sstream>
 
 namespace psld::transport {
 
 namespace ucx_detail {
-
-uint64_t random_u64() {
-  std::random_device rd;
-  return (static_cast<uint64_t>(rd()) << 32) ^ rd();
-}
-
-uint64_t fnv1a(std::span<const uint8_t> b) {
-  uint64_t h = 1469598103934665603ull;
-  for (uint8_t c : b)
-    h = (h ^ c) * 1099511628211ull;
-  return h;
-}
 
 Status ucs_to_status(ucs_status_t st, std::string_view what) {
   std::string msg = fmt::format("{}: {}", what, ucs_status_string(st));

@@ -248,7 +248,7 @@ Result<std::shared_ptr<RemoteRegion>> UcxCore::import_region(UcxConnection& conn
       !r.blob(&packed, kMaxPackedRkey) || key.size() < 8 || !r.u64(&sum) || !r.done()) {
     return DataLoss("malformed UCX remote key (truncated or padded)");
   }
-  if (sum != fnv1a(key.first(key.size() - 8))) {
+  if (sum != fnv1a64(key.first(key.size() - 8))) {
     return DataLoss("UCX remote key failed its checksum (corrupted in transit?)");
   }
   if (length == 0 || base + length < base || packed.empty()) {

@@ -36,6 +36,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "base/random.h"
 #include "psld/status.h"
 #include "transports/common/pending_ops.h"
 #include "transports/common/registration_cache.h"
@@ -109,7 +110,6 @@ inline std::atomic<uint64_t> g_next_connection_id{1};
 
 // Defined in util.cc.
 std::string errno_text(int err);
-uint64_t random_nonzero_u64();
 // A verbs call failed on a device that is present: not "unavailable" (which
 // callers and tests read as "no RDMA here"), but a resource or setup problem.
 Status device_error(std::string_view what, int err);

@@ -5,20 +5,11 @@
 
 #include <cerrno>
 #include <cstring>
-#include <random>
 
 namespace psld::transport::verbs_detail {
 
 std::string errno_text(int err) {
   return fmt::format("{} ({})", std::strerror(err), err);
-}
-
-uint64_t random_nonzero_u64() {
-  std::random_device rd;
-  uint64_t v = 0;
-  while (v == 0)
-    v = (static_cast<uint64_t>(rd()) << 32) ^ rd();
-  return v;
 }
 
 Status device_error(std::string_view what, int err) {
