@@ -18,6 +18,8 @@
 #include <thread>
 #include <vector>
 
+#include "base/net.h"
+
 extern char** environ;
 
 namespace psld::testing {
@@ -102,21 +104,6 @@ inline RunResult run_process(const std::vector<std::string>& argv,
   return r;
 }
 
-// A TCP port on 127.0.0.1 that was free a moment ago (-1 if none was found).
-inline int free_loopback_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return -1;
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  int port = -1;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
-    port = ntohs(a.sin_port);
-  }
-  close(fd);
-  return port;
-}
+using ::psld::free_loopback_port;  // base/net.h
 
 }  // namespace psld::testing

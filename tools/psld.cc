@@ -29,6 +29,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/net.h"
 #include "bench/bench_util.h"
 #include "bench/stragglers.h"
 #include "lib/server/server_device.h"
@@ -187,23 +188,6 @@ std::string describe_exit(int status) {
   return "stopped";
 }
 
-// A port nobody listens on right now (the kernel's pick for port 0).
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return -1;
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  int port = -1;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
-    port = ntohs(a.sin_port);
-  }
-  close(fd);
-  return port;
-}
-
 // "0:25M" -> {0, 25000000}; nullopt when malformed.
 std::optional<std::pair<int, uint64_t>> parse_slow_server(const std::string& text) {
   const auto colon = text.find(':');
@@ -292,7 +276,7 @@ int cmd_launch(int argc, char** argv) {
   config->job.num_servers = servers;
   config->job.num_standby = standby;
   if (!transport.empty()) config->job.transport = transport;
-  const int port = free_port();
+  const int port = psld::free_loopback_port();
   if (port <= 0) return fail("cannot find a free TCP port on 127.0.0.1 for the coordinator");
   const std::string address = fmt::format("127.0.0.1:{}", port);
   config->job.coordinator = address;
