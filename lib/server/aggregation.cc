@@ -41,11 +41,19 @@ void ServerService::release_parked(Shard& shard, KeyState& k) {
     process_push(shard, p);
 }
 
-Status ServerService::reduce_push(Shard& shard, KeyState& k, const PushWork& w) {
-  PSLD_RETURN_IF_ERROR(k.failed);
-  PSLD_RETURN_IF_ERROR(k.agg.reduce(shard.lane, w.worker, w.meta.round, w.data));
-  pace_compute(k.agg.bytes());
-  return Status::Ok();
+bool ServerService::reduce_push(Shard& shard, KeyState& k, const PushWork& w) {
+  const auto start = transport::Clock::now();
+  Status st = k.failed;
+  if (st.ok()) st = k.agg.reduce(shard.lane, w.worker, w.meta.round, w.data);
+  if (st.ok()) pace_compute(k.agg.bytes());
+  load_->record(k.arc, LoadMetric::kBusyNs, ns_since(start));
+  free_slot(shard, w.conn, w.meta.slot);
+  if (!st.ok()) {
+    fail_key(shard, k, st);
+    send_error(w.conn, w.meta.tag, k.failed);
+    return false;
+  }
+  return true;
 }
 
 void ServerService::fail_key(Shard& shard, KeyState& k, const Status& why) {
@@ -168,15 +176,7 @@ void ServerService::process_push(Shard& shard, PushWork& w) {
                                                 w.worker, meta.round, meta.key)));
       return;
     }
-    const auto start = transport::Clock::now();
-    Status st = reduce_push(shard, k, w);
-    load_->record(k.arc, LoadMetric::kBusyNs, ns_since(start));
-    free_slot(shard, w.conn, meta.slot);
-    if (!st.ok()) {
-      fail_key(shard, k, st);
-      send_error(w.conn, meta.tag, k.failed);
-      return;
-    }
+    if (!reduce_push(shard, k, w)) return;
     if (then_pull) k.waiting.push_back(follow);
     if (k.agg.round_complete()) try_apply(shard, k);
     return;
@@ -188,15 +188,7 @@ void ServerService::process_push(Shard& shard, PushWork& w) {
     k.deferred.push_back(w);
     return;
   }
-  const auto start = transport::Clock::now();
-  Status st = reduce_push(shard, k, w);
-  load_->record(k.arc, LoadMetric::kBusyNs, ns_since(start));
-  free_slot(shard, w.conn, meta.slot);
-  if (!st.ok()) {
-    fail_key(shard, k, st);
-    send_error(w.conn, meta.tag, k.failed);
-    return;
-  }
+  if (!reduce_push(shard, k, w)) return;
   if (then_pull) k.waiting.push_back(follow);
   apply_round(shard, k);
 }

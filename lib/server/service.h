@@ -147,9 +147,10 @@ class ServerService final : public ProcessRuntime {
   // The key's state, created on first use; `round` is the round of the
   // request that creates it (a key gained by migration waits for its state).
   KeyState& key_state(Shard& shard, Key key, protocol::DType dtype, uint64_t bytes, uint64_t round);
-  // Reduces a push into the key's accumulator (Aggregator::reduce) and
-  // waits for it: the landing slot may be reused after.
-  Status reduce_push(Shard& shard, KeyState& k, const PushWork& w);
+  // Reduces a push into the key's accumulator (Aggregator::reduce), waits
+  // for it, records the busy time and frees the landing slot. On an error
+  // it fails the key and answers the push: false.
+  bool reduce_push(Shard& shard, KeyState& k, const PushWork& w);
   // A device operation on the key failed: answers what waits for it, and
   // every later request, with `why` (docs/gpu.md, "GPU servers").
   void fail_key(Shard& shard, KeyState& k, const Status& why);
