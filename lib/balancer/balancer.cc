@@ -257,24 +257,25 @@ std::string Balancer::Decision::moves_text(const PlanStep& step) const {
 std::string Balancer::Decision::cost_text(const PlanStep& step) const {
   return fmt::format("migration {} takes {}, {} per round over {:g} rounds",
                      bytes_text(step.migration_bytes), seconds_text(step.migration_cost_s),
-                     seconds_text(step.migration_cost_s / o_.horizon_rounds), o_.horizon_rounds);
+                     seconds_text(step.migration_cost_s / options_.horizon_rounds),
+                     options_.horizon_rounds);
 }
 
 std::string Balancer::Decision::straggler_text() const {
   std::string out;
   for (const Member& m : members_) {
-    if (!m.active() || m.t->straggler_windows < o_.straggler_windows) continue;
+    if (!m.active() || m.tracked->straggler_windows < options_.straggler_windows) continue;
     const double others = (active_load_ - m.load) / (active_rate_ - m.rate);
-    out +=
-        fmt::format("{}server {} at {} vs {} for the others ({} windows)", out.empty() ? "" : ", ",
-                    m.id, seconds_text(m.time()), seconds_text(others), m.t->straggler_windows);
+    out += fmt::format("{}server {} at {} vs {} for the others ({} windows)",
+                       out.empty() ? "" : ", ", m.id, seconds_text(m.time()), seconds_text(others),
+                       m.tracked->straggler_windows);
   }
   return out.empty() ? "none" : out;
 }
 
 Result<Plan> Balancer::Decision::finish_plan(std::string prefix, std::optional<PlanStep> step,
                                              std::string hold) {
-  std::string line = fmt::format("decision {} epoch {}: ", b_.decision_, p_.epoch());
+  std::string line = fmt::format("decision {} epoch {}: ", balancer_.decision_, placement_.epoch());
   if (!prefix.empty()) line += prefix + "; ";
   if (step) {
     line += step->reason;
@@ -290,7 +291,7 @@ Result<Plan> Balancer::Decision::finish_plan(std::string prefix, std::optional<P
 }
 
 Result<Plan> Balancer::Decision::run() {
-  plan_.decision = b_.decision_;
+  plan_.decision = balancer_.decision_;
   ingest();
   measure_load();
   const bool estimated = estimate_rates();
@@ -302,7 +303,7 @@ Result<Plan> Balancer::Decision::run() {
   }
   if (estimated) update_streaks();
   for (const Member& m : members_) {
-    const Tracked& t = *m.t;
+    const Tracked& t = *m.tracked;
     plan_.servers.push_back(ServerPrediction{m.id, m.state, m.load, m.estimated ? t.rate : m.rate,
                                              m.estimated ? std::sqrt(t.rate_var) : 0, m.rate,
                                              m.time(), m.estimated ? t.rate_samples : 0,
@@ -347,12 +348,12 @@ Result<Plan> Balancer::Decision::run() {
         worst_id = m.id;
       }
     }
-    note = worst > 0
-               ? fmt::format(
-                     "no straggler (the slowest, server {}, is {:+.1f}% over the "
-                     "others; the threshold is {:.0f}% for {} windows)",
-                     worst_id, 100 * worst, 100 * o_.straggler_threshold, o_.straggler_windows)
-               : "no straggler";
+    note = worst > 0 ? fmt::format(
+                           "no straggler (the slowest, server {}, is {:+.1f}% over the "
+                           "others; the threshold is {:.0f}% for {} windows)",
+                           worst_id, 100 * worst, 100 * options_.straggler_threshold,
+                           options_.straggler_windows)
+                     : "no straggler";
   }
   return finish_plan(verdict.note, std::move(step), note);
 }

@@ -26,8 +26,8 @@ constexpr uint32_t kFlatSteps = 2;
 
 double Balancer::Decision::range_load(uint64_t lo, uint64_t hi) const {
   double load = 0;
-  for (size_t i = p_.arc_index_of_hash(lo);; ++i) {
-    const Arc a = p_.arc(i);
+  for (size_t i = placement_.arc_index_of_hash(lo);; ++i) {
+    const Arc a = placement_.arc(i);
     load += arc_load_[i] *
             fraction_of(hashes_in(std::max(a.lo, lo), std::min(a.hi, hi)), hashes_in(a.lo, a.hi));
     if (a.hi >= hi) break;
@@ -36,8 +36,8 @@ double Balancer::Decision::range_load(uint64_t lo, uint64_t hi) const {
 }
 
 bool Balancer::Decision::in_effect(const Move& m) const {
-  for (size_t i = p_.arc_index_of_hash(m.lo);; ++i) {
-    const Arc a = p_.arc(i);
+  for (size_t i = placement_.arc_index_of_hash(m.lo);; ++i) {
+    const Arc a = placement_.arc(i);
     if (a.owner != m.to) return false;
     if (a.hi >= m.hi) return true;
   }
@@ -53,8 +53,9 @@ std::optional<double> Balancer::Decision::least_service_before(const Tracked& t)
   for (const bool exact : {true, false}) {
     double least = 0;
     uint32_t n = 0;
-    for (auto it = t.history.rbegin(); it != t.history.rend() && n < o_.evaluation_windows; ++it) {
-      if (exact ? it->epoch == p_.epoch() : it->epoch <= p_.epoch()) {
+    for (auto it = t.history.rbegin(); it != t.history.rend() && n < options_.evaluation_windows;
+         ++it) {
+      if (exact ? it->epoch == placement_.epoch() : it->epoch <= placement_.epoch()) {
         least = n == 0 ? it->service_s : std::min(least, it->service_s);
         ++n;
       }
@@ -68,20 +69,21 @@ std::optional<double> Balancer::Decision::least_service_after(const Tracked& t,
                                                               uint64_t epoch) const {
   double least = 0;
   uint32_t n = 0;
-  for (auto it = t.history.rbegin(); it != t.history.rend() && n < o_.evaluation_windows; ++it) {
+  for (auto it = t.history.rbegin(); it != t.history.rend() && n < options_.evaluation_windows;
+       ++it) {
     if (it->epoch >= epoch) {
       least = n == 0 ? it->service_s : std::min(least, it->service_s);
       ++n;
     }
   }
-  if (n < o_.evaluation_windows) return std::nullopt;
+  if (n < options_.evaluation_windows) return std::nullopt;
   return least;
 }
 
 void Balancer::Decision::remember(const PlanStep& step, const std::vector<Node>& nodes,
                                   std::vector<ServerId> added) {
   Pending p;
-  p.decision = b_.decision_;
+  p.decision = balancer_.decision_;
   p.kind = step.kind;
   p.to_epoch = step.change.next.epoch();
   p.moves = step.moves;
@@ -93,13 +95,13 @@ void Balancer::Decision::remember(const PlanStep& step, const std::vector<Node>&
     inv.id = n.id;
     inv.received = n.got > 0;
     inv.predicted_s = n.rate > 0 ? std::max(0.0, n.load - n.gave + n.got) / n.rate : kInf;
-    if (auto it = b_.servers_.find(n.id); it != b_.servers_.end()) {
+    if (auto it = balancer_.servers_.find(n.id); it != balancer_.servers_.end()) {
       inv.rate = it->second.rate;
       inv.rate_var = it->second.rate_var;
       inv.rate_samples = it->second.rate_samples;
     }
     if (const Member* m = member(n.id)) {
-      if (auto before = least_service_before(*m->t)) {
+      if (auto before = least_service_before(*m->tracked)) {
         p.measured_before_s = std::max(p.measured_before_s, *before);
       }
     }
@@ -107,23 +109,23 @@ void Balancer::Decision::remember(const PlanStep& step, const std::vector<Node>&
   }
   std::sort(p.involved.begin(), p.involved.end(),
             [](const Involved& a, const Involved& b) { return a.id < b.id; });
-  b_.pending_ = std::move(p);
+  balancer_.pending_ = std::move(p);
 }
 
 Result<Balancer::Decision::Verdict> Balancer::Decision::evaluate() {
   Verdict v;
-  if (!b_.pending_) return v;
-  const Pending& pd = *b_.pending_;
-  const uint64_t age = b_.decision_ - pd.decision;
+  if (!balancer_.pending_) return v;
+  const Pending& pd = *balancer_.pending_;
+  const uint64_t age = balancer_.decision_ - pd.decision;
   auto give_up = [&](std::string why) {
     v.note = fmt::format("dropped decision {}: {}", pd.decision, why);
-    b_.pending_.reset();
+    balancer_.pending_.reset();
     return v;
   };
-  if (p_.epoch() < pd.to_epoch) {
-    if (age > o_.pending_timeout_decisions) {
+  if (placement_.epoch() < pd.to_epoch) {
+    if (age > options_.pending_timeout_decisions) {
       return give_up(fmt::format("epoch {} was not published within {} decisions", pd.to_epoch,
-                                 o_.pending_timeout_decisions));
+                                 options_.pending_timeout_decisions));
     }
     v.wait = v.unpublished = true;
     v.note = fmt::format("waiting for epoch {} of decision {}", pd.to_epoch, pd.decision);
@@ -146,9 +148,9 @@ Result<Balancer::Decision::Verdict> Balancer::Decision::evaluate() {
     const Member* m = member(inv.id);
     if (m == nullptr || !m->active()) continue;  // left or draining: nothing to wait for
     if (inv.received) receivers.push_back(inv.id);
-    if (auto s = least_service_after(*m->t, pd.to_epoch)) {
+    if (auto s = least_service_after(*m->tracked, pd.to_epoch)) {
       after = std::max(after, *s);
-      if (inv.received && *s > (1 + o_.rollback_tolerance) * inv.predicted_s) {
+      if (inv.received && *s > (1 + options_.rollback_tolerance) * inv.predicted_s) {
         blamed.push_back(inv.id);
       }
     } else {
@@ -156,44 +158,45 @@ Result<Balancer::Decision::Verdict> Balancer::Decision::evaluate() {
     }
   }
   if (!missing.empty()) {
-    if (age > o_.pending_timeout_decisions) {
+    if (age > options_.pending_timeout_decisions) {
       return give_up(fmt::format("{} sent no {} windows of epoch {} within {} decisions",
-                                 ids_text(missing), o_.evaluation_windows, pd.to_epoch,
-                                 o_.pending_timeout_decisions));
+                                 ids_text(missing), options_.evaluation_windows, pd.to_epoch,
+                                 options_.pending_timeout_decisions));
     }
     v.wait = true;
     v.note = fmt::format("waiting for {} windows of epoch {} from {} to judge decision {}",
-                         o_.evaluation_windows, pd.to_epoch, ids_text(missing), pd.decision);
+                         options_.evaluation_windows, pd.to_epoch, ids_text(missing), pd.decision);
     return v;
   }
   const bool judged = pd.kind == StepKind::kRebalance || pd.kind == StepKind::kScaleOut ||
                       pd.kind == StepKind::kProbe;
   if (!judged || !(pd.measured_before_s > 0)) {
     v.note = fmt::format("decision {} took effect", pd.decision);
-    b_.pending_.reset();
+    balancer_.pending_.reset();
     return v;
   }
   const std::string measured =
       fmt::format("measured round {} (predicted {}, before {}: {})", seconds_text(after),
                   seconds_text(pd.predicted_after_s), seconds_text(pd.measured_before_s),
                   change_text(pd.measured_before_s, after));
-  if (after <= (1 + o_.rollback_tolerance) * pd.measured_before_s) {
+  if (after <= (1 + options_.rollback_tolerance) * pd.measured_before_s) {
     for (ServerId id : receivers)
-      if (auto it = b_.servers_.find(id); it != b_.servers_.end()) it->second.rollbacks = 0;
+      if (auto it = balancer_.servers_.find(id); it != balancer_.servers_.end())
+        it->second.rollbacks = 0;
     v.note = fmt::format("kept decision {}: {}", pd.decision, measured);
     // Predictions at the scale of the noise keep finding a few percent to
     // gain. Two steps in a row that did not gain settle_gain when measured
     // (one can be bad luck) end the rebalance until stragglers show again.
-    if (pd.kind == StepKind::kRebalance && b_.rebalancing_) {
-      const bool flat = after > (1 - o_.settle_gain) * pd.measured_before_s;
-      b_.flat_steps_ = flat ? b_.flat_steps_ + 1 : 0;
-      if (b_.flat_steps_ >= kFlatSteps) {
-        b_.rebalancing_ = false;
-        v.note +=
-            fmt::format("; {} steps without a measurable gain, the rebalance ends", b_.flat_steps_);
+    if (pd.kind == StepKind::kRebalance && balancer_.rebalancing_) {
+      const bool flat = after > (1 - options_.settle_gain) * pd.measured_before_s;
+      balancer_.flat_steps_ = flat ? balancer_.flat_steps_ + 1 : 0;
+      if (balancer_.flat_steps_ >= kFlatSteps) {
+        balancer_.rebalancing_ = false;
+        v.note += fmt::format("; {} steps without a measurable gain, the rebalance ends",
+                              balancer_.flat_steps_);
       }
     }
-    b_.pending_.reset();
+    balancer_.pending_.reset();
     return v;
   }
 
@@ -220,9 +223,9 @@ Result<Balancer::Decision::Verdict> Balancer::Decision::evaluate() {
   // load they will not carry.
   if (blamed.empty()) blamed = receivers;
   const uint64_t decision = pd.decision;
-  const Pending undone = *b_.pending_;
-  b_.pending_.reset();
-  b_.rebalancing_ = false;  // a new rebalance waits for stragglers to show again
+  const Pending undone = *balancer_.pending_;
+  balancer_.pending_.reset();
+  balancer_.rebalancing_ = false;  // a new rebalance waits for stragglers to show again
   if (back.empty() && membership.empty()) {
     v.note = fmt::format("decision {} made the round slower ({}), but none of it can be undone",
                          decision, measured);
@@ -230,15 +233,15 @@ Result<Balancer::Decision::Verdict> Balancer::Decision::evaluate() {
   }
   PSLD_ASSIGN_OR_RETURN(PlanStep step,
                         finish(StepKind::kRollback, std::move(back), std::move(membership), nodes));
-  uint64_t until = b_.decision_;
+  uint64_t until = balancer_.decision_;
   for (const Involved& inv : undone.involved) {
     if (!std::binary_search(blamed.begin(), blamed.end(), inv.id)) continue;
-    auto it = b_.servers_.find(inv.id);
-    if (it == b_.servers_.end()) continue;
+    auto it = balancer_.servers_.find(inv.id);
+    if (it == balancer_.servers_.end()) continue;
     Tracked& t = it->second;
-    const uint64_t cooldown = uint64_t{o_.rollback_cooldown_decisions}
+    const uint64_t cooldown = uint64_t{options_.rollback_cooldown_decisions}
                               << std::min(t.rollbacks, kMaxCooldownDoublings);
-    t.cooldown_until = b_.decision_ + cooldown;
+    t.cooldown_until = balancer_.decision_ + cooldown;
     until = std::max(until, t.cooldown_until);
     t.rollbacks = std::min(t.rollbacks + 1, kMaxStreak);
     if (inv.rate_samples > 0) {
@@ -250,8 +253,8 @@ Result<Balancer::Decision::Verdict> Balancer::Decision::evaluate() {
   step.reason = fmt::format(
       "rollback of decision {} -> epoch {}: {} exceeds the tolerance {:.0f}%; {}; no new load for "
       "{} until decision {}",
-      decision, step.change.next.epoch(), measured, 100 * o_.rollback_tolerance, moves_text(step),
-      ids_text(blamed), until);
+      decision, step.change.next.epoch(), measured, 100 * options_.rollback_tolerance,
+      moves_text(step), ids_text(blamed), until);
   remember(step, nodes);
   v.rollback = std::move(step);
   return v;
@@ -262,9 +265,10 @@ Result<Balancer::Decision::Verdict> Balancer::Decision::evaluate() {
 Result<std::optional<PlanStep>> Balancer::Decision::probe_step() {
   const Member* target = nullptr;
   for (const Member& m : members_) {
-    const Tracked& t = *m.t;
-    if (!m.active() || cooling(t) || t.windows_since_rate < o_.probe_after_windows) continue;
-    if (t.last_probe != 0 && b_.decision_ - t.last_probe < o_.probe_interval_decisions) continue;
+    const Tracked& t = *m.tracked;
+    if (!m.active() || cooling(t) || t.windows_since_rate < options_.probe_after_windows) continue;
+    if (t.last_probe != 0 && balancer_.decision_ - t.last_probe < options_.probe_interval_decisions)
+      continue;
     target = &m;
     break;
   }
@@ -276,8 +280,8 @@ Result<std::optional<PlanStep>> Balancer::Decision::probe_step() {
     if (source == members_.size() || m.time() > members_[source].time()) source = i;
   }
   if (source == members_.size()) return std::optional<PlanStep>();
-  const double amount = std::min(o_.probe_fraction * active_load_ / active_count_,
-                                 o_.max_step_fraction * members_[source].load);
+  const double amount = std::min(options_.probe_fraction * active_load_ / active_count_,
+                                 options_.max_step_fraction * members_[source].load);
   if (!(amount > 0)) return std::optional<PlanStep>();
 
   std::vector<Node> nodes = base_nodes();
@@ -287,13 +291,13 @@ Result<std::optional<PlanStep>> Balancer::Decision::probe_step() {
   nodes[t].in = amount;
   PSLD_ASSIGN_OR_RETURN(PlanStep step, realise(StepKind::kProbe, nodes, {}));
   if (step.moves.empty()) return std::optional<PlanStep>();
-  target->t->last_probe = b_.decision_;
+  target->tracked->last_probe = balancer_.decision_;
   step.reason = fmt::format(
       "probe -> epoch {}: server {} has had no rate sample for {} windows (last estimate {}/s); "
       "it gets {}/round to measure it; predicted round at that estimate {} -> {} ({}); {}",
-      step.change.next.epoch(), target->id, target->t->windows_since_rate, bytes_text(target->rate),
-      bytes_text(step.moved_bytes_per_round), seconds_text(step.predicted_round_s_before),
-      seconds_text(step.predicted_round_s_after),
+      step.change.next.epoch(), target->id, target->tracked->windows_since_rate,
+      bytes_text(target->rate), bytes_text(step.moved_bytes_per_round),
+      seconds_text(step.predicted_round_s_before), seconds_text(step.predicted_round_s_after),
       change_text(step.predicted_round_s_before, step.predicted_round_s_after), moves_text(step));
   remember(step, nodes);
   return std::optional<PlanStep>(std::move(step));

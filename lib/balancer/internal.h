@@ -45,7 +45,7 @@ std::string ids_text(const std::vector<ServerId>& ids);
 class Balancer::Decision {
  public:
   Decision(Balancer& balancer, const Placement& placement, const BalancerInput& input)
-      : b_(balancer), o_(balancer.options_), p_(placement), in_(input) {}
+      : balancer_(balancer), options_(balancer.options_), placement_(placement), input_(input) {}
 
   Result<Plan> run();
 
@@ -55,7 +55,7 @@ class Balancer::Decision {
     ServerId id = 0;
     ServerState state = ServerState::kActive;
     double weight = 1;
-    Tracked* t = nullptr;
+    Tracked* tracked = nullptr;
     double load = 0;  // bytes per round under the input placement
     size_t arcs = 0;
     double rate = 0;  // planning rate, bytes/s
@@ -96,21 +96,22 @@ class Balancer::Decision {
   // sqrt(alpha / (2 - alpha)), the EWMA's variance reduction for
   // independent samples (0.42 for alpha = 0.3).
   double rate_error(const Tracked& t) const {
-    return std::sqrt(t.rate_var * o_.rate_ewma_alpha / (2 - o_.rate_ewma_alpha));
+    return std::sqrt(t.rate_var * options_.rate_ewma_alpha / (2 - options_.rate_ewma_alpha));
   }
 
   std::vector<Node> base_nodes() const;
-  bool cooling(const Tracked& t) const { return t.cooldown_until > b_.decision_; }
+  bool cooling(const Tracked& t) const { return t.cooldown_until > balancer_.decision_; }
   // The trust region: a fraction of the load, but at least one minimal move,
   // or a server holding little load could never give it away.
   double step_limit(double load) const {
-    return std::max(o_.max_step_fraction * load, std::min(load, min_move_));
+    return std::max(options_.max_step_fraction * load, std::min(load, min_move_));
   }
   // What a server may take: a fraction of its load or of the mean load,
   // whichever is larger, so that an empty server ramps up in a few steps
   // and a rate measured at a small load is tried at a larger one gradually.
   double take_limit(double load) const {
-    return o_.max_step_fraction * std::max(load, active_load_ / std::max<size_t>(active_count_, 1));
+    return options_.max_step_fraction *
+           std::max(load, active_load_ / std::max<size_t>(active_count_, 1));
   }
   void water_fill(std::vector<Node>& nodes) const;
   void fill_receivers(std::vector<Node>& nodes, double total_out) const;
@@ -138,16 +139,16 @@ class Balancer::Decision {
   std::string straggler_text() const;
   Result<Plan> finish_plan(std::string prefix, std::optional<PlanStep> step, std::string hold);
 
-  Balancer& b_;
-  const BalancerOptions& o_;
-  const Placement& p_;
-  const BalancerInput& in_;
+  Balancer& balancer_;
+  const BalancerOptions& options_;
+  const Placement& placement_;
+  const BalancerInput& input_;
 
   Plan plan_;
   std::vector<ServerId> standby_ids_;  // sorted
-  std::vector<Member> members_;        // as p_.servers(), sorted by id
-  std::vector<double> arc_load_;       // per arc of p_
-  std::vector<uint32_t> arc_member_;   // per arc of p_: the owner's index in members_
+  std::vector<Member> members_;        // as placement_.servers(), sorted by id
+  std::vector<double> arc_load_;       // per arc of placement_
+  std::vector<uint32_t> arc_member_;   // per arc of placement_: the owner's index in members_
   double prior_per_weight_ = 0;        // rate of a server never measured, per unit of weight
   double total_load_ = 0;              // all members
   double active_load_ = 0;

@@ -246,7 +246,7 @@ Result<PlanStep> Balancer::Decision::realise(StepKind kind, std::vector<Node>& n
   };
   std::priority_queue<Piece, std::vector<Piece>, decltype(heavier)> pieces(heavier);
   auto arc_piece = [&](uint32_t k, size_t from, bool must) {
-    const Arc a = p_.arc(k);
+    const Arc a = placement_.arc(k);
     return Piece{a.lo, a.hi, arc_load_[k], from, must};
   };
   for (size_t i = 0; i < nodes.size(); ++i) {
@@ -368,8 +368,8 @@ Result<PlanStep> Balancer::Decision::finish(StepKind kind, std::vector<Move> mov
   }
 
   PlacementDelta delta;
-  delta.from_epoch = p_.epoch();
-  delta.to_epoch = p_.epoch() + 1;  // run() checked that the counter is not exhausted
+  delta.from_epoch = placement_.epoch();
+  delta.to_epoch = placement_.epoch() + 1;  // run() checked that the counter is not exhausted
   delta.membership = std::move(membership);
   for (const Move& m : merged) {
     if (!delta.assignments.empty() && delta.assignments.back().hi + 1 == m.lo &&
@@ -379,7 +379,7 @@ Result<PlanStep> Balancer::Decision::finish(StepKind kind, std::vector<Move> mov
       delta.assignments.push_back(RangeAssignment{m.lo, m.hi, m.to});
     }
   }
-  PSLD_ASSIGN_OR_RETURN(Placement next, p_.apply(delta));
+  PSLD_ASSIGN_OR_RETURN(Placement next, placement_.apply(delta));
   for (const RangeAssignment& a : delta.assignments) {
     const ServerInfo* s = next.find_server(a.owner);
     if (s == nullptr || s->state != ServerState::kActive) {
@@ -409,7 +409,7 @@ Result<PlanStep> Balancer::Decision::finish(StepKind kind, std::vector<Move> mov
     before = std::max(before, n.time());
     if (load > 0) after = std::max(after, n.rate > 0 ? load / n.rate : kInf);
     if (n.rate > 0) {
-      cost = std::max(cost, (n.gave + n.got) * o_.migration_bytes_per_load_byte / n.rate);
+      cost = std::max(cost, (n.gave + n.got) * options_.migration_bytes_per_load_byte / n.rate);
     }
   }
   return PlanStep{kind,
@@ -418,7 +418,7 @@ Result<PlanStep> Balancer::Decision::finish(StepKind kind, std::vector<Move> mov
                   before,
                   after,
                   moved,
-                  moved * o_.migration_bytes_per_load_byte,
+                  moved * options_.migration_bytes_per_load_byte,
                   cost,
                   {}};
 }
@@ -428,31 +428,32 @@ Result<PlanStep> Balancer::Decision::finish(StepKind kind, std::vector<Move> mov
 Result<std::optional<PlanStep>> Balancer::Decision::rebalance_step(std::string* note) {
   std::vector<ServerId> stragglers;
   for (const Member& m : members_)
-    if (m.active() && m.t->straggler_windows >= o_.straggler_windows) stragglers.push_back(m.id);
-  if (!b_.rebalancing_ && stragglers.empty()) return std::optional<PlanStep>();
+    if (m.active() && m.tracked->straggler_windows >= options_.straggler_windows)
+      stragglers.push_back(m.id);
+  if (!balancer_.rebalancing_ && stragglers.empty()) return std::optional<PlanStep>();
 
   std::vector<Node> nodes = base_nodes();
   for (size_t i = 0; i < members_.size(); ++i) {
     if (!members_[i].active()) continue;
     nodes[i].max_out = step_limit(members_[i].load);
     nodes[i].max_in = take_limit(members_[i].load);
-    nodes[i].receives = !cooling(*members_[i].t);
+    nodes[i].receives = !cooling(*members_[i].tracked);
   }
   water_fill(nodes);
   bool any = false;
   for (const Node& n : nodes)
     any = any || n.out > 0;
   if (!any) {
-    b_.rebalancing_ = false;
+    balancer_.rebalancing_ = false;
     *note = "balanced: every move would be below the minimum";
     return std::optional<PlanStep>();
   }
   PSLD_ASSIGN_OR_RETURN(PlanStep step, realise(StepKind::kRebalance, nodes, {}));
   const double before = step.predicted_round_s_before;
   const double gain = before - step.predicted_round_s_after;
-  const double cost = step.migration_cost_s / o_.horizon_rounds;
-  if (!(gain > cost) || gain < o_.settle_gain * before) {
-    b_.rebalancing_ = false;
+  const double cost = step.migration_cost_s / options_.horizon_rounds;
+  if (!(gain > cost) || gain < options_.settle_gain * before) {
+    balancer_.rebalancing_ = false;
     const std::string best = fmt::format(
         "the best step would gain {} per round ({}) against {} of migration per round",
         seconds_text(gain), change_text(before, step.predicted_round_s_after), seconds_text(cost));
@@ -460,9 +461,9 @@ Result<std::optional<PlanStep>> Balancer::Decision::rebalance_step(std::string* 
                                : fmt::format("stragglers: {}, but {}", straggler_text(), best);
     return std::optional<PlanStep>();
   }
-  const bool started = !b_.rebalancing_;
-  if (started) b_.flat_steps_ = 0;
-  b_.rebalancing_ = true;
+  const bool started = !balancer_.rebalancing_;
+  if (started) balancer_.flat_steps_ = 0;
+  balancer_.rebalancing_ = true;
   step.reason = fmt::format(
       "rebalance -> epoch {}: {}; predicted round {} -> {} ({}, balanced {}); {}; {}",
       step.change.next.epoch(),

@@ -39,7 +39,7 @@ void Balancer::Decision::add_rate_sample(Tracked& t, double rate) const {
   // A stale estimate says nothing about today: the first sample after a long
   // gap (a probe of an empty server) starts afresh instead of being averaged
   // with it.
-  if (t.rate_samples == 0 || t.windows_since_rate >= o_.probe_after_windows) {
+  if (t.rate_samples == 0 || t.windows_since_rate >= options_.probe_after_windows) {
     t.rate = rate;
     t.rate_var = 0;
     t.rate_samples = 1;
@@ -65,8 +65,8 @@ void Balancer::Decision::add_rate_sample(Tracked& t, double rate) const {
   } else {
     // Exponentially weighted mean and variance (the incremental form of
     // Finch 2009, "Incremental calculation of weighted mean and variance").
-    t.rate += o_.rate_ewma_alpha * d;
-    t.rate_var = (1 - o_.rate_ewma_alpha) * (t.rate_var + o_.rate_ewma_alpha * d * d);
+    t.rate += options_.rate_ewma_alpha * d;
+    t.rate_var = (1 - options_.rate_ewma_alpha) * (t.rate_var + options_.rate_ewma_alpha * d * d);
     ++t.rate_samples;
   }
   t.last_rate = rate;
@@ -74,26 +74,26 @@ void Balancer::Decision::add_rate_sample(Tracked& t, double rate) const {
 }
 
 void Balancer::Decision::ingest() {
-  for (const ServerSpec& s : in_.standby)
+  for (const ServerSpec& s : input_.standby)
     standby_ids_.push_back(s.id);
   std::sort(standby_ids_.begin(), standby_ids_.end());
   auto known = [&](ServerId id) {
-    return p_.find_server(id) != nullptr ||
+    return placement_.find_server(id) != nullptr ||
            std::binary_search(standby_ids_.begin(), standby_ids_.end(), id);
   };
   // Forget servers that left: what the balancer holds is bounded by the
   // members and standby servers of the last decision.
-  for (auto it = b_.servers_.begin(); it != b_.servers_.end();) {
+  for (auto it = balancer_.servers_.begin(); it != balancer_.servers_.end();) {
     if (known(it->first)) {
       it->second.new_windows = 0;
       ++it;
     } else {
-      it = b_.servers_.erase(it);
+      it = balancer_.servers_.erase(it);
     }
   }
-  for (const ServerHistory& h : in_.servers) {
+  for (const ServerHistory& h : input_.servers) {
     if (!known(h.id)) continue;
-    Tracked& t = b_.servers_[h.id];
+    Tracked& t = balancer_.servers_[h.id];
     for (const ServerWindow& w : h.windows) {
       if (t.seen && w.seq <= t.last_seq) continue;  // read by an earlier decision
       t.seen = true;
@@ -107,7 +107,7 @@ void Balancer::Decision::ingest() {
       if (w.rounds > 0) {
         t.history.push_back(
             WindowRecord{w.seq, w.epoch, w.busy_s / static_cast<double>(w.rounds), w.round_s});
-        while (t.history.size() > o_.history_windows)
+        while (t.history.size() > options_.history_windows)
           t.history.pop_front();
       }
     }
@@ -115,18 +115,18 @@ void Balancer::Decision::ingest() {
 }
 
 void Balancer::Decision::measure_load() {
-  const size_t n_arcs = p_.num_arcs();
+  const size_t n_arcs = placement_.num_arcs();
   arc_load_.assign(n_arcs, 0.0);
   // A measured range spreads its load over the current arcs it overlaps, in
   // proportion to the hashes they share: keys are hashed, so hashes are the
   // best guess of where the bytes are.
   size_t i = 0;
-  for (const RangeLoad& r : in_.ranges) {
+  for (const RangeLoad& r : input_.ranges) {
     if (r.bytes_per_round <= 0) continue;
-    i = std::max(i, p_.arc_index_of_hash(r.lo));
+    i = std::max(i, placement_.arc_index_of_hash(r.lo));
     const u128 width = hashes_in(r.lo, r.hi);
     for (;; ++i) {
-      const Arc a = p_.arc(i);
+      const Arc a = placement_.arc(i);
       const uint64_t lo = std::max(a.lo, r.lo);
       const uint64_t hi = std::min(a.hi, r.hi);
       arc_load_[i] += r.bytes_per_round * fraction_of(hashes_in(lo, hi), width);
@@ -134,17 +134,17 @@ void Balancer::Decision::measure_load() {
     }
   }
 
-  const std::vector<ServerInfo>& infos = p_.servers();
+  const std::vector<ServerInfo>& infos = placement_.servers();
   members_.resize(infos.size());
   for (size_t m = 0; m < infos.size(); ++m) {
     members_[m].id = infos[m].id;
     members_[m].state = infos[m].state;
     members_[m].weight = infos[m].weight;
-    members_[m].t = &b_.servers_[infos[m].id];
+    members_[m].tracked = &balancer_.servers_[infos[m].id];
   }
   arc_member_.resize(n_arcs);
   for (size_t k = 0; k < n_arcs; ++k) {
-    const ServerId owner = p_.arc(k).owner;
+    const ServerId owner = placement_.arc(k).owner;
     const auto it = std::lower_bound(infos.begin(), infos.end(), owner,
                                      [](const ServerInfo& s, ServerId v) { return s.id < v; });
     const auto m = static_cast<uint32_t>(it - infos.begin());
@@ -160,10 +160,10 @@ bool Balancer::Decision::estimate_rates() {
   std::vector<double> per_weight;
   std::vector<double> any_per_weight;
   for (Member& m : members_) {
-    const Tracked& t = *m.t;
+    const Tracked& t = *m.tracked;
     if (t.rate_samples == 0 || !(t.rate > 0)) continue;
     m.estimated = true;
-    m.rate = std::max(t.rate - o_.rate_confidence * rate_error(t), 0.5 * t.rate);
+    m.rate = std::max(t.rate - options_.rate_confidence * rate_error(t), 0.5 * t.rate);
     (m.active() ? per_weight : any_per_weight).push_back(m.rate / m.weight);
   }
   if (per_weight.empty()) per_weight = any_per_weight;
@@ -179,7 +179,7 @@ bool Balancer::Decision::estimate_rates() {
       ++active_count_;
     }
   }
-  min_move_ = active_count_ > 0 ? o_.min_move_fraction * total_load_ / active_count_ : 0;
+  min_move_ = active_count_ > 0 ? options_.min_move_fraction * total_load_ / active_count_ : 0;
   return true;
 }
 
@@ -187,7 +187,7 @@ bool Balancer::Decision::estimate_rates() {
 
 void Balancer::Decision::update_streaks() {
   for (Member& m : members_) {
-    Tracked& t = *m.t;
+    Tracked& t = *m.tracked;
     new_windows_ = std::max(new_windows_, t.new_windows);
     if (t.new_windows == 0) continue;
     if (!m.active() || active_count_ < 2) {
@@ -197,7 +197,7 @@ void Balancer::Decision::update_streaks() {
     // "The others": the time per round the rest would have if balanced among
     // themselves. A server above it by the threshold slows the round.
     const double others = (active_load_ - m.load) / (active_rate_ - m.rate);
-    const bool straggling = m.time() > (1 + o_.straggler_threshold) * others;
+    const bool straggling = m.time() > (1 + options_.straggler_threshold) * others;
     t.straggler_windows = straggling ? add_windows(t.straggler_windows, t.new_windows) : 0;
   }
 
@@ -206,8 +206,8 @@ void Balancer::Decision::update_streaks() {
   std::vector<double> rounds;
   double busiest = 0;
   for (const Member& m : members_) {
-    if (m.t->history.empty()) continue;
-    const WindowRecord& last = m.t->history.back();
+    if (m.tracked->history.empty()) continue;
+    const WindowRecord& last = m.tracked->history.back();
     busiest = std::max(busiest, last.service_s);
     if (m.active() && last.round_s > 0) rounds.push_back(last.round_s);
   }
@@ -220,14 +220,16 @@ void Balancer::Decision::update_streaks() {
 
   // Server-bound: even balanced, the servers would be busy most of a round.
   const double balanced = plan_.balanced_round_s;
-  const bool bound = period_s_ > 0 && balanced >= o_.scale_out_utilisation * (other_s_ + balanced);
-  b_.server_bound_windows_ = bound ? add_windows(b_.server_bound_windows_, new_windows_) : 0;
+  const bool bound =
+      period_s_ > 0 && balanced >= options_.scale_out_utilisation * (other_s_ + balanced);
+  balancer_.server_bound_windows_ =
+      bound ? add_windows(balancer_.server_bound_windows_, new_windows_) : 0;
 
   // Scale-in: the slowest active server (the least loaded, then the highest
   // id, among equals), if the others could absorb its load.
   const Member* candidate = nullptr;
   auto key = [](const Member& m) { return std::make_tuple(m.rate, m.load, ~m.id); };
-  if (o_.scale_in && active_count_ >= 2 && active_count_ > o_.min_active_servers) {
+  if (options_.scale_in && active_count_ >= 2 && active_count_ > options_.min_active_servers) {
     for (const Member& m : members_) {
       if (m.active() && (candidate == nullptr || key(m) < key(*candidate))) candidate = &m;
     }
@@ -238,9 +240,11 @@ void Balancer::Decision::update_streaks() {
     for (const Member& m : members_)
       if (m.active()) rates.push_back(m.rate);
     const double without = total_load_ / (active_rate_ - candidate->rate);
-    const bool fits = other_s_ + without <= (1 + o_.scale_in_max_slowdown) * (other_s_ + balanced);
-    const bool idle = period_s_ > 0 && without <= o_.scale_in_utilisation * (other_s_ + without);
-    const bool slow = candidate->rate < o_.slow_rate_fraction * median(rates);
+    const bool fits =
+        other_s_ + without <= (1 + options_.scale_in_max_slowdown) * (other_s_ + balanced);
+    const bool idle =
+        period_s_ > 0 && without <= options_.scale_in_utilisation * (other_s_ + without);
+    const bool slow = candidate->rate < options_.slow_rate_fraction * median(rates);
     drainable = fits && (idle || slow);
     if (drainable) {
       scale_in_why_ =
@@ -257,10 +261,10 @@ void Balancer::Decision::update_streaks() {
   // The streak belongs to the cluster, not to one server: among equal idle
   // servers, noise picks a different slowest one every window.
   if (drainable) {
-    b_.scale_in_candidate_ = candidate->id;
-    b_.scale_in_windows_ = add_windows(b_.scale_in_windows_, new_windows_);
+    balancer_.scale_in_candidate_ = candidate->id;
+    balancer_.scale_in_windows_ = add_windows(balancer_.scale_in_windows_, new_windows_);
   } else {
-    b_.scale_in_windows_ = 0;
+    balancer_.scale_in_windows_ = 0;
   }
 }
 

@@ -28,7 +28,7 @@ Result<std::optional<PlanStep>> Balancer::Decision::drain_step() {
     if (!m.active()) {
       nodes[i].must_empty = m.arcs > 0;
       nodes[i].max_out = m.load;
-    } else if (!cooling(*m.t)) {
+    } else if (!cooling(*m.tracked)) {
       nodes[i].receives = any_receiver = true;
     }
   }
@@ -50,11 +50,13 @@ Result<std::optional<PlanStep>> Balancer::Decision::drain_step() {
 }
 
 Result<std::optional<PlanStep>> Balancer::Decision::scale_in_step() {
-  if (!o_.scale_in || b_.scale_in_windows_ < o_.scale_in_windows) return std::optional<PlanStep>();
-  if (b_.last_scale_ != 0 && b_.decision_ - b_.last_scale_ < o_.scale_cooldown_decisions) {
+  if (!options_.scale_in || balancer_.scale_in_windows_ < options_.scale_in_windows)
+    return std::optional<PlanStep>();
+  if (balancer_.last_scale_ != 0 &&
+      balancer_.decision_ - balancer_.last_scale_ < options_.scale_cooldown_decisions) {
     return std::optional<PlanStep>();
   }
-  const Member* c = member(b_.scale_in_candidate_);
+  const Member* c = member(balancer_.scale_in_candidate_);
   if (c == nullptr || !c->active()) return std::optional<PlanStep>();
   std::vector<Node> nodes = base_nodes();
   bool any_receiver = false;
@@ -63,7 +65,7 @@ Result<std::optional<PlanStep>> Balancer::Decision::scale_in_step() {
     if (m.id == c->id) {
       nodes[i].must_empty = true;
       nodes[i].max_out = m.load;
-    } else if (m.active() && !cooling(*m.t)) {
+    } else if (m.active() && !cooling(*m.tracked)) {
       nodes[i].receives = any_receiver = true;
     }
   }
@@ -78,38 +80,40 @@ Result<std::optional<PlanStep>> Balancer::Decision::scale_in_step() {
   step.reason = fmt::format(
       "scale-in -> epoch {}: drains server {} ({}, for {} windows); predicted round {} -> {} "
       "({}); {}; {}",
-      step.change.next.epoch(), c->id, scale_in_why_, b_.scale_in_windows_,
+      step.change.next.epoch(), c->id, scale_in_why_, balancer_.scale_in_windows_,
       seconds_text(step.predicted_round_s_before), seconds_text(step.predicted_round_s_after),
       change_text(step.predicted_round_s_before, step.predicted_round_s_after), moves_text(step),
       cost_text(step));
-  b_.last_scale_ = b_.decision_;
-  b_.scale_in_windows_ = 0;
+  balancer_.last_scale_ = balancer_.decision_;
+  balancer_.scale_in_windows_ = 0;
   remember(step, nodes);
   return std::optional<PlanStep>(std::move(step));
 }
 
 Result<std::optional<PlanStep>> Balancer::Decision::scale_out_step(std::string* note) {
-  if (!o_.scale_out || in_.standby.empty() || b_.server_bound_windows_ < o_.scale_out_windows) {
+  if (!options_.scale_out || input_.standby.empty() ||
+      balancer_.server_bound_windows_ < options_.scale_out_windows) {
     return std::optional<PlanStep>();
   }
-  if (b_.last_scale_ != 0 && b_.decision_ - b_.last_scale_ < o_.scale_cooldown_decisions) {
+  if (balancer_.last_scale_ != 0 &&
+      balancer_.decision_ - balancer_.last_scale_ < options_.scale_cooldown_decisions) {
     return std::optional<PlanStep>();
   }
   // As many standby servers as bring the balanced servers below the
   // threshold, at most max_step_fraction of the active ones (at least one):
   // one server more among 500 saturated ones would gain 0.2%.
-  const size_t most =
-      std::max<size_t>(1, static_cast<size_t>(std::ceil(o_.max_step_fraction * active_count_)));
+  const size_t most = std::max<size_t>(
+      1, static_cast<size_t>(std::ceil(options_.max_step_fraction * active_count_)));
   std::vector<const ServerSpec*> specs;
   double rate = active_rate_;
-  for (const ServerSpec& s : in_.standby) {
+  for (const ServerSpec& s : input_.standby) {
     if (specs.size() >= most) break;
-    auto it = b_.servers_.find(s.id);
-    if (it != b_.servers_.end() && cooling(it->second)) continue;
+    auto it = balancer_.servers_.find(s.id);
+    if (it != balancer_.servers_.end() && cooling(it->second)) continue;
     specs.push_back(&s);
     rate += prior_per_weight_ * s.weight;  // a typical server of its weight
     const double balanced = total_load_ / rate;
-    if (balanced < o_.scale_out_utilisation * (other_s_ + balanced)) break;
+    if (balanced < options_.scale_out_utilisation * (other_s_ + balanced)) break;
   }
   if (specs.empty()) return std::optional<PlanStep>();
 
@@ -118,7 +122,7 @@ Result<std::optional<PlanStep>> Balancer::Decision::scale_out_step(std::string* 
     if (!members_[i].active()) continue;
     nodes[i].max_out = step_limit(members_[i].load);
     nodes[i].max_in = take_limit(members_[i].load);
-    nodes[i].receives = !cooling(*members_[i].t);
+    nodes[i].receives = !cooling(*members_[i].tracked);
   }
   std::vector<MembershipChange> membership;
   std::vector<ServerId> added;
@@ -135,8 +139,8 @@ Result<std::optional<PlanStep>> Balancer::Decision::scale_out_step(std::string* 
   water_fill(nodes);
   PSLD_ASSIGN_OR_RETURN(PlanStep step, realise(StepKind::kScaleOut, nodes, std::move(membership)));
   const double gain = step.predicted_round_s_before - step.predicted_round_s_after;
-  if (!(gain > step.migration_cost_s / o_.horizon_rounds) ||
-      gain < o_.settle_gain * step.predicted_round_s_before) {
+  if (!(gain > step.migration_cost_s / options_.horizon_rounds) ||
+      gain < options_.settle_gain * step.predicted_round_s_before) {
     *note = fmt::format("the servers are saturated, but adding standby {} would gain only {} ({})",
                         ids_text(added), seconds_text(gain),
                         change_text(step.predicted_round_s_before, step.predicted_round_s_after));
@@ -147,13 +151,13 @@ Result<std::optional<PlanStep>> Balancer::Decision::scale_out_step(std::string* 
       "scale-out -> epoch {}: adds standby {}; the servers are saturated (balanced, they "
       "would be busy {:.0f}% of a {} round, for {} windows); predicted round {} -> {} ({}); {}; {}",
       step.change.next.epoch(), ids_text(added), 100 * balanced / (other_s_ + balanced),
-      seconds_text(other_s_ + balanced), b_.server_bound_windows_,
+      seconds_text(other_s_ + balanced), balancer_.server_bound_windows_,
       seconds_text(step.predicted_round_s_before), seconds_text(step.predicted_round_s_after),
       change_text(step.predicted_round_s_before, step.predicted_round_s_after), moves_text(step),
       cost_text(step));
-  b_.last_scale_ = b_.decision_;
-  b_.server_bound_windows_ = 0;
-  b_.rebalancing_ = true;  // the new servers fill up over the next steps
+  balancer_.last_scale_ = balancer_.decision_;
+  balancer_.server_bound_windows_ = 0;
+  balancer_.rebalancing_ = true;  // the new servers fill up over the next steps
   remember(step, nodes, std::move(added));
   return std::optional<PlanStep>(std::move(step));
 }

@@ -104,7 +104,7 @@ std::optional<Value> from_toml(const FieldRef& r, const cpptoml::base& b) {
 class FileReader {
  public:
   FileReader(std::string path, std::string text, Config& c, std::vector<std::string>& errors)
-      : path_(std::move(path)), lines_(toml_lines(text)), c_(c), errors_(errors) {}
+      : path_(std::move(path)), lines_(toml_lines(text)), config_(c), errors_(errors) {}
 
   void walk(const cpptoml::table& table, const std::string& prefix) {
     // cpptoml's tables are unordered; go in file order so messages are stable.
@@ -154,7 +154,7 @@ class FileReader {
   }
 
   void set(const Field& f, const cpptoml::base& b, const std::string& key) {
-    FieldRef r = f.ref(c_);
+    FieldRef r = f.ref(config_);
     std::string source = "file " + where(key);
     std::optional<Value> v = from_toml(r, b);
     std::string detail;
@@ -163,12 +163,12 @@ class FileReader {
       return;
     }
     store(r, *v);
-    c_.sources[key] = source;
+    config_.sources[key] = source;
   }
 
   std::string path_;
   std::map<std::string, int> lines_;
-  Config& c_;
+  Config& config_;
   std::vector<std::string>& errors_;
 };
 

@@ -23,17 +23,17 @@ std::vector<std::string> process_env_names();
 
 class Env {
  public:
-  explicit Env(const ConfigSources& s) : s_(s) {}
+  explicit Env(const ConfigSources& s) : sources_(s) {}
   // nullptr when unset.
   const char* get(const std::string& name) const {
-    return s_.getenv ? s_.getenv(name.c_str()) : nullptr;
+    return sources_.getenv ? sources_.getenv(name.c_str()) : nullptr;
   }
   std::vector<std::string> names() const {
-    return s_.env_names ? s_.env_names() : process_env_names();
+    return sources_.env_names ? sources_.env_names() : process_env_names();
   }
 
  private:
-  const ConfigSources& s_;
+  const ConfigSources& sources_;
 };
 
 std::vector<TextSetting> read_psld_env(const Env& env, std::vector<std::string>& errors);

@@ -37,16 +37,16 @@ Aggregator::Aggregator(const AggregatorOptions& options, DType dtype, uint64_t b
     : options_(options),
       dtype_(dtype),
       bytes_(bytes),
-      n_(bytes / protocol::dtype_bytes(dtype)),
+      elements_(bytes / protocol::dtype_bytes(dtype)),
       pushed_(options.num_workers, false),
       last_round_(options.num_workers, 0),
       applied_(options.num_workers, 0) {}
 
 Status Aggregator::allocate(const ComputeLane& lane) {
-  PSLD_ASSIGN_OR_RETURN(param_, lane.make_array<float>(n_));
-  PSLD_ASSIGN_OR_RETURN(acc_, lane.make_array<float>(n_));
+  PSLD_ASSIGN_OR_RETURN(param_, lane.make_array<float>(elements_));
+  PSLD_ASSIGN_OR_RETURN(acc_, lane.make_array<float>(elements_));
   if (dtype_ != DType::kF32) {
-    PSLD_ASSIGN_OR_RETURN(out16_, lane.make_array<uint16_t>(n_));
+    PSLD_ASSIGN_OR_RETURN(out16_, lane.make_array<uint16_t>(elements_));
   }
   if (ServerDevice* dev = lane.device(); dev != nullptr) {
     PSLD_ASSIGN_OR_RETURN(void* out, dev->allocate_host(bytes_));
@@ -73,7 +73,7 @@ Status Aggregator::accumulate(ComputeLane& lane, const void* host) {
   PSLD_ASSIGN_OR_RETURN(const void* src, lane.stage(host, bytes_));
   const bool first = pushes_ == 0;
   float* acc = acc_.get();
-  const size_t n = n_;
+  const size_t n = elements_;
   Status st;
   switch (dtype_) {
     case DType::kF32: {
@@ -123,7 +123,7 @@ Status Aggregator::reduce(ComputeLane& lane, uint32_t worker, uint64_t round, co
 Status Aggregator::set_initial(ComputeLane& lane, const void* src) {
   pushes_ = 0;
   Status st = accumulate(lane, src);
-  if (st.ok()) st = lane.copy(param_.get(), acc_.get(), n_ * sizeof(float));
+  if (st.ok()) st = lane.copy(param_.get(), acc_.get(), elements_ * sizeof(float));
   if (st.ok()) st = publish(lane);
   pushes_ = 0;
   return st;
@@ -132,7 +132,7 @@ Status Aggregator::set_initial(ComputeLane& lane, const void* src) {
 Status Aggregator::publish(ComputeLane& lane) {
   const float* param = param_.get();
   uint16_t* out16 = out16_.get();
-  const size_t n = n_;
+  const size_t n = elements_;
   if (dtype_ == DType::kF16) {
     PSLD_RETURN_IF_ERROR(lane.run([=](kn::MemoryKind where, void* stream) {
       return kn::f32_to_f16(where, out16, param, n, stream);
@@ -153,7 +153,7 @@ Status Aggregator::apply(ComputeLane& lane) {
   const bool bsp = options_.sync == SyncMode::kBsp;
   float* param = param_.get();
   const float* acc = acc_.get();
-  const size_t n = n_;
+  const size_t n = elements_;
   Status st;
   if (options_.mode == ServerMode::kSum) {
     if (bsp) {
@@ -180,9 +180,9 @@ Status Aggregator::apply(ComputeLane& lane) {
         break;
       }
       case OptimizerKind::kMomentum: {
-        st = lane.ensure(m_, n);
+        st = lane.ensure(first_moment_, n);
         if (!st.ok()) break;
-        float* m = m_.get();
+        float* m = first_moment_.get();
         const kn::MomentumParams p{o.lr,           o.momentum, o.dampening,
                                    o.weight_decay, o.nesterov, version_ == 0};
         st = lane.run([=](kn::MemoryKind where, void* stream) {
@@ -192,11 +192,11 @@ Status Aggregator::apply(ComputeLane& lane) {
       }
       case OptimizerKind::kAdam:
       case OptimizerKind::kAdamW: {
-        st = lane.ensure(m_, n);
-        if (st.ok()) st = lane.ensure(v_, n);
+        st = lane.ensure(first_moment_, n);
+        if (st.ok()) st = lane.ensure(second_moment_, n);
         if (!st.ok()) break;
-        float* m = m_.get();
-        float* v = v_.get();
+        float* m = first_moment_.get();
+        float* v = second_moment_.get();
         const kn::AdamParams p{o.lr,        o.beta1,        o.beta2,
                                o.eps,       o.weight_decay, o.kind == OptimizerKind::kAdamW,
                                version_ + 1};
@@ -240,17 +240,17 @@ bool Aggregator::applied_before(uint64_t switch_round, uint64_t run_start) const
 }
 
 Status Aggregator::save(ComputeLane& lane, float* out) const {
-  const size_t bytes = n_ * sizeof(float);
+  const size_t bytes = elements_ * sizeof(float);
   Status st = lane.copy(out, param_.get(), bytes);
-  if (m_) {
-    if (st.ok()) st = lane.copy(out + n_, m_.get(), bytes);
+  if (first_moment_) {
+    if (st.ok()) st = lane.copy(out + elements_, first_moment_.get(), bytes);
   } else {
-    std::memset(out + n_, 0, bytes);
+    std::memset(out + elements_, 0, bytes);
   }
-  if (v_) {
-    if (st.ok()) st = lane.copy(out + 2 * n_, v_.get(), bytes);
+  if (second_moment_) {
+    if (st.ok()) st = lane.copy(out + 2 * elements_, second_moment_.get(), bytes);
   } else {
-    std::memset(out + 2 * n_, 0, bytes);
+    std::memset(out + 2 * elements_, 0, bytes);
   }
   if (st.ok()) st = lane.finish();
   return st;
@@ -262,12 +262,12 @@ Status Aggregator::restore(ComputeLane& lane, const float* in, uint64_t version,
   const bool optimizer = options_.mode == ServerMode::kOptimizer;
   const bool with_m = optimizer && (kind != OptimizerKind::kSgd || options_.optimizer.momentum > 0);
   const bool with_v = optimizer && (kind == OptimizerKind::kAdam || kind == OptimizerKind::kAdamW);
-  const size_t bytes = n_ * sizeof(float);
+  const size_t bytes = elements_ * sizeof(float);
   Status st = lane.copy(param_.get(), in, bytes);
-  if (st.ok() && with_m) st = lane.ensure(m_, n_);
-  if (st.ok() && with_m) st = lane.copy(m_.get(), in + n_, bytes);
-  if (st.ok() && with_v) st = lane.ensure(v_, n_);
-  if (st.ok() && with_v) st = lane.copy(v_.get(), in + 2 * n_, bytes);
+  if (st.ok() && with_m) st = lane.ensure(first_moment_, elements_);
+  if (st.ok() && with_m) st = lane.copy(first_moment_.get(), in + elements_, bytes);
+  if (st.ok() && with_v) st = lane.ensure(second_moment_, elements_);
+  if (st.ok() && with_v) st = lane.copy(second_moment_.get(), in + 2 * elements_, bytes);
   if (st.ok()) st = publish(lane);  // waits for the copies out of `in`
   // BSP: version is the round, the switch round - 1. Async: the updates
   // applied, which Adam's bias correction counts.

@@ -160,7 +160,7 @@ class Aggregator {
 
   protocol::DType dtype() const { return dtype_; }
   uint64_t bytes() const { return bytes_; }  // in the workers' dtype
-  size_t size() const { return n_; }         // elements
+  size_t size() const { return elements_; }  // elements
   // Rounds (BSP) or pushes (async) applied.
   uint64_t version() const { return version_; }
   // The host memory pulls are written from (the parameter, its fp16/bf16
@@ -187,10 +187,12 @@ class Aggregator {
   AggregatorOptions options_;
   protocol::DType dtype_ = protocol::DType::kF32;
   uint64_t bytes_ = 0;
-  size_t n_ = 0;
+  size_t elements_ = 0;
   Array<float> param_;
   Array<float> acc_;
-  Array<float> m_, v_;     // optimizer state, allocated on first use
+  // Optimizer state, allocated on first use: the momentum buffer or Adam's m,
+  // and Adam's v.
+  Array<float> first_moment_, second_moment_;
   Array<uint16_t> out16_;  // fp16/bf16 keys: the parameter converted
   HostBuffer out_host_;    // with a device: the output, copied from the device
   bool swap_ = false;
