@@ -141,7 +141,21 @@ class ServerService final : public ProcessRuntime {
   void dispatch(Key key, Work work);
   void dispatch_all(const Work& work);  // to every shard
   void shard_loop(Shard& shard);
+  // Runs one piece of work: std::visit over the handlers below, one per
+  // alternative of Work, so an alternative without its handler does not
+  // compile.
   void process(Shard& shard, Work& work);
+  void handle(Shard& shard, PushWork& w);
+  void handle(Shard& shard, PullWork& w);
+  void handle(Shard& shard, const PullDone& w);
+  void handle(Shard& shard, const StateWork& w);
+  void handle(Shard& shard, const StateArrived& w);
+  void handle(Shard& shard, const TransferScan& w);
+  void handle(Shard& shard, const ShipDone& w);
+  void handle(Shard& shard, const Offered& w);
+  void handle(Shard& shard, const Release& w);
+  void handle(Shard& shard, const Dial& w);
+  void handle(Shard& shard, const Trim& w);
   void process_push(Shard& shard, PushWork& w);
   void process_pull(Shard& shard, PullWork& w);
   // The key's state, created on first use; `round` is the round of the

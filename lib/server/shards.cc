@@ -7,6 +7,7 @@
 #include <set>
 #include <thread>
 #include <unordered_map>
+#include <variant>
 
 #include "base/log.h"
 #include "lib/server/key_state.h"
@@ -35,103 +36,124 @@ void ServerService::shard_loop(Shard& shard) {
 }
 
 void ServerService::process(Shard& shard, Work& work) {
-  if (auto* push = std::get_if<PushWork>(&work)) {
-    if (push->requeued) {
-      process_push(shard, *push);  // its arrival was counted the first time
-      return;
-    }
-    const uint64_t arc = arc_of(push->meta.key);
-    load_->record(arc, LoadMetric::kBytesIn, static_cast<double>(push->meta.bytes));
-    load_->record(arc, LoadMetric::kQueueNs, ns_since(push->arrived));
-    process_push(shard, *push);
-    load_->end_service();  // reduced, parked for a later round, or refused
-  } else if (auto* pull = std::get_if<PullWork>(&work)) {
-    if (!pull->requeued) {
-      load_->record(arc_of(pull->req.key), LoadMetric::kQueueNs, ns_since(pull->arrived));
-    }
-    process_pull(shard, *pull);
-  } else if (auto* sw = std::get_if<StateWork>(&work)) {
-    const protocol::StateRequest& req = sw->req;
-    if (owner_for(req.key, req.switch_round - 1) != rank()) {
-      PSLD_LOG_ERROR(
-          "server {}: asked for the state of key {:#x} as of round {}, which it does "
-          "not own",
-          rank(), req.key, req.switch_round - 1);
-      return;
-    }
-    if (owner_for(req.key, req.switch_round) == rank()) {
-      // The key stays here after all: an abort gave it back before the
-      // request of the (lost) successor arrived.
-      PSLD_LOG_DEBUG("server {}: a state request for key {:#x} at round {} is void", rank(),
-                     req.key, req.switch_round);
-      return;
-    }
-    KeyState& k = key_state(shard, req.key, req.dtype, req.bytes, req.switch_round - 1);
-    k.successors.push_back(*sw);
-    maybe_ship(shard, k);
-  } else if (auto* arrived = std::get_if<StateArrived>(&work)) {
-    KeyState* k = find_run(shard, arrived->key, arrived->run);
-    if (k != nullptr && k->awaiting_state) install_state(shard, *k);
-  } else if (auto* scan = std::get_if<TransferScan>(&work)) {
-    scan_outgoing(shard, scan->switch_round);
-  } else if (auto* done = std::get_if<ShipDone>(&work)) {
-    if (!done->ok) return;  // logged where it failed; the key stays to ship
-    {
-      std::lock_guard<std::mutex> lock(stats_mu_);
-      ++stats_.states_out;
-    }
-    KeyState* k = find_run(shard, done->key, done->run);
-    // The run ended at that switch, unless an abort gave the key back
-    // while the write was on its way (scan_outgoing already looked then).
-    if (k != nullptr && owner_for(done->key, done->switch_round) != rank()) {
-      k->shipped_round = done->switch_round;
-    }
-    if (shard.out_round == done->switch_round && shard.outgoing.erase({done->key, done->run})) {
-      note_outgoing(shard);
-    }
-    free_runs(shard, done->key);
-  } else if (auto* offered = std::get_if<Offered>(&work)) {
-    const protocol::StateOffer& o = offered->offer;
-    // Only a key this server gains at that very switch: anything else is a
-    // stale offer (the transfer was aborted, or the key moved on since).
-    if (owner_for(o.key, o.switch_round) != rank()) return;
-    const auto g = gained(o.key, o.switch_round);
-    if (!g || g->first != o.switch_round) return;
-    // Every worker has pushed every round below the watermark, so a run
-    // that began below it was created here: missing, it was freed, and the
-    // offer is stale (created again, it would ask for a state nobody ships).
-    if (o.switch_round < protocol::round_of(shard.low.low, shard.low.tensors, key_tensor(o.key)) &&
-        find_run(shard, o.key, o.switch_round) == nullptr) {
-      return;
-    }
-    (void)key_state(shard, o.key, o.dtype, o.bytes, o.switch_round);  // asks for the state
-  } else if (auto* release = std::get_if<Release>(&work)) {
-    release_final(shard, release->switch_round);
-  } else if (auto* dial = std::get_if<Dial>(&work)) {
-    for (ServerId id : dial->servers)
-      (void)peer(id);
-  } else if (auto* mark = std::get_if<Trim>(&work)) {
-    trim(shard, mark->mark);
-  } else {
-    const PullDone& pd = std::get<PullDone>(work);
-    KeyState* found = find_run(shard, pd.key, pd.run);
-    if (found == nullptr) return;
-    KeyState& k = *found;
-    if (k.inflight > 0) --k.inflight;
-    if (k.inflight == 0) {
-      if (k.apply_pending) {
-        k.apply_pending = false;
-        apply_round(shard, k);
-      }
-      while (k.inflight == 0 && !k.deferred.empty() && !k.awaiting_state && !k.awaiting_final) {
-        PushWork next = std::move(k.deferred.front());
-        k.deferred.pop_front();
-        process_push(shard, next);
-      }
-      maybe_ship(shard, k);
-      free_runs(shard, pd.key);  // k may be gone from here on
-    }
+  std::visit([&](auto& w) { handle(shard, w); }, work);
+}
+
+void ServerService::handle(Shard& shard, PushWork& w) {
+  if (w.requeued) {
+    process_push(shard, w);  // its arrival was counted the first time
+    return;
   }
+  const uint64_t arc = arc_of(w.meta.key);
+  load_->record(arc, LoadMetric::kBytesIn, static_cast<double>(w.meta.bytes));
+  load_->record(arc, LoadMetric::kQueueNs, ns_since(w.arrived));
+  process_push(shard, w);
+  load_->end_service();  // reduced, parked for a later round, or refused
+}
+
+void ServerService::handle(Shard& shard, PullWork& w) {
+  if (!w.requeued) {
+    load_->record(arc_of(w.req.key), LoadMetric::kQueueNs, ns_since(w.arrived));
+  }
+  process_pull(shard, w);
+}
+
+void ServerService::handle(Shard& shard, const PullDone& w) {
+  KeyState* found = find_run(shard, w.key, w.run);
+  if (found == nullptr) return;
+  KeyState& k = *found;
+  if (k.inflight > 0) --k.inflight;
+  if (k.inflight == 0) {
+    if (k.apply_pending) {
+      k.apply_pending = false;
+      apply_round(shard, k);
+    }
+    while (k.inflight == 0 && !k.deferred.empty() && !k.awaiting_state && !k.awaiting_final) {
+      PushWork next = std::move(k.deferred.front());
+      k.deferred.pop_front();
+      process_push(shard, next);
+    }
+    maybe_ship(shard, k);
+    free_runs(shard, w.key);  // k may be gone from here on
+  }
+}
+
+void ServerService::handle(Shard& shard, const StateWork& w) {
+  const protocol::StateRequest& req = w.req;
+  if (owner_for(req.key, req.switch_round - 1) != rank()) {
+    PSLD_LOG_ERROR(
+        "server {}: asked for the state of key {:#x} as of round {}, which it does "
+        "not own",
+        rank(), req.key, req.switch_round - 1);
+    return;
+  }
+  if (owner_for(req.key, req.switch_round) == rank()) {
+    // The key stays here after all: an abort gave it back before the
+    // request of the (lost) successor arrived.
+    PSLD_LOG_DEBUG("server {}: a state request for key {:#x} at round {} is void", rank(), req.key,
+                   req.switch_round);
+    return;
+  }
+  KeyState& k = key_state(shard, req.key, req.dtype, req.bytes, req.switch_round - 1);
+  k.successors.push_back(w);
+  maybe_ship(shard, k);
+}
+
+void ServerService::handle(Shard& shard, const StateArrived& w) {
+  KeyState* k = find_run(shard, w.key, w.run);
+  if (k != nullptr && k->awaiting_state) install_state(shard, *k);
+}
+
+void ServerService::handle(Shard& shard, const TransferScan& w) {
+  scan_outgoing(shard, w.switch_round);
+}
+
+void ServerService::handle(Shard& shard, const ShipDone& w) {
+  if (!w.ok) return;  // logged where it failed; the key stays to ship
+  {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    ++stats_.states_out;
+  }
+  KeyState* k = find_run(shard, w.key, w.run);
+  // The run ended at that switch, unless an abort gave the key back
+  // while the write was on its way (scan_outgoing already looked then).
+  if (k != nullptr && owner_for(w.key, w.switch_round) != rank()) {
+    k->shipped_round = w.switch_round;
+  }
+  if (shard.out_round == w.switch_round && shard.outgoing.erase({w.key, w.run})) {
+    note_outgoing(shard);
+  }
+  free_runs(shard, w.key);
+}
+
+void ServerService::handle(Shard& shard, const Offered& w) {
+  const protocol::StateOffer& o = w.offer;
+  // Only a key this server gains at that very switch: anything else is a
+  // stale offer (the transfer was aborted, or the key moved on since).
+  if (owner_for(o.key, o.switch_round) != rank()) return;
+  const auto g = gained(o.key, o.switch_round);
+  if (!g || g->first != o.switch_round) return;
+  // Every worker has pushed every round below the watermark, so a run
+  // that began below it was created here: missing, it was freed, and the
+  // offer is stale (created again, it would ask for a state nobody ships).
+  if (o.switch_round < protocol::round_of(shard.low.low, shard.low.tensors, key_tensor(o.key)) &&
+      find_run(shard, o.key, o.switch_round) == nullptr) {
+    return;
+  }
+  (void)key_state(shard, o.key, o.dtype, o.bytes, o.switch_round);  // asks for the state
+}
+
+void ServerService::handle(Shard& shard, const Release& w) {
+  release_final(shard, w.switch_round);
+}
+
+void ServerService::handle(Shard&, const Dial& w) {
+  for (ServerId id : w.servers)
+    (void)peer(id);
+}
+
+void ServerService::handle(Shard& shard, const Trim& w) {
+  trim(shard, w.mark);
 }
 
 ServerService::KeyState& ServerService::key_state(Shard& shard, Key key, DType dtype,
