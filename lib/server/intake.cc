@@ -255,7 +255,8 @@ void ServerService::dispatch_all(const Work& work) {
   }
 }
 
-// ---- Shard threads: all key state lives here.
+// ---- Credits, from the shard threads: the slots they freed and the plain
+// pushes they took, sent back once per batch.
 
 void ServerService::free_slot(Shard& shard, uint64_t conn, uint32_t slot) {
   if (slot == protocol::kNoSlot) return;  // read in place: it took no slot

@@ -136,7 +136,8 @@ ServerStats ServerService::stats() const {
   return stats_;
 }
 
-// ---- Progress-thread side: pair notifications with metadata, queue work.
+// ---- Progress-thread side: connections come and go; control messages go to
+// the session or to intake.cc, which pairs notifications with metadata.
 
 void ServerService::on_accept(const ConnectionPtr& conn) {
   auto w = std::make_shared<WorkerConn>();
@@ -155,6 +156,8 @@ void ServerService::on_control(const ConnectionPtr& conn, protocol::Message&& me
   if (session_.handle(conn, message)) return;
   handle_worker_message(conn, message);
 }
+
+// ---- Who owns what, and answers to workers: called from every thread.
 
 uint64_t ServerService::arc_of(Key key) const {
   std::lock_guard<std::mutex> lock(epoch_mu_);
