@@ -73,7 +73,6 @@ using bench::Watchdog;
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
-using protocol::DType;
 
 // ---- options
 
@@ -689,7 +688,7 @@ class Cluster {
       // Past a few thousand tries take what comes; the imbalance is reported.
       if (!fits && ++scanned < 4096) {
         auto skip =
-            first.register_tensor(fmt::format("skip{}", id), DType::kF32, 0, nullptr, nullptr);
+            first.register_tensor(fmt::format("skip{}", id), DType::kFloat32, 0, nullptr, nullptr);
         if (!skip.ok()) return skip.status().with_context("registering a placeholder tensor");
         continue;
       }
@@ -698,7 +697,7 @@ class Cluster {
       names.push_back(fmt::format("t{}_{}", size, names.size()));
       // Worker 0 registers in id order; the others follow below.
       PSLD_ASSIGN_OR_RETURN(
-          uint32_t h, first.register_tensor(names.back(), DType::kF32, size,
+          uint32_t h, first.register_tensor(names.back(), DType::kFloat32, size,
                                             set.base[0] + (names.size() - 1) * size, nullptr));
       set.handles[0].push_back(h);
     }
@@ -712,7 +711,7 @@ class Cluster {
           PSLD_RETURN_IF_ERROR(tensor_memory(set, wi, set.count * size));
           for (size_t t = 0; t < names.size(); ++t) {
             PSLD_ASSIGN_OR_RETURN(uint32_t h,
-                                  workers_[wi]->register_tensor(names[t], DType::kF32, size,
+                                  workers_[wi]->register_tensor(names[t], DType::kFloat32, size,
                                                                 set.base[wi] + t * size, nullptr));
             set.handles[wi].push_back(h);
           }

@@ -321,9 +321,9 @@ Result<RunResult> run_policy(const Options& o, const Scenario& sc, Policy policy
   auto register_all = [&](uint32_t w) -> Status {
     for (size_t t = 0; t < tensors.size(); ++t) {
       PSLD_ASSIGN_OR_RETURN(
-          uint32_t h, job.workers[w]->register_tensor(tensors[t].name, protocol::DType::kF32,
-                                                      tensors[t].elements * 4,
-                                                      job.memory[w].data() + offset[t], nullptr));
+          uint32_t h,
+          job.workers[w]->register_tensor(tensors[t].name, DType::kFloat32, tensors[t].elements * 4,
+                                          job.memory[w].data() + offset[t], nullptr));
       handles[w].push_back(h);
     }
     return Status::Ok();

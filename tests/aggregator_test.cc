@@ -18,7 +18,6 @@
 namespace psld {
 namespace {
 
-using protocol::DType;
 using Admission = Aggregator::Admission;
 
 constexpr uint32_t kWorkers = 3;
@@ -76,9 +75,9 @@ AggregatorOptions options_for(SyncMode sync, Update u) {
 // A push in the wire dtype: values that fp16 and bf16 hold exactly.
 std::vector<uint8_t> encode(DType dtype, const std::vector<float>& v) {
   std::vector<uint8_t> out(v.size() * protocol::dtype_bytes(dtype));
-  if (dtype == DType::kF32) {
+  if (dtype == DType::kFloat32) {
     std::memcpy(out.data(), v.data(), out.size());
-  } else if (dtype == DType::kF16) {
+  } else if (dtype == DType::kFloat16) {
     kernels::f32_to_f16(reinterpret_cast<uint16_t*>(out.data()), v.data(), v.size());
   } else {
     kernels::f32_to_bf16(reinterpret_cast<uint16_t*>(out.data()), v.data(), v.size());
@@ -88,9 +87,9 @@ std::vector<uint8_t> encode(DType dtype, const std::vector<float>& v) {
 
 std::vector<float> decode(DType dtype, const void* p, size_t n) {
   std::vector<float> out(n);
-  if (dtype == DType::kF32) {
+  if (dtype == DType::kFloat32) {
     std::memcpy(out.data(), p, n * sizeof(float));
-  } else if (dtype == DType::kF16) {
+  } else if (dtype == DType::kFloat16) {
     kernels::f16_to_f32(out.data(), static_cast<const uint16_t*>(p), n);
   } else {
     kernels::bf16_to_f32(out.data(), static_cast<const uint16_t*>(p), n);
@@ -237,7 +236,7 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
 INSTANTIATE_TEST_SUITE_P(
     All, AggregatorMatrix,
     ::testing::Combine(::testing::Values(SyncMode::kBsp, SyncMode::kAsync, SyncMode::kStaleness),
-                       ::testing::Values(DType::kF32, DType::kF16, DType::kBF16),
+                       ::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
                        ::testing::Values(Update::kSum, Update::kSgd, Update::kMomentum,
                                          Update::kNesterov, Update::kAdam, Update::kAdamW),
                        ::testing::Bool()),
@@ -245,7 +244,7 @@ INSTANTIATE_TEST_SUITE_P(
 
 TEST(Aggregator, BspSumIsExactOnIntegers) {
   Memory mem(false);
-  Aggregator agg(options_for(SyncMode::kBsp, Update::kSum), DType::kF32, kN * sizeof(float));
+  Aggregator agg(options_for(SyncMode::kBsp, Update::kSum), DType::kFloat32, kN * sizeof(float));
   ASSERT_TRUE(agg.allocate(mem.lane()).ok());
   for (uint32_t w = 0; w < kWorkers; ++w) {
     std::vector<float> g(kN, static_cast<float>(w + 1));
@@ -257,7 +256,7 @@ TEST(Aggregator, BspSumIsExactOnIntegers) {
 
 TEST(Aggregator, BspAdmitsEachWorkerOncePerRound) {
   Memory mem(false);
-  Aggregator agg(options_for(SyncMode::kBsp, Update::kSum), DType::kF32, kN * sizeof(float));
+  Aggregator agg(options_for(SyncMode::kBsp, Update::kSum), DType::kFloat32, kN * sizeof(float));
   ASSERT_TRUE(agg.allocate(mem.lane()).ok());
   std::vector<float> g(kN, 1.0f);
   EXPECT_EQ(agg.admit(0, 0), Admission::kApplied) << "round 0 is the initial value";
@@ -280,7 +279,7 @@ TEST(Aggregator, StalenessHoldsPullsUntilTheSlowestWorkerIsCloseEnough) {
   Memory mem(false);
   AggregatorOptions o = options_for(SyncMode::kStaleness, Update::kSum);
   o.staleness = 2;
-  Aggregator agg(o, DType::kF32, kN * sizeof(float));
+  Aggregator agg(o, DType::kFloat32, kN * sizeof(float));
   ASSERT_TRUE(agg.allocate(mem.lane()).ok());
   std::vector<float> g(kN, 1.0f);
   EXPECT_TRUE(agg.pull_ready(2));
@@ -302,7 +301,7 @@ TEST(Aggregator, StalenessHoldsPullsUntilTheSlowestWorkerIsCloseEnough) {
 TEST(Aggregator, AppliedBeforeCountsRoundsInBspAndPushesInAsync) {
   Memory mem(false);
   std::vector<float> g(kN, 1.0f);
-  Aggregator bsp(options_for(SyncMode::kBsp, Update::kSum), DType::kF32, kN * sizeof(float));
+  Aggregator bsp(options_for(SyncMode::kBsp, Update::kSum), DType::kFloat32, kN * sizeof(float));
   ASSERT_TRUE(bsp.allocate(mem.lane()).ok());
   EXPECT_TRUE(bsp.applied_before(1, 0));
   EXPECT_FALSE(bsp.applied_before(2, 0));
@@ -313,7 +312,8 @@ TEST(Aggregator, AppliedBeforeCountsRoundsInBspAndPushesInAsync) {
 
   // Async, a run that began at switch round 3: rounds 3 and 4 from every
   // worker come before switch round 5, in any order.
-  Aggregator async(options_for(SyncMode::kAsync, Update::kSum), DType::kF32, kN * sizeof(float));
+  Aggregator async(options_for(SyncMode::kAsync, Update::kSum), DType::kFloat32,
+                   kN * sizeof(float));
   ASSERT_TRUE(async.allocate(mem.lane()).ok());
   EXPECT_FALSE(async.applied_before(5, 3));
   for (uint32_t w = 0; w < kWorkers; ++w) {
@@ -331,10 +331,10 @@ TEST(Aggregator, AppliedBeforeCountsRoundsInBspAndPushesInAsync) {
 TEST(Aggregator, InitialValueIsWrittenAsIs) {
   for (bool gpu : {false, true}) {
     Memory mem(gpu);
-    Aggregator agg(options_for(SyncMode::kBsp, Update::kAdam), DType::kBF16, kN * 2);
+    Aggregator agg(options_for(SyncMode::kBsp, Update::kAdam), DType::kBFloat16, kN * 2);
     ASSERT_TRUE(agg.allocate(mem.lane()).ok());
     const std::vector<float> init = push_values(9, 1);
-    const std::vector<uint8_t> wire = encode(DType::kBF16, init);
+    const std::vector<uint8_t> wire = encode(DType::kBFloat16, init);
     ASSERT_TRUE(agg.set_initial(mem.lane(), wire.data()).ok());
     EXPECT_EQ(output_of(agg), init) << (gpu ? "fake GPU" : "host");
     EXPECT_EQ(agg.version(), 0u);
@@ -348,8 +348,8 @@ TEST(Aggregator, SavedStateContinuesBitIdenticallyElsewhere) {
   for (auto [from_gpu, to_gpu] : {std::pair{false, true}, std::pair{true, false}}) {
     Memory from_mem(from_gpu), to_mem(to_gpu), ref_mem(false);
     const AggregatorOptions o = options_for(SyncMode::kBsp, Update::kAdamW);
-    Aggregator moving(o, DType::kF32, kN * sizeof(float));
-    Aggregator staying(o, DType::kF32, kN * sizeof(float));
+    Aggregator moving(o, DType::kFloat32, kN * sizeof(float));
+    Aggregator staying(o, DType::kFloat32, kN * sizeof(float));
     ASSERT_TRUE(moving.allocate(from_mem.lane()).ok());
     ASSERT_TRUE(staying.allocate(ref_mem.lane()).ok());
     auto run_round = [&](Aggregator& a, ComputeLane& lane, uint64_t round) {
@@ -365,7 +365,7 @@ TEST(Aggregator, SavedStateContinuesBitIdenticallyElsewhere) {
     }
     std::vector<float> state(3 * kN, -1.0f);
     ASSERT_TRUE(moving.save(from_mem.lane(), state.data()).ok());
-    Aggregator arrived(o, DType::kF32, kN * sizeof(float));
+    Aggregator arrived(o, DType::kFloat32, kN * sizeof(float));
     ASSERT_TRUE(arrived.allocate(to_mem.lane()).ok());
     ASSERT_TRUE(arrived.restore(to_mem.lane(), state.data(), moving.version(), 3).ok());
     EXPECT_EQ(arrived.version(), 3u);
@@ -381,7 +381,7 @@ TEST(Aggregator, SavedStateContinuesBitIdenticallyElsewhere) {
 
 TEST(Aggregator, SaveWritesZerosForMomentsTheOptimizerDoesNotKeep) {
   Memory mem(false);
-  Aggregator agg(options_for(SyncMode::kBsp, Update::kSgd), DType::kF32, kN * sizeof(float));
+  Aggregator agg(options_for(SyncMode::kBsp, Update::kSgd), DType::kFloat32, kN * sizeof(float));
   ASSERT_TRUE(agg.allocate(mem.lane()).ok());
   std::vector<float> state(3 * kN, -1.0f);
   ASSERT_TRUE(agg.save(mem.lane(), state.data()).ok());
@@ -391,8 +391,8 @@ TEST(Aggregator, SaveWritesZerosForMomentsTheOptimizerDoesNotKeep) {
 TEST(Aggregator, SwappingOnApplyGivesTheSameSumsAsCopying) {
   Memory mem(false);
   const AggregatorOptions o = options_for(SyncMode::kBsp, Update::kSum);
-  Aggregator swapping(o, DType::kF32, kN * sizeof(float));
-  Aggregator copying(o, DType::kF32, kN * sizeof(float));
+  Aggregator swapping(o, DType::kFloat32, kN * sizeof(float));
+  Aggregator copying(o, DType::kFloat32, kN * sizeof(float));
   ASSERT_TRUE(swapping.allocate(mem.lane()).ok());
   ASSERT_TRUE(copying.allocate(mem.lane()).ok());
   ASSERT_TRUE(swapping.can_swap(mem.lane()));
@@ -409,7 +409,7 @@ TEST(Aggregator, SwappingOnApplyGivesTheSameSumsAsCopying) {
     EXPECT_NE(swapping.output(), before) << "the accumulator became the parameter";
     EXPECT_EQ(output_of(swapping), output_of(copying)) << "round " << r;
   }
-  Aggregator f16(o, DType::kF16, kN * 2);
+  Aggregator f16(o, DType::kFloat16, kN * 2);
   EXPECT_FALSE(f16.can_swap(mem.lane())) << "only fp32 keys are applied by swapping";
   Memory gpu(true);
   EXPECT_FALSE(swapping.can_swap(gpu.lane())) << "nor keys on a device";
@@ -417,7 +417,7 @@ TEST(Aggregator, SwappingOnApplyGivesTheSameSumsAsCopying) {
 
 TEST(Aggregator, DeviceFaultIsAnErrorNotACrash) {
   Memory mem(true);
-  Aggregator agg(options_for(SyncMode::kBsp, Update::kAdam), DType::kF32, kN * sizeof(float));
+  Aggregator agg(options_for(SyncMode::kBsp, Update::kAdam), DType::kFloat32, kN * sizeof(float));
   ASSERT_TRUE(agg.allocate(mem.lane()).ok());
   std::vector<float> g(kN, 1.0f);
   for (uint32_t w = 0; w < kWorkers; ++w)

@@ -12,8 +12,6 @@
 namespace psld {
 namespace {
 
-using protocol::DType;
-
 // The whole loop on a straggler: servers report load, the coordinator's
 // balancer plans, the epochs switch, and training stays exact throughout.
 TEST(MigrationBalancer, MovesLoadOffAServerBehindASlowLinkWhileTrainingStaysExact) {

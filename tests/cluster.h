@@ -121,9 +121,8 @@ inline Result<std::vector<uint32_t>> register_zeroed(WorkerService& w,
   std::vector<uint32_t> handles;
   for (size_t t = 0; t < elems.size(); ++t) {
     data[t].assign(elems[t], 0.0f);
-    PSLD_ASSIGN_OR_RETURN(
-        uint32_t h, w.register_tensor("t" + std::to_string(t), protocol::DType::kF32, elems[t] * 4,
-                                      data[t].data(), nullptr));
+    PSLD_ASSIGN_OR_RETURN(uint32_t h, w.register_tensor("t" + std::to_string(t), DType::kFloat32,
+                                                        elems[t] * 4, data[t].data(), nullptr));
     handles.push_back(h);
   }
   return handles;
@@ -144,9 +143,8 @@ inline Result<std::vector<uint32_t>> register_allocated(WorkerService& w,
   std::vector<uint32_t> handles;
   for (size_t t = 0; t < elems.size(); ++t) {
     data.push_back(at);
-    PSLD_ASSIGN_OR_RETURN(
-        uint32_t h, w.register_tensor("t" + std::to_string(t), protocol::DType::kF32, elems[t] * 4,
-                                      at, nullptr));
+    PSLD_ASSIGN_OR_RETURN(uint32_t h, w.register_tensor("t" + std::to_string(t), DType::kFloat32,
+                                                        elems[t] * 4, at, nullptr));
     handles.push_back(h);
     at += elems[t];
   }

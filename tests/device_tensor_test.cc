@@ -23,7 +23,6 @@ namespace psld {
 namespace {
 
 using namespace std::chrono_literals;
-using protocol::DType;
 using transport::MemoryKind;
 
 // What the fake engines of one job did, and how they should misbehave.
@@ -127,8 +126,9 @@ TEST_P(DeviceTensors, StagedPushPullGivesExactSumsWithoutTouchingDeviceMemory) {
         auto* d = static_cast<float*>(device_.alloc(elems[t] * 4));
         if (d == nullptr) return Internal("fake device full");
         dev.push_back(d);
-        PSLD_ASSIGN_OR_RETURN(uint32_t h, w.register_tensor("t" + std::to_string(t), DType::kF32,
-                                                            elems[t] * 4, d, nullptr));
+        PSLD_ASSIGN_OR_RETURN(
+            uint32_t h,
+            w.register_tensor("t" + std::to_string(t), DType::kFloat32, elems[t] * 4, d, nullptr));
         handles.push_back(h);
       }
       const float rank = static_cast<float>(w.rank());
@@ -190,10 +190,10 @@ TEST_P(DeviceTensors, AdamOnADeviceTensorIsBitIdenticalToTheSameTensorInHostMemo
     auto* dev = static_cast<float*>(device_.alloc(kN * 4));
     if (dev == nullptr) return Internal("fake device full");
     // Worker 0's initial values: from host memory for both tensors.
-    PSLD_ASSIGN_OR_RETURN(uint32_t hh,
-                          w.register_tensor("host", DType::kF32, kN * 4, host.data(), init.data()));
+    PSLD_ASSIGN_OR_RETURN(
+        uint32_t hh, w.register_tensor("host", DType::kFloat32, kN * 4, host.data(), init.data()));
     PSLD_ASSIGN_OR_RETURN(uint32_t hd,
-                          w.register_tensor("device", DType::kF32, kN * 4, dev, init.data()));
+                          w.register_tensor("device", DType::kFloat32, kN * 4, dev, init.data()));
     PSLD_RETURN_IF_ERROR(w.barrier(5s));
     for (uint32_t h : {hh, hd}) {
       PSLD_ASSIGN_OR_RETURN(auto pull, w.submit(h, RequestKind::kPull));
@@ -237,7 +237,8 @@ TEST_P(DeviceTensors, PushThenPullAndAnInitialValueInDeviceMemory) {
     auto* dev = static_cast<float*>(device_.alloc(kN * 4));
     if (dev == nullptr || dev_init == nullptr) return Internal("fake device full");
     device_.upload(dev_init, init);
-    PSLD_ASSIGN_OR_RETURN(uint32_t h, w.register_tensor("w", DType::kF32, kN * 4, dev, dev_init));
+    PSLD_ASSIGN_OR_RETURN(uint32_t h,
+                          w.register_tensor("w", DType::kFloat32, kN * 4, dev, dev_init));
     PSLD_RETURN_IF_ERROR(w.barrier(5s));
     PSLD_ASSIGN_OR_RETURN(auto pull, w.submit(h, RequestKind::kPull));
     PSLD_RETURN_IF_ERROR(pull->wait(5s));
@@ -270,7 +271,7 @@ TEST_P(DeviceTensors, AFailedCopyFailsTheRequestNamingTheTensorAndNothingHangs) 
   constexpr size_t kN = 16384 * 6;  // six chunks
   auto* dev = static_cast<float*>(device_.alloc(kN * 4));
   ASSERT_NE(dev, nullptr);
-  auto h = w.register_tensor("grad", DType::kF32, kN * 4, dev, nullptr);
+  auto h = w.register_tensor("grad", DType::kFloat32, kN * 4, dev, nullptr);
   ASSERT_TRUE(h.ok()) << h.status().to_string();
   auto req = w.submit(*h, RequestKind::kPushPull);
   ASSERT_TRUE(req.ok());
@@ -289,7 +290,7 @@ TEST_P(DeviceTensors, DirectWhereTheTransportCannotIsAClearErrorThatRegistersNot
   ASSERT_TRUE(c.start().ok());
   WorkerService& w = *c.workers[0];
   void* dev = device_.alloc(4096);
-  auto h = w.register_tensor("emb", DType::kF32, 4096, dev, nullptr);
+  auto h = w.register_tensor("emb", DType::kFloat32, 4096, dev, nullptr);
   ASSERT_FALSE(h.ok());
   EXPECT_EQ(h.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(h.status().message().find("tensor 'emb' is in CUDA memory"), std::string::npos)
@@ -298,7 +299,7 @@ TEST_P(DeviceTensors, DirectWhereTheTransportCannotIsAClearErrorThatRegistersNot
       << h.status().to_string();
   // Nothing reached the coordinator: the name is still free for any size.
   std::vector<float> host(10);
-  EXPECT_TRUE(w.register_tensor("emb", DType::kF32, 40, host.data(), nullptr).ok());
+  EXPECT_TRUE(w.register_tensor("emb", DType::kFloat32, 40, host.data(), nullptr).ok());
   EXPECT_EQ(log_->host_buffers.load(), 0);
 }
 
@@ -310,7 +311,7 @@ TEST_P(DeviceTensors, NoCopyEngineIsAClearErrorNamingTheTensor) {
             }),
             GetParam());
   ASSERT_TRUE(c.start().ok());
-  auto h = c.workers[0]->register_tensor("w", DType::kF32, 64, device_.alloc(64), nullptr);
+  auto h = c.workers[0]->register_tensor("w", DType::kFloat32, 64, device_.alloc(64), nullptr);
   ASSERT_FALSE(h.ok());
   EXPECT_EQ(h.status().code(), StatusCode::kUnavailable);
   EXPECT_NE(h.status().message().find("tensor 'w' is in CUDA memory"), std::string::npos)

@@ -21,7 +21,6 @@ namespace psld {
 namespace {
 
 using namespace std::chrono_literals;
-using protocol::DType;
 
 class GpuServers : public ::testing::TestWithParam<std::string> {
  protected:
@@ -60,21 +59,21 @@ struct Tensor {
   size_t n;
   std::vector<float> f32;
   std::vector<uint16_t> half;  // fp16 or bf16
-  void* data() { return dtype == DType::kF32 ? static_cast<void*>(f32.data()) : half.data(); }
+  void* data() { return dtype == DType::kFloat32 ? static_cast<void*>(f32.data()) : half.data(); }
   uint64_t bytes() const { return n * protocol::dtype_bytes(dtype); }
   void set(const std::vector<float>& v) {
-    if (dtype == DType::kF32) {
+    if (dtype == DType::kFloat32) {
       f32 = v;
-    } else if (dtype == DType::kF16) {
+    } else if (dtype == DType::kFloat16) {
       kernels::f32_to_f16(half.data(), v.data(), n);
     } else {
       kernels::f32_to_bf16(half.data(), v.data(), n);
     }
   }
   std::vector<float> get() const {
-    if (dtype == DType::kF32) return f32;
+    if (dtype == DType::kFloat32) return f32;
     std::vector<float> out(n);
-    if (dtype == DType::kF16) {
+    if (dtype == DType::kFloat16) {
       kernels::f16_to_f32(out.data(), half.data(), n);
     } else {
       kernels::bf16_to_f32(out.data(), half.data(), n);
@@ -87,7 +86,7 @@ std::vector<Tensor> make_tensors(const std::vector<std::pair<DType, size_t>>& sh
   std::vector<Tensor> out;
   for (auto [dtype, n] : shapes) {
     Tensor t{dtype, n, {}, {}};
-    if (dtype == DType::kF32) {
+    if (dtype == DType::kFloat32) {
       t.f32.assign(n, 0.0f);
     } else {
       t.half.assign(n, 0);
@@ -102,8 +101,9 @@ std::vector<Tensor> make_tensors(const std::vector<std::pair<DType, size_t>>& sh
 // threads (two lanes) per server.
 TEST_P(GpuServers, SumsOfEveryDtypeAreExactWithKeysInGpuMemory) {
   const std::vector<std::pair<DType, size_t>> shapes = {
-      {DType::kF32, 1},     {DType::kF32, 1000}, {DType::kF32, 50001}, {DType::kF16, 7},
-      {DType::kF16, 40000}, {DType::kBF16, 3},   {DType::kBF16, 33000}};
+      {DType::kFloat32, 1},     {DType::kFloat32, 1000},  {DType::kFloat32, 50001},
+      {DType::kFloat16, 7},     {DType::kFloat16, 40000}, {DType::kBFloat16, 3},
+      {DType::kBFloat16, 33000}};
   {
     Cluster c(2, 2, gpu_servers([](RuntimeOptions& o) {
                 o.mode = ServerMode::kSum;
@@ -186,7 +186,7 @@ std::vector<std::vector<float>> optimizer_job(const std::string& backend, Optimi
       backend);
   EXPECT_TRUE(c.start().ok());
   const std::vector<std::pair<DType, size_t>> shapes = {
-      {DType::kF32, 5}, {DType::kF32, 40001}, {DType::kBF16, 20000}};
+      {DType::kFloat32, 5}, {DType::kFloat32, 40001}, {DType::kBFloat16, 20000}};
   std::vector<std::vector<float>> result;
   std::mutex result_mu;
   Status s = on_all(c, [&](size_t wi) -> Status {
@@ -260,8 +260,8 @@ TEST_P(GpuServers, AsyncRunningTotalsAreExactWithKeysInGpuMemory) {
     Status s = on_all(c, [&](size_t wi) -> Status {
       WorkerService& w = *c.workers[wi];
       std::vector<float> data(kN);
-      PSLD_ASSIGN_OR_RETURN(uint32_t h,
-                            w.register_tensor("total", DType::kF32, kN * 4, data.data(), nullptr));
+      PSLD_ASSIGN_OR_RETURN(
+          uint32_t h, w.register_tensor("total", DType::kFloat32, kN * 4, data.data(), nullptr));
       PSLD_RETURN_IF_ERROR(w.barrier(10s));
       for (int r = 1; r <= kPushes; ++r) {
         for (size_t i = 0; i < kN; ++i)
@@ -305,8 +305,9 @@ TEST_P(GpuServers, AFaultOnTheGpuFailsItsKeysRequestsClearlyAndNothingHangs) {
       std::vector<std::vector<float>> data(2, std::vector<float>(kN));
       std::vector<uint32_t> handles;
       for (size_t t = 0; t < 2; ++t) {
-        PSLD_ASSIGN_OR_RETURN(uint32_t h, w.register_tensor("t" + std::to_string(t), DType::kF32,
-                                                            kN * 4, data[t].data(), nullptr));
+        PSLD_ASSIGN_OR_RETURN(uint32_t h,
+                              w.register_tensor("t" + std::to_string(t), DType::kFloat32, kN * 4,
+                                                data[t].data(), nullptr));
         handles.push_back(h);
       }
       for (int r = 1; r <= kRounds; ++r) {

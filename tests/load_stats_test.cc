@@ -12,7 +12,6 @@ namespace psld {
 namespace {
 
 using protocol::LoadReport;
-using protocol::Role;
 
 TEST(LoadRecorder, SumsEachArcAndTheTotals) {
   auto rec = *LoadRecorder::make(Role::kServer);

@@ -18,8 +18,6 @@
 namespace psld {
 namespace {
 
-using protocol::DType;
-
 // Waits until no switch is in flight, proposes the change make(committed
 // placement) returns, and waits up to 10 s for its commit.
 template <typename Make>
@@ -365,9 +363,9 @@ AdamJob adam_job(const std::string& backend, uint32_t standby, uint64_t rounds, 
       std::vector<float> init(elems[t]);
       for (size_t i = 0; i < elems[t]; ++i)
         init[i] = static_cast<float>(i % 7) - 3.0f;
-      PSLD_ASSIGN_OR_RETURN(uint32_t h,
-                            w.register_tensor("p" + std::to_string(t), DType::kF32, elems[t] * 4,
-                                              data[t].data(), init.data()));
+      PSLD_ASSIGN_OR_RETURN(
+          uint32_t h, w.register_tensor("p" + std::to_string(t), DType::kFloat32, elems[t] * 4,
+                                        data[t].data(), init.data()));
       handles.push_back(h);
     }
     PSLD_RETURN_IF_ERROR(w.barrier(10s));
@@ -470,7 +468,7 @@ TEST_P(Migration, AsyncModeConservesEveryPushAcrossMigrations) {
     WorkerService& w = *c.workers[wi];
     std::vector<float>& x = xs[wi];
     PSLD_ASSIGN_OR_RETURN(uint32_t h,
-                          w.register_tensor("acc", DType::kF32, kN * 4, x.data(), nullptr));
+                          w.register_tensor("acc", DType::kFloat32, kN * 4, x.data(), nullptr));
     ++started;
     for (uint64_t r = 1; r <= target.load() && !stop.load(); ++r) {
       uint64_t f = furthest.load();
@@ -935,7 +933,7 @@ TEST_P(MigrationAbort, AnOldOwnerDyingMidTransferFailsTheJobClearly) {
     std::vector<std::vector<float>>& data = tensors[wi];
     std::vector<uint32_t> handles;
     for (size_t t = 0; t < kTensors; ++t) {
-      PSLD_ASSIGN_OR_RETURN(uint32_t h, w.register_tensor("t" + std::to_string(t), DType::kF32,
+      PSLD_ASSIGN_OR_RETURN(uint32_t h, w.register_tensor("t" + std::to_string(t), DType::kFloat32,
                                                           kN * 4, data[t].data(), nullptr));
       handles.push_back(h);
     }

@@ -151,7 +151,7 @@ Status train_worker(WorkerService& w, const demo::Dataset& data, const std::vect
     const std::vector<float> init = L.params;
     PSLD_ASSIGN_OR_RETURN(
         uint32_t h,
-        w.register_tensor("layer" + std::to_string(l), protocol::DType::kF32,
+        w.register_tensor("layer" + std::to_string(l), DType::kFloat32,
                           L.params.size() * sizeof(float), L.params.data(), init.data()));
     handles.push_back(h);
   }

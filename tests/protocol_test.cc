@@ -16,8 +16,8 @@ std::vector<Message> examples() {
       Reject{"wrong secret"},
       ServerList{{{0, {9, 9}}, {1, {8}}, {2, {}}}},
       PlacementChunk{5, 1, 3, {1, 2, 3, 4}},
-      RegisterTensor{7, "fc1.weight", DType::kBF16, 123456, true},
-      TensorInfo{7, "fc1.weight", 12, DType::kF16, 123456, 4 << 20},
+      RegisterTensor{7, "fc1.weight", DType::kBFloat16, 123456, true},
+      TensorInfo{7, "fc1.weight", 12, DType::kFloat16, 123456, 4 << 20},
       BarrierEnter{3},
       BarrierRelease{3},
       Heartbeat{99},
@@ -42,16 +42,16 @@ std::vector<Message> examples() {
       WorkerHello{3, 0xabcdef},
       Grant{16, 4 << 20, {5, 6, 7}},
       TensorKey{4, 12, {1, 1, 2, 3, 5, 8}, 4096},
-      PushMeta{17, 3, DType::kBF16, make_key(12, 4), 100, 4096, 2, kPushThenPull, 18},
-      PullRequest{19, DType::kF16, 2048, make_key(12, 4), 100, 2},
+      PushMeta{17, 3, DType::kBFloat16, make_key(12, 4), 100, 4096, 2, kPushThenPull, 18},
+      PullRequest{19, DType::kFloat16, 2048, make_key(12, 4), 100, 2},
       Credit{{1, 2, 3, 15}, {7, 8}},
       Moved{17, make_key(12, 4), 3},
       Error{17, 0, static_cast<uint8_t>(StatusCode::kOutOfRange), "slot 99 out of range"},
       Ack{4, kAckMapped},
       EpochChange{EpochStep::kAbort, 3, 120, {1, 2, 3}, 4},
       EpochVote{3, 120, true, 99},
-      StateRequest{5, make_key(12, 4), 120, DType::kF16, 2048, {4, 5}},
-      StateOffer{make_key(12, 4), 120, DType::kBF16, 2048},
+      StateRequest{5, make_key(12, 4), 120, DType::kFloat16, 2048, {4, 5}},
+      StateOffer{make_key(12, 4), 120, DType::kBFloat16, 2048},
       TransferDone{3, 120, 2},
       EpochFinal{3, 120},
       WorkerProgress{12, {{1, 118}, {5, 60}}},
@@ -77,12 +77,12 @@ TEST(Protocol, EveryMessageRoundTrips) {
 
 TEST(Protocol, FieldsSurviveTheTrip) {
   auto back = decode(
-      encode(PushMeta{17, 3, DType::kBF16, make_key(12, 4), 100, 4096, 2, kPushThenPull, 18}));
+      encode(PushMeta{17, 3, DType::kBFloat16, make_key(12, 4), 100, 4096, 2, kPushThenPull, 18}));
   ASSERT_TRUE(back.ok());
   const auto& p = std::get<PushMeta>(*back);
   EXPECT_EQ(p.tag, 17u);
   EXPECT_EQ(p.slot, 3u);
-  EXPECT_EQ(p.dtype, DType::kBF16);
+  EXPECT_EQ(p.dtype, DType::kBFloat16);
   EXPECT_EQ(p.key, make_key(12, 4));
   EXPECT_EQ(p.round, 100u);
   EXPECT_EQ(p.bytes, 4096u);
@@ -97,8 +97,14 @@ TEST(Protocol, FieldsSurviveTheTrip) {
 TEST(Protocol, AnInPlacePushMustAskForItsPull) {
   // Read in place only while the worker waits for the result: a plain push
   // completes at once, and the worker could overwrite what is still unread.
-  const PushMeta ok{17,  kNoSlot, DType::kF32, make_key(12, 4),
-                    100, 4096,    2,           static_cast<uint8_t>(kPushThenPull | kPushMapped),
+  const PushMeta ok{17,
+                    kNoSlot,
+                    DType::kFloat32,
+                    make_key(12, 4),
+                    100,
+                    4096,
+                    2,
+                    static_cast<uint8_t>(kPushThenPull | kPushMapped),
                     18};
   auto back = decode(encode(ok));
   ASSERT_TRUE(back.ok()) << back.status().to_string();
@@ -147,11 +153,11 @@ TEST(Protocol, BadEnumsAndHugeCountsAreRejected) {
   hello[4] = 9;  // role
   EXPECT_FALSE(decode(hello).ok());
 
-  auto reg = encode(RegisterTensor{1, "t", DType::kF32, 4, false});
+  auto reg = encode(RegisterTensor{1, "t", DType::kFloat32, 4, false});
   reg.back() = 2;  // has_init must be 0 or 1
   EXPECT_FALSE(decode(reg).ok());
 
-  auto push = encode(PushMeta{1, 1, DType::kF32, 1, 1, 1, 1, 0, 0});
+  auto push = encode(PushMeta{1, 1, DType::kFloat32, 1, 1, 1, 1, 0, 0});
   push[push.size() - 5] = 0x80;  // unknown flag bit
   EXPECT_FALSE(decode(push).ok());
 
@@ -162,14 +168,14 @@ TEST(Protocol, BadEnumsAndHugeCountsAreRejected) {
   EXPECT_FALSE(decode(credit).ok());
 
   // An empty tensor name is not a name.
-  EXPECT_FALSE(decode(encode(RegisterTensor{1, "", DType::kF32, 4, false})).ok());
+  EXPECT_FALSE(decode(encode(RegisterTensor{1, "", DType::kFloat32, 4, false})).ok());
 
   // An epoch step that does not exist, and a state offer for round 0 (there
   // is no round -1 to ship).
   auto change = encode(EpochChange{EpochStep::kCommit, 1, 2, {}, 0});
   change[4] = 3;
   EXPECT_FALSE(decode(change).ok());
-  EXPECT_FALSE(decode(encode(StateOffer{1, 0, DType::kF32, 4})).ok());
+  EXPECT_FALSE(decode(encode(StateOffer{1, 0, DType::kFloat32, 4})).ok());
 }
 
 TEST(Protocol, AnAbortNamesItsStepAndLostServer) {

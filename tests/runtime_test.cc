@@ -24,7 +24,6 @@ namespace psld {
 namespace {
 
 using namespace std::chrono_literals;
-using protocol::DType;
 
 class Runtime : public ::testing::TestWithParam<std::string> {};
 
@@ -83,7 +82,7 @@ TEST_P(Runtime, OptimizerModeAppliesSgdFromTheInitialValue) {
     for (size_t i = 0; i < kN; ++i)
       init[i] = static_cast<float>(i);
     PSLD_ASSIGN_OR_RETURN(uint32_t h,
-                          w.register_tensor("w", DType::kF32, kN * 4, x.data(), init.data()));
+                          w.register_tensor("w", DType::kFloat32, kN * 4, x.data(), init.data()));
     PSLD_RETURN_IF_ERROR(w.barrier(5s));
     PSLD_ASSIGN_OR_RETURN(auto pull, w.submit(h, RequestKind::kPull));
     PSLD_RETURN_IF_ERROR(pull->wait(5s));
@@ -129,7 +128,7 @@ TEST_P(Runtime, TensorsCarvedFromAllocatedMemoryGetExactSumsAndLeaveTheirNeighbo
     size_t at = kGap;
     for (size_t t = 0; t < elems.size(); ++t) {
       data.push_back(base + at);
-      PSLD_ASSIGN_OR_RETURN(uint32_t h, w.register_tensor("t" + std::to_string(t), DType::kF32,
+      PSLD_ASSIGN_OR_RETURN(uint32_t h, w.register_tensor("t" + std::to_string(t), DType::kFloat32,
                                                           elems[t] * 4, data.back(), nullptr));
       handles.push_back(h);
       at += elems[t] + kGap;
@@ -176,7 +175,8 @@ TEST_P(Runtime, Fp16TensorsAreReducedInFp32) {
   Status s = on_all(c, [&](size_t wi) -> Status {
     WorkerService& w = *c.workers[wi];
     std::vector<uint16_t> x(300);
-    PSLD_ASSIGN_OR_RETURN(uint32_t h, w.register_tensor("h", DType::kF16, 600, x.data(), nullptr));
+    PSLD_ASSIGN_OR_RETURN(uint32_t h,
+                          w.register_tensor("h", DType::kFloat16, 600, x.data(), nullptr));
     for (auto& v : x)
       v = kernels::f32_to_f16_scalar(1.5f + static_cast<float>(w.rank()));
     PSLD_ASSIGN_OR_RETURN(auto req, w.submit(h, RequestKind::kPushPull));
@@ -193,12 +193,13 @@ TEST_P(Runtime, SameNameWithDifferentSizesIsAClearError) {
   Cluster c(2, 1, nullptr, GetParam());
   ASSERT_TRUE(c.start().ok());
   std::vector<float> a(10), b(20);
-  ASSERT_TRUE(c.workers[0]->register_tensor("fc1.weight", DType::kF32, 40, a.data(), nullptr).ok());
-  auto r = c.workers[1]->register_tensor("fc1.weight", DType::kF32, 80, b.data(), nullptr);
+  ASSERT_TRUE(
+      c.workers[0]->register_tensor("fc1.weight", DType::kFloat32, 40, a.data(), nullptr).ok());
+  auto r = c.workers[1]->register_tensor("fc1.weight", DType::kFloat32, 80, b.data(), nullptr);
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("fc1.weight"), std::string::npos) << r.status().to_string();
   // And locally, twice with a different shape.
-  auto again = c.workers[0]->register_tensor("fc1.weight", DType::kF32, 80, b.data(), nullptr);
+  auto again = c.workers[0]->register_tensor("fc1.weight", DType::kFloat32, 80, b.data(), nullptr);
   EXPECT_EQ(again.status().code(), StatusCode::kAlreadyExists);
 }
 
@@ -215,7 +216,7 @@ TEST_P(Runtime, TheCoordinatorHearsEveryPushedByteInTheLoadReports) {
     WorkerService& w = *c.workers[wi];
     std::vector<float> x(kN, 1.0f);
     PSLD_ASSIGN_OR_RETURN(uint32_t h,
-                          w.register_tensor("g", DType::kF32, kN * 4, x.data(), nullptr));
+                          w.register_tensor("g", DType::kFloat32, kN * 4, x.data(), nullptr));
     for (int r = 0; r < kRounds; ++r) {
       PSLD_ASSIGN_OR_RETURN(auto req, w.submit(h, RequestKind::kPushPull));
       PSLD_RETURN_IF_ERROR(req->wait(10s));
@@ -289,7 +290,7 @@ TEST_P(Runtime, AsyncModeConservesTheTotalOfAllPushes) {
     WorkerService& w = *c.workers[wi];
     std::vector<float> x(kN);
     PSLD_ASSIGN_OR_RETURN(uint32_t h,
-                          w.register_tensor("acc", DType::kF32, kN * 4, x.data(), nullptr));
+                          w.register_tensor("acc", DType::kFloat32, kN * 4, x.data(), nullptr));
     for (int r = 0; r < kPushes; ++r) {
       std::fill(x.begin(), x.end(), 1.0f);
       PSLD_ASSIGN_OR_RETURN(auto req, w.submit(h, RequestKind::kPush));
@@ -321,7 +322,7 @@ TEST_P(Runtime, AWorkerThatDiesFailsTheJobForEveryone) {
   Cluster c(
       3, 1, [](RuntimeOptions& o) { o.heartbeat_timeout = 1s; }, GetParam());
   ASSERT_TRUE(c.start().ok());
-  auto h = c.workers[1]->register_tensor("x", DType::kF32, 400, x.data(), nullptr);
+  auto h = c.workers[1]->register_tensor("x", DType::kFloat32, 400, x.data(), nullptr);
   ASSERT_TRUE(h.ok());
   // Worker 2 vanishes without saying goodbye (its transport closes).
   c.workers[2]->stop();
@@ -368,7 +369,7 @@ TEST_P(Runtime, StalenessBoundsHowFarAheadAFastWorkerRuns) {
     std::vector<float>& x = memory[me];
     x.assign(kWorkers, 0.0f);
     PSLD_ASSIGN_OR_RETURN(
-        uint32_t h, w.register_tensor("counts", DType::kF32, kWorkers * 4, x.data(), nullptr));
+        uint32_t h, w.register_tensor("counts", DType::kFloat32, kWorkers * 4, x.data(), nullptr));
     for (uint64_t r = 1; r <= kRounds; ++r) {
       std::this_thread::sleep_for(delay[me]);
       std::fill(x.begin(), x.end(), 0.0f);
@@ -547,7 +548,7 @@ TEST_P(Runtime, ARequestForAKeyTheServerDoesNotOwnIsAnsweredMoved) {
 
   // A push into landing slot `slot`: the metadata, then the write.
   auto push = [&](Key key, uint32_t slot, uint32_t tag, uint8_t flags, uint32_t pull_tag) {
-    protocol::PushMeta meta{tag,   slot,    DType::kF32, key, 1, kElems * 4, placement->epoch(),
+    protocol::PushMeta meta{tag,   slot,    DType::kFloat32, key, 1, kElems * 4, placement->epoch(),
                             flags, pull_tag};
     Status st = raw.send(conn, meta);
     if (!st.ok()) return st;
@@ -578,7 +579,7 @@ TEST_P(Runtime, ARequestForAKeyTheServerDoesNotOwnIsAnsweredMoved) {
   ASSERT_TRUE(push(theirs, 1, 12, protocol::kPushThenPull, 13).ok());  // a push_pull
   expect_moved(12);
   expect_credit(1);
-  ASSERT_TRUE(raw.send(conn, protocol::PullRequest{14, DType::kF32, kElems * 4, theirs, 1,
+  ASSERT_TRUE(raw.send(conn, protocol::PullRequest{14, DType::kFloat32, kElems * 4, theirs, 1,
                                                    placement->epoch()})
                   .ok());
   expect_moved(14);
@@ -606,7 +607,7 @@ TEST_P(Runtime, ARequestForAKeyTheServerDoesNotOwnIsAnsweredMoved) {
   WorkerService& w = *c.workers[0];
   constexpr size_t kN = 300001;  // 19 chunks of 64 KiB, a short tail
   std::vector<float> x(kN);
-  auto h = w.register_tensor("after", DType::kF32, kN * 4, x.data(), nullptr);
+  auto h = w.register_tensor("after", DType::kFloat32, kN * 4, x.data(), nullptr);
   ASSERT_TRUE(h.ok()) << h.status().to_string();
   for (size_t i = 0; i < kN; ++i)
     x[i] = static_cast<float>(i % 4099);
@@ -644,8 +645,8 @@ TEST(RuntimeUcxShm, PushPullsOfAllocatedTensorsAreReadInPlaceAndExact) {
     std::vector<float*> data;
     PSLD_ASSIGN_OR_RETURN(std::vector<uint32_t> handles, register_allocated(w, elems, data));
     std::vector<float> heap(1000);
-    PSLD_ASSIGN_OR_RETURN(
-        uint32_t hh, w.register_tensor("heap", DType::kF32, heap.size() * 4, heap.data(), nullptr));
+    PSLD_ASSIGN_OR_RETURN(uint32_t hh, w.register_tensor("heap", DType::kFloat32, heap.size() * 4,
+                                                         heap.data(), nullptr));
     // The heap tensor rides along as a fourth tensor of the same rounds.
     std::vector<uint32_t> all = handles;
     all.push_back(hh);

@@ -98,9 +98,8 @@ Result<TensorHandle> Worker::register_tensor(std::string_view name, DType dtype,
   if (dtype != DType::kFloat32 && dtype != DType::kFloat16 && dtype != DType::kBFloat16) {
     return InvalidArgument("dtype must be kFloat32, kFloat16 or kBFloat16");
   }
-  PSLD_ASSIGN_OR_RETURN(
-      uint32_t index, impl_->register_tensor(std::string(name), static_cast<protocol::DType>(dtype),
-                                             bytes, data, init));
+  PSLD_ASSIGN_OR_RETURN(uint32_t index,
+                        impl_->register_tensor(std::string(name), dtype, bytes, data, init));
   return TensorHandle{index};
 }
 

@@ -12,7 +12,6 @@
 
 namespace psld {
 
-using MemberRole = protocol::Role;
 using transport::Clock;
 using transport::ConnectionPtr;
 

@@ -13,7 +13,6 @@
 
 namespace psld {
 
-using MemberRole = protocol::Role;
 using transport::Clock;
 using transport::ConnectionPtr;
 
@@ -69,7 +68,7 @@ void CoordinatorService::send_prepare() {
 }
 
 void CoordinatorService::handle_vote(const Member& m, const protocol::EpochVote& vote) {
-  if (m.role != protocol::Role::kServer || !switch_) return;
+  if (m.role != Role::kServer || !switch_) return;
   Switch& sw = *switch_;
   if (vote.epoch != sw.next.epoch() || vote.switch_round != sw.switch_round) return;  // stale
   max_round_ = std::max(max_round_, vote.max_round);
@@ -150,7 +149,7 @@ void CoordinatorService::finish_transfer_if_done() {
 }
 
 void CoordinatorService::handle_transfer_done(const Member& m, const protocol::TransferDone& done) {
-  if (m.role != protocol::Role::kServer || !transfer_) return;
+  if (m.role != Role::kServer || !transfer_) return;
   // By switch round, not epoch: an abort changes the epoch of the same
   // transfer, and what a server shipped for the first still counts.
   if (done.switch_round != transfer_->switch_round) return;

@@ -11,7 +11,6 @@
 
 namespace psld {
 
-using MemberRole = protocol::Role;
 using transport::Clock;
 using transport::ConnectionPtr;
 
@@ -86,7 +85,7 @@ size_t CoordinatorService::num_members() const {
 
 std::string CoordinatorService::describe(const Member& m) const {
   if (!m.welcomed) return "an unadmitted peer at " + m.conn->peer();
-  return fmt::format("{} {} ({}, pid {})", protocol::role_name(m.role), m.rank,
+  return fmt::format("{} {} ({}, pid {})", role_name(m.role), m.rank,
                      m.host.empty() ? m.conn->peer() : m.host, m.pid);
 }
 
@@ -143,10 +142,10 @@ void CoordinatorService::on_disconnect(const ConnectionPtr& conn, const Status& 
     Member m = it->second;
     members_.erase(it);
     if (!m.welcomed) return;
-    (m.role == MemberRole::kWorker ? workers_ : servers_).erase(m.rank);
+    (m.role == Role::kWorker ? workers_ : servers_).erase(m.rank);
     if (!m.said_goodbye && !job_over_ && !stopping_) {
       const std::string what = fmt::format("{} disconnected: {}", describe(m), why.message());
-      if (m.role == MemberRole::kServer) {
+      if (m.role == Role::kServer) {
         server_lost(m, what);
       } else {
         fail_job(what);
@@ -179,7 +178,7 @@ void CoordinatorService::handle_control(const ConnectionPtr& conn, protocol::Mes
   if (auto* reg = std::get_if<protocol::RegisterTensor>(&message)) {
     handle_register(m, *reg);
   } else if (auto* b = std::get_if<protocol::BarrierEnter>(&message)) {
-    if (m.role != MemberRole::kWorker) return;
+    if (m.role != Role::kWorker) return;
     auto& entered = barriers_[b->barrier];
     entered.insert(m.rank);
     if (entered.size() == options_.num_workers) {
@@ -195,7 +194,7 @@ void CoordinatorService::handle_control(const ConnectionPtr& conn, protocol::Mes
   } else if (auto* done = std::get_if<protocol::TransferDone>(&message)) {
     handle_transfer_done(m, *done);
   } else if (auto* p = std::get_if<protocol::WorkerProgress>(&message)) {
-    if (m.role != MemberRole::kWorker) return;
+    if (m.role != Role::kWorker) return;
     // The next switch round is chosen above max_round_: keeping it at or
     // above every round promised keeps it above every watermark sent, so no
     // switch can end a run at a round a watermark already passed.
@@ -207,7 +206,7 @@ void CoordinatorService::handle_control(const ConnectionPtr& conn, protocol::Mes
     // The acknowledgement lets the member close knowing its goodbye arrived:
     // a close that overtakes it would read as a death.
     post(conn, protocol::Shutdown{});
-    if (m.role == MemberRole::kWorker) {
+    if (m.role == Role::kWorker) {
       finished_workers_.insert(m.rank);
       if (finished_workers_.size() == options_.num_workers) finish_job();
     }
@@ -221,8 +220,8 @@ void CoordinatorService::handle_control(const ConnectionPtr& conn, protocol::Mes
 
 void CoordinatorService::handle_hello(Member& m, const protocol::Hello& hello) {
   auto reject = [&](const std::string& reason) {
-    PSLD_LOG_WARN("coordinator rejected {} at {}: {}", protocol::role_name(hello.role),
-                  m.conn->peer(), reason);
+    PSLD_LOG_WARN("coordinator rejected {} at {}: {}", role_name(hello.role), m.conn->peer(),
+                  reason);
     post(m.conn, protocol::Reject{reason});
   };
   if (m.welcomed) return reject("already admitted");
@@ -232,10 +231,10 @@ void CoordinatorService::handle_hello(Member& m, const protocol::Hello& hello) {
   if (job_over_) return reject("the job is over");
   uint32_t capacity = 0;
   std::map<uint32_t, uint64_t>* ranks = nullptr;
-  if (hello.role == MemberRole::kWorker) {
+  if (hello.role == Role::kWorker) {
     capacity = options_.num_workers;
     ranks = &workers_;
-  } else if (hello.role == MemberRole::kServer) {
+  } else if (hello.role == Role::kServer) {
     capacity = options_.num_servers + options_.num_standby;
     ranks = &servers_;
   } else {
@@ -246,27 +245,25 @@ void CoordinatorService::handle_hello(Member& m, const protocol::Hello& hello) {
     rank = static_cast<uint32_t>(hello.rank_hint);
     if (rank >= capacity) {
       return reject(fmt::format("{} rank {} is out of range: the job has {} {}s",
-                                protocol::role_name(hello.role), rank, capacity,
-                                protocol::role_name(hello.role)));
+                                role_name(hello.role), rank, capacity, role_name(hello.role)));
     }
     if (ranks->count(rank)) {
-      return reject(
-          fmt::format("{} rank {} is already taken", protocol::role_name(hello.role), rank));
+      return reject(fmt::format("{} rank {} is already taken", role_name(hello.role), rank));
     }
-    if (hello.role == MemberRole::kServer && lost_servers_.count(rank)) {
+    if (hello.role == Role::kServer && lost_servers_.count(rank)) {
       // Workers dropped their connections to it for good.
       return reject(fmt::format("server rank {} was lost and removed from this job", rank));
     }
   } else {
     while (rank < capacity &&
-           (ranks->count(rank) || (hello.role == MemberRole::kServer && lost_servers_.count(rank))))
+           (ranks->count(rank) || (hello.role == Role::kServer && lost_servers_.count(rank))))
       ++rank;
     if (rank == capacity) {
-      return reject(fmt::format("the job already has all its {} {}s", capacity,
-                                protocol::role_name(hello.role)));
+      return reject(
+          fmt::format("the job already has all its {} {}s", capacity, role_name(hello.role)));
     }
   }
-  if (hello.role == MemberRole::kServer && hello.address.empty()) {
+  if (hello.role == Role::kServer && hello.address.empty()) {
     return reject("a server must say where it listens");
   }
   m.welcomed = true;
@@ -323,7 +320,7 @@ void CoordinatorService::send_job_state(const Member& m) {
 }
 
 void CoordinatorService::handle_register(Member& m, const protocol::RegisterTensor& reg) {
-  if (m.role != MemberRole::kWorker) return;
+  if (m.role != Role::kWorker) return;
   auto it = tensors_.find(reg.name);
   if (it == tensors_.end()) {
     if (reg.bytes % protocol::dtype_bytes(reg.dtype) != 0) {
@@ -331,19 +328,19 @@ void CoordinatorService::handle_register(Member& m, const protocol::RegisterTens
            protocol::Error{0, reg.request, static_cast<uint8_t>(StatusCode::kInvalidArgument),
                            fmt::format("tensor '{}': {} bytes is not a whole number "
                                        "of {} elements",
-                                       reg.name, reg.bytes, dtype_name(reg.dtype))});
+                                       reg.name, reg.bytes, protocol::dtype_name(reg.dtype))});
       return;
     }
     it = tensors_.emplace(reg.name, TensorRecord{next_tensor_++, reg.dtype, reg.bytes, m.rank})
              .first;
   } else if (it->second.dtype != reg.dtype || it->second.bytes != reg.bytes) {
     post(m.conn,
-         protocol::Error{
-             0, reg.request, static_cast<uint8_t>(StatusCode::kAlreadyExists),
-             fmt::format("tensor '{}' was registered by worker {} as {} bytes of "
-                         "{}, but worker {} registers it as {} bytes of {}",
-                         reg.name, it->second.first_worker, it->second.bytes,
-                         dtype_name(it->second.dtype), m.rank, reg.bytes, dtype_name(reg.dtype))});
+         protocol::Error{0, reg.request, static_cast<uint8_t>(StatusCode::kAlreadyExists),
+                         fmt::format("tensor '{}' was registered by worker {} as {} bytes of "
+                                     "{}, but worker {} registers it as {} bytes of {}",
+                                     reg.name, it->second.first_worker, it->second.bytes,
+                                     protocol::dtype_name(it->second.dtype), m.rank, reg.bytes,
+                                     protocol::dtype_name(reg.dtype))});
     return;
   }
   post(m.conn, protocol::TensorInfo{reg.request, reg.name, it->second.id, reg.dtype, reg.bytes,
@@ -366,7 +363,7 @@ void CoordinatorService::handle_load_report(const Member& m, const protocol::Loa
     }
     return;
   }
-  if (r.role == protocol::Role::kWorker) max_round_ = std::max(max_round_, r.rounds);
+  if (r.role == Role::kWorker) max_round_ = std::max(max_round_, r.rounds);
   load_.ingest(r);
 }
 
@@ -421,7 +418,7 @@ void CoordinatorService::finish_job() {
   job_over_ = true;
   job_status_ = Status::Ok();
   for (const auto& [id, m] : members_) {
-    if (m.welcomed && m.role == MemberRole::kServer) post(m.conn, protocol::Shutdown{});
+    if (m.welcomed && m.role == Role::kServer) post(m.conn, protocol::Shutdown{});
   }
   PSLD_LOG_INFO("coordinator: every worker finished; servers told to stop");
   cv_.notify_all();
@@ -442,7 +439,7 @@ void CoordinatorService::monitor() {
       }
       const std::string what = fmt::format("{} sent no heartbeat for {} ms", describe(m),
                                            options_.heartbeat_timeout.count());
-      if (m.role != MemberRole::kServer) {
+      if (m.role != Role::kServer) {
         fail_job(what);
         break;
       }

@@ -72,7 +72,7 @@ class CoordinatorService final : public ProcessRuntime {
     transport::ConnectionPtr conn;
     uint64_t nonce = 0;
     bool welcomed = false;
-    protocol::Role role = protocol::Role::kWorker;
+    Role role = Role::kWorker;
     uint32_t rank = 0;
     std::string host;
     uint32_t pid = 0;
@@ -82,7 +82,7 @@ class CoordinatorService final : public ProcessRuntime {
   };
   struct TensorRecord {
     TensorId id = 0;
-    protocol::DType dtype = protocol::DType::kF32;
+    DType dtype = DType::kFloat32;
     uint64_t bytes = 0;
     uint32_t first_worker = 0;
   };

@@ -22,6 +22,16 @@ bool read_bytes(WireReader& r, std::vector<uint8_t>* out, size_t max) {
   return true;
 }
 
+// The wire carries the public enums' values: changing one is a protocol
+// change (kVersion). Role::kAuto (0) is never sent, and is refused.
+static_assert(static_cast<uint8_t>(Role::kAuto) == 0);
+static_assert(static_cast<uint8_t>(Role::kWorker) == 1);
+static_assert(static_cast<uint8_t>(Role::kServer) == 2);
+static_assert(static_cast<uint8_t>(Role::kCoordinator) == 3);
+static_assert(static_cast<uint8_t>(DType::kFloat32) == 1);
+static_assert(static_cast<uint8_t>(DType::kFloat16) == 2);
+static_assert(static_cast<uint8_t>(DType::kBFloat16) == 3);
+
 bool read_role(WireReader& r, Role* role) {
   uint8_t v = 0;
   if (!r.u8(&v) || v < 1 || v > 3) return false;
@@ -207,9 +217,7 @@ void put(WireWriter& w, const LoadReport& m) {
   }
 }
 bool get(WireReader& r, LoadReport* m) {
-  uint8_t role = 0;
-  if (!r.u8(&role) || role < 1 || role > 3) return false;
-  m->role = static_cast<Role>(role);
+  if (!read_role(r, &m->role)) return false;
   if (!r.u32(&m->rank) || !r.u64(&m->epoch) || !r.u64(&m->window) || !r.u64(&m->window_ns) ||
       !r.u32(&m->part) || !r.u32(&m->parts) || m->parts == 0 || m->part >= m->parts) {
     return false;
@@ -539,25 +547,13 @@ uint64_t siphash_u64(uint64_t k0, uint64_t k1, uint64_t m) {
 
 }  // namespace
 
-std::string_view role_name(Role role) {
-  switch (role) {
-    case Role::kWorker:
-      return "worker";
-    case Role::kServer:
-      return "server";
-    case Role::kCoordinator:
-      return "coordinator";
-  }
-  return "unknown";
-}
-
 std::string_view dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::kF32:
+    case DType::kFloat32:
       return "fp32";
-    case DType::kF16:
+    case DType::kFloat16:
       return "fp16";
-    case DType::kBF16:
+    case DType::kBFloat16:
       return "bf16";
   }
   return "unknown";
@@ -576,7 +572,7 @@ std::string_view epoch_step_name(EpochStep step) {
 }
 
 uint32_t dtype_bytes(DType dtype) {
-  return dtype == DType::kF32 ? 4 : 2;
+  return dtype == DType::kFloat32 ? 4 : 2;
 }
 
 std::vector<TensorRounds> pack_rounds(std::span<const uint64_t> by_tensor) {

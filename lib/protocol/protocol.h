@@ -45,6 +45,7 @@
 
 #include "psld/keys.h"
 #include "psld/status.h"
+#include "psld/worker.h"
 
 namespace psld::protocol {
 
@@ -53,10 +54,9 @@ namespace psld::protocol {
 // Ack.flags, kPushMapped.
 inline constexpr uint16_t kVersion = 4;
 
-enum class Role : uint8_t { kWorker = 1, kServer = 2, kCoordinator = 3 };
-std::string_view role_name(Role role);
-
-enum class DType : uint8_t { kF32 = 1, kF16 = 2, kBF16 = 3 };
+// A member's psld::Role and a tensor's psld::DType travel as one byte each,
+// their enum values (protocol.cc checks them); psld::Role::kAuto never does.
+// "fp32", "fp16", "bf16".
 std::string_view dtype_name(DType dtype);
 uint32_t dtype_bytes(DType dtype);
 
@@ -146,7 +146,7 @@ struct PlacementChunk {
 struct RegisterTensor {
   uint64_t request = 0;  // echoed in TensorInfo / Error
   std::string name;
-  DType dtype = DType::kF32;
+  DType dtype = DType::kFloat32;
   uint64_t bytes = 0;
   bool has_init = false;  // this worker will push an initial value
 };
@@ -155,7 +155,7 @@ struct TensorInfo {
   uint64_t request = 0;
   std::string name;
   TensorId id = 0;
-  DType dtype = DType::kF32;
+  DType dtype = DType::kFloat32;
   uint64_t bytes = 0;
   uint64_t chunk_bytes = 0;
 };
@@ -248,7 +248,7 @@ inline constexpr uint32_t kNoSlot = 0xffffffff;
 struct PushMeta {
   uint32_t tag = 0;  // the write's notify value
   uint32_t slot = 0;
-  DType dtype = DType::kF32;
+  DType dtype = DType::kFloat32;
   Key key = 0;
   uint64_t round = 0;
   uint64_t bytes = 0;
@@ -259,7 +259,7 @@ struct PushMeta {
 
 struct PullRequest {
   uint32_t tag = 0;
-  DType dtype = DType::kF32;
+  DType dtype = DType::kFloat32;
   uint64_t bytes = 0;  // of this chunk
   Key key = 0;
   uint64_t round = 0;
@@ -336,7 +336,7 @@ struct StateRequest {
   uint32_t tag = 0;
   Key key = 0;
   uint64_t switch_round = 0;
-  DType dtype = DType::kF32;
+  DType dtype = DType::kFloat32;
   uint64_t bytes = 0;  // of the chunk, in dtype
   std::vector<uint8_t> region;
 };
@@ -350,7 +350,7 @@ struct StateRequest {
 struct StateOffer {
   Key key = 0;
   uint64_t switch_round = 0;
-  DType dtype = DType::kF32;
+  DType dtype = DType::kFloat32;
   uint64_t bytes = 0;  // of the chunk, in dtype
 };
 // An old owner to the coordinator: every key it holds that leaves it at

@@ -19,8 +19,7 @@ std::string hostname() {
 }
 }  // namespace
 
-MemberSession::MemberSession(ProcessRuntime& runtime, protocol::Role role,
-                             const RuntimeOptions& options)
+MemberSession::MemberSession(ProcessRuntime& runtime, Role role, const RuntimeOptions& options)
     : runtime_(runtime), role_(role), options_(options) {}
 
 MemberSession::~MemberSession() {
@@ -90,13 +89,13 @@ Status MemberSession::join(std::vector<uint8_t> listen_address) {
   const bool admitted = cv_.wait_until(
       lock, deadline, [&] { return !rejected_.empty() || !health_.ok() || welcomed_; });
   if (!rejected_.empty()) {
-    return FailedPrecondition("the coordinator refused this " +
-                              std::string(protocol::role_name(role_)) + ": " + rejected_);
+    return FailedPrecondition("the coordinator refused this " + std::string(role_name(role_)) +
+                              ": " + rejected_);
   }
   if (!health_.ok()) return health_;
   if (!admitted) {
     return Timeout(fmt::format("the coordinator at {} did not admit this {} within {} ms",
-                               options_.coordinator_address, protocol::role_name(role_),
+                               options_.coordinator_address, role_name(role_),
                                options_.connect_timeout.count()));
   }
   last_heard_ = Clock::now();
@@ -108,8 +107,7 @@ Status MemberSession::join(std::vector<uint8_t> listen_address) {
     return Timeout(fmt::format(
         "the job did not start within {} ms: the coordinator at {} admitted this {} but not "
         "every worker and server joined",
-        options_.connect_timeout.count(), options_.coordinator_address,
-        protocol::role_name(role_)));
+        options_.connect_timeout.count(), options_.coordinator_address, role_name(role_)));
   }
   return Status::Ok();
 }

@@ -30,7 +30,7 @@ namespace psld {
 
 class MemberSession {
  public:
-  MemberSession(ProcessRuntime& runtime, protocol::Role role, const RuntimeOptions& options);
+  MemberSession(ProcessRuntime& runtime, Role role, const RuntimeOptions& options);
   ~MemberSession();
 
   // Connects, proves the secret, and waits for Welcome and the job state
@@ -102,7 +102,7 @@ class MemberSession {
   void fail(const std::string& reason);
 
   ProcessRuntime& runtime_;
-  const protocol::Role role_;
+  const Role role_;
   const RuntimeOptions options_;
   transport::ConnectionPtr coordinator_;
   bool joining_ = false;                  // guarded by mu_

@@ -6,7 +6,6 @@
 namespace psld {
 
 namespace kn = psld::kernels;
-using protocol::DType;
 
 Status ComputeLane::ensure(Array<float>& a, size_t n) const {
   if (a) return Status::Ok();
@@ -45,7 +44,7 @@ Aggregator::Aggregator(const AggregatorOptions& options, DType dtype, uint64_t b
 Status Aggregator::allocate(const ComputeLane& lane) {
   PSLD_ASSIGN_OR_RETURN(param_, lane.make_array<float>(elements_));
   PSLD_ASSIGN_OR_RETURN(acc_, lane.make_array<float>(elements_));
-  if (dtype_ != DType::kF32) {
+  if (dtype_ != DType::kFloat32) {
     PSLD_ASSIGN_OR_RETURN(out16_, lane.make_array<uint16_t>(elements_));
   }
   if (ServerDevice* dev = lane.device(); dev != nullptr) {
@@ -58,7 +57,7 @@ Status Aggregator::allocate(const ComputeLane& lane) {
 
 void* Aggregator::output() const {
   if (out_host_) return out_host_.get();
-  if (dtype_ == DType::kF32) return param_.get();
+  if (dtype_ == DType::kFloat32) return param_.get();
   return out16_.get();
 }
 
@@ -76,14 +75,14 @@ Status Aggregator::accumulate(ComputeLane& lane, const void* host) {
   const size_t n = elements_;
   Status st;
   switch (dtype_) {
-    case DType::kF32: {
+    case DType::kFloat32: {
       const auto* x = static_cast<const float*>(src);
       st = first ? lane.copy(acc, x, bytes_) : lane.run([=](kn::MemoryKind where, void* stream) {
         return kn::reduce_f32(where, acc, x, n, stream);
       });
       break;
     }
-    case DType::kF16: {
+    case DType::kFloat16: {
       const auto* x = static_cast<const uint16_t*>(src);
       st = lane.run([=](kn::MemoryKind where, void* stream) {
         return first ? kn::f16_to_f32(where, acc, x, n, stream)
@@ -91,7 +90,7 @@ Status Aggregator::accumulate(ComputeLane& lane, const void* host) {
       });
       break;
     }
-    case DType::kBF16: {
+    case DType::kBFloat16: {
       const auto* x = static_cast<const uint16_t*>(src);
       st = lane.run([=](kn::MemoryKind where, void* stream) {
         return first ? kn::bf16_to_f32(where, acc, x, n, stream)
@@ -133,18 +132,18 @@ Status Aggregator::publish(ComputeLane& lane) {
   const float* param = param_.get();
   uint16_t* out16 = out16_.get();
   const size_t n = elements_;
-  if (dtype_ == DType::kF16) {
+  if (dtype_ == DType::kFloat16) {
     PSLD_RETURN_IF_ERROR(lane.run([=](kn::MemoryKind where, void* stream) {
       return kn::f32_to_f16(where, out16, param, n, stream);
     }));
   }
-  if (dtype_ == DType::kBF16) {
+  if (dtype_ == DType::kBFloat16) {
     PSLD_RETURN_IF_ERROR(lane.run([=](kn::MemoryKind where, void* stream) {
       return kn::f32_to_bf16(where, out16, param, n, stream);
     }));
   }
   if (!out_host_) return Status::Ok();
-  const void* out = dtype_ == DType::kF32 ? static_cast<const void*>(param) : out16;
+  const void* out = dtype_ == DType::kFloat32 ? static_cast<const void*>(param) : out16;
   PSLD_RETURN_IF_ERROR(lane.copy(out_host_.get(), out, bytes_));
   return lane.finish();
 }

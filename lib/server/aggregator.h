@@ -122,7 +122,7 @@ class Aggregator {
   };
 
   Aggregator() = default;  // holds no key until allocate()
-  Aggregator(const AggregatorOptions& options, protocol::DType dtype, uint64_t bytes);
+  Aggregator(const AggregatorOptions& options, DType dtype, uint64_t bytes);
 
   // The zeroed parameter and accumulator (and output), in the lane's memory:
   // a key pulled before any push reads zeros. Their addresses never change
@@ -158,7 +158,7 @@ class Aggregator {
   // to `last_round`. Waits for the copies out of `in`.
   Status restore(ComputeLane& lane, const float* in, uint64_t version, uint64_t last_round);
 
-  protocol::DType dtype() const { return dtype_; }
+  DType dtype() const { return dtype_; }
   uint64_t bytes() const { return bytes_; }  // in the workers' dtype
   size_t size() const { return elements_; }  // elements
   // Rounds (BSP) or pushes (async) applied.
@@ -173,7 +173,7 @@ class Aggregator {
   void swap_on_apply() { swap_ = true; }
   bool swaps() const { return swap_; }
   bool can_swap(const ComputeLane& lane) const {
-    return dtype_ == protocol::DType::kF32 && options_.mode == ServerMode::kSum &&
+    return dtype_ == DType::kFloat32 && options_.mode == ServerMode::kSum &&
            options_.sync == SyncMode::kBsp && lane.device() == nullptr;
   }
 
@@ -185,7 +185,7 @@ class Aggregator {
   Status publish(ComputeLane& lane);
 
   AggregatorOptions options_;
-  protocol::DType dtype_ = protocol::DType::kF32;
+  DType dtype_ = DType::kFloat32;
   uint64_t bytes_ = 0;
   size_t elements_ = 0;
   Array<float> param_;

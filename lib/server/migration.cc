@@ -14,7 +14,6 @@
 
 namespace psld {
 
-using protocol::DType;
 using transport::ConnectionPtr;
 
 namespace kn = psld::kernels;

@@ -14,7 +14,6 @@
 
 namespace psld {
 
-using protocol::DType;
 using transport::ConnectionPtr;
 
 namespace kn = psld::kernels;
@@ -43,7 +42,7 @@ Result<std::unique_ptr<ServerService>> ServerService::start(const RuntimeOptions
     }
     s->device_ = std::move(device).value();
   }
-  PSLD_ASSIGN_OR_RETURN(s->load_, LoadRecorder::make(protocol::Role::kServer));
+  PSLD_ASSIGN_OR_RETURN(s->load_, LoadRecorder::make(Role::kServer));
   PSLD_RETURN_IF_ERROR(s->ProcessRuntime::start(options.net));
   for (uint32_t i = 0; i < options.server_threads; ++i) {
     s->shards_.push_back(std::make_unique<Shard>());
@@ -82,7 +81,7 @@ Result<std::unique_ptr<ServerService>> ServerService::start(const RuntimeOptions
 
 ServerService::ServerService(const RuntimeOptions& options)
     : options_(options),
-      session_(*this, protocol::Role::kServer, options),
+      session_(*this, Role::kServer, options),
       compute_rate_(options.compute_bytes_per_second) {}
 
 void ServerService::set_compute_rate(double bytes_per_second) {

@@ -160,7 +160,7 @@ class ServerService final : public ProcessRuntime {
   void process_pull(Shard& shard, PullWork& w);
   // The key's state, created on first use; `round` is the round of the
   // request that creates it (a key gained by migration waits for its state).
-  KeyState& key_state(Shard& shard, Key key, protocol::DType dtype, uint64_t bytes, uint64_t round);
+  KeyState& key_state(Shard& shard, Key key, DType dtype, uint64_t bytes, uint64_t round);
   // Reduces a push into the key's accumulator (Aggregator::reduce), waits
   // for it, records the busy time and frees the landing slot. On an error
   // it fails the key and answers the push: false.

@@ -22,7 +22,7 @@ LoadHistory::LoadHistory(Options options) : options_(options) {
 
 void LoadHistory::ingest(const protocol::LoadReport& r) {
   ++reports_;
-  if (r.role == protocol::Role::kServer) {
+  if (r.role == Role::kServer) {
     if (r.part == 0) {
       push_bounded(
           servers_[r.rank],
@@ -38,7 +38,7 @@ void LoadHistory::ingest(const protocol::LoadReport& r) {
       arc_touched_[a.lo] = reports_;
     }
     if (arcs_.size() > options_.max_arcs) evict_arcs();
-  } else if (r.role == protocol::Role::kWorker) {
+  } else if (r.role == Role::kWorker) {
     for (const auto& p : r.peers) {
       push_bounded(views_[p.server], WorkerViewWindow{r.rank, r.window, r.window_ns, p},
                    options_.server_windows * 4);

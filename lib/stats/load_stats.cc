@@ -10,12 +10,12 @@ uint64_t as_u64(double v) {
 }
 }  // namespace
 
-Result<std::unique_ptr<LoadRecorder>> LoadRecorder::make(protocol::Role role, size_t capacity) {
+Result<std::unique_ptr<LoadRecorder>> LoadRecorder::make(Role role, size_t capacity) {
   PSLD_ASSIGN_OR_RETURN(auto ring, LoadRing<StatSample>::make(capacity));
   return std::unique_ptr<LoadRecorder>(new LoadRecorder(role, std::move(ring)));
 }
 
-LoadRecorder::LoadRecorder(protocol::Role role, std::unique_ptr<LoadRing<StatSample>> ring)
+LoadRecorder::LoadRecorder(Role role, std::unique_ptr<LoadRing<StatSample>> ring)
     : role_(role), ring_(std::move(ring)), queue_(*WindowStats::make()) {}
 
 void LoadRecorder::begin_service() {

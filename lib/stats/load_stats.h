@@ -45,8 +45,7 @@ class LoadRecorder {
   // 65,536 samples (1.5 MiB): several windows of traffic at full speed.
   static constexpr size_t kDefaultCapacity = size_t{1} << 16;
 
-  static Result<std::unique_ptr<LoadRecorder>> make(protocol::Role role,
-                                                    size_t capacity = kDefaultCapacity);
+  static Result<std::unique_ptr<LoadRecorder>> make(Role role, size_t capacity = kDefaultCapacity);
 
   // Any thread, wait-free.
   void record(uint64_t subject, LoadMetric metric, double value) {
@@ -69,9 +68,9 @@ class LoadRecorder {
   uint64_t windows() const { return window_; }
 
  private:
-  LoadRecorder(protocol::Role role, std::unique_ptr<LoadRing<StatSample>> ring);
+  LoadRecorder(Role role, std::unique_ptr<LoadRing<StatSample>> ring);
 
-  const protocol::Role role_;
+  const Role role_;
   std::unique_ptr<LoadRing<StatSample>> ring_;
   std::mutex busy_mu_;
   uint64_t in_service_ = 0;                           // guarded by busy_mu_

@@ -14,7 +14,6 @@
 
 namespace psld {
 
-using protocol::DType;
 using transport::Clock;
 using transport::ConnectionPtr;
 

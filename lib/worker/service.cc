@@ -11,7 +11,6 @@
 
 namespace psld {
 
-using protocol::DType;
 using transport::Clock;
 using transport::ConnectionPtr;
 
@@ -52,7 +51,7 @@ Status RequestState::status() const {
 
 Result<std::unique_ptr<WorkerService>> WorkerService::start(const RuntimeOptions& options) {
   std::unique_ptr<WorkerService> w(new WorkerService(options));
-  PSLD_ASSIGN_OR_RETURN(w->load_, LoadRecorder::make(protocol::Role::kWorker));
+  PSLD_ASSIGN_OR_RETURN(w->load_, LoadRecorder::make(Role::kWorker));
   NetOptions ep = options.net;
   ep.options.common.listen_address.clear();  // workers only dial
   PSLD_RETURN_IF_ERROR(w->ProcessRuntime::start(ep));
@@ -91,7 +90,7 @@ Result<std::unique_ptr<WorkerService>> WorkerService::start(const RuntimeOptions
 }
 
 WorkerService::WorkerService(const RuntimeOptions& options)
-    : options_(options), session_(*this, protocol::Role::kWorker, options) {}
+    : options_(options), session_(*this, Role::kWorker, options) {}
 
 WorkerService::~WorkerService() {
   (void)shutdown();

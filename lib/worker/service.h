@@ -66,8 +66,8 @@ class WorkerService final : public ProcessRuntime {
   // Worker::allocate); valid until this object is destroyed.
   Result<void*> allocate(size_t bytes);
   // Returns a handle (an index) for the tensor. See psld/worker.h.
-  Result<uint32_t> register_tensor(const std::string& name, protocol::DType dtype, uint64_t bytes,
-                                   void* data, const void* init);
+  Result<uint32_t> register_tensor(const std::string& name, DType dtype, uint64_t bytes, void* data,
+                                   const void* init);
   Result<std::shared_ptr<RequestState>> submit(uint32_t tensor, RequestKind kind);
   Status barrier(std::chrono::milliseconds timeout) { return session_.barrier(timeout); }
   Status health() const { return session_.health(); }
@@ -92,7 +92,7 @@ class WorkerService final : public ProcessRuntime {
   struct Tensor {
     TensorId id = 0;
     std::string name;
-    protocol::DType dtype = protocol::DType::kF32;
+    DType dtype = DType::kFloat32;
     uint64_t bytes = 0;
     uint8_t* data = nullptr;  // the caller's memory, host or CUDA
     transport::MemoryKind kind = transport::MemoryKind::kHost;
