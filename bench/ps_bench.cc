@@ -395,7 +395,7 @@ class RawRig {
       PSLD_ASSIGN_OR_RETURN(node->buffer, zeroed_buffer(window * max_chunk));
       PSLD_ASSIGN_OR_RETURN(node->source,
                             node->transport->register_memory(node->buffer.get(), window * max_chunk,
-                                                             transport::MemoryKind::kHost));
+                                                             MemoryKind::kHost));
       rig->senders_.push_back(std::move(node));
     }
     // poll_threads == 0: a ProgressThread per transport, as the runtime's
@@ -416,8 +416,8 @@ class RawRig {
         auto st = std::make_unique<Stream>();
         st->source = sender->source.get();
         // A ring of landing slots, as a server grants a worker.
-        PSLD_ASSIGN_OR_RETURN(st->target, receiver->transport->allocate_memory(
-                                              window * max_chunk, transport::MemoryKind::kHost));
+        PSLD_ASSIGN_OR_RETURN(st->target, receiver->transport->allocate_memory(window * max_chunk,
+                                                                               MemoryKind::kHost));
         PSLD_ASSIGN_OR_RETURN(st->conn, sender->transport->connect(receiver->transport->address()));
         // A key imported before the handshake chose the lanes is unpacked
         // without the shared-memory ones and cannot be mapped (writes to it

@@ -35,16 +35,6 @@ KernelStatus run(const char* name, MemoryKind where, Host host, Cuda cuda) {
 
 }  // namespace
 
-std::string_view memory_kind_name(MemoryKind kind) {
-  switch (kind) {
-    case MemoryKind::kHost:
-      return "host";
-    case MemoryKind::kCuda:
-      return "cuda";
-  }
-  return "unknown";
-}
-
 bool cuda_built() {
   return cuda::built();
 }

@@ -16,19 +16,15 @@
 #include <cstdint>
 #include <string_view>
 
+#include "base/memory_kind.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/kernel_status.h"
 
 namespace psld::kernels {
 
-// Where the arrays of one call live; all of a call's arrays live in one kind.
-enum class MemoryKind : uint8_t {
-  kHost,  // pageable or pinned host memory: the CPU kernels, synchronously
-  kCuda,  // CUDA device (or managed) memory: the CUDA kernels, queued on a stream
-};
-
-// "host", "cuda".
-std::string_view memory_kind_name(MemoryKind kind);
+// Where the arrays of one call live (base/memory_kind.h); all of a call's
+// arrays live in one kind. kHost runs the CPU kernels, synchronously; kCuda
+// the CUDA kernels, queued on a stream.
 
 // True if this build has the CUDA kernels.
 bool cuda_built();

@@ -23,7 +23,6 @@ namespace psld {
 namespace {
 
 using namespace std::chrono_literals;
-using transport::MemoryKind;
 
 // What the fake engines of one job did, and how they should misbehave.
 struct EngineLog {

@@ -535,10 +535,10 @@ TEST_P(Runtime, ARequestForAKeyTheServerDoesNotOwnIsAnsweredMoved) {
   ASSERT_GE(grant->num_slots, 3u);
   auto slots = conn->import_region(grant->slots_key);
   ASSERT_TRUE(slots.ok()) << slots.status().to_string();
-  auto tensor_region = raw.transport().register_memory(tensor.data(), tensor.size() * 4,
-                                                       transport::MemoryKind::kHost);
-  auto source_region = raw.transport().register_memory(source.data(), source.size() * 4,
-                                                       transport::MemoryKind::kHost);
+  auto tensor_region =
+      raw.transport().register_memory(tensor.data(), tensor.size() * 4, MemoryKind::kHost);
+  auto source_region =
+      raw.transport().register_memory(source.data(), source.size() * 4, MemoryKind::kHost);
   ASSERT_TRUE(tensor_region.ok() && source_region.ok());
   const auto& rkey = (*tensor_region)->remote_key();
   ASSERT_TRUE(raw.send(conn, protocol::TensorKey{7, kTensor,

@@ -66,9 +66,9 @@ int main(int argc, char** argv) {
     return 0;
   }
   constexpr size_t kBytes = 4 << 20;
-  auto allocated = (*t)->allocate_memory(kBytes, MemoryKind::kHost);
+  auto allocated = (*t)->allocate_memory(kBytes, psld::MemoryKind::kHost);
   std::vector<uint8_t> heap(kBytes);
-  auto registered = (*t)->register_memory(heap.data(), heap.size(), MemoryKind::kHost);
+  auto registered = (*t)->register_memory(heap.data(), heap.size(), psld::MemoryKind::kHost);
   if (!allocated.ok() || !registered.ok()) {
     std::fprintf(stderr, "child: cannot make regions\n");
     return 1;

@@ -15,16 +15,6 @@
 
 namespace psld::transport {
 
-std::string_view memory_kind_name(MemoryKind kind) {
-  switch (kind) {
-    case MemoryKind::kHost:
-      return "host";
-    case MemoryKind::kCuda:
-      return "cuda";
-  }
-  return "unknown";
-}
-
 MemorySupport Transport::memory_support(MemoryKind kind) const {
   if (kind == MemoryKind::kHost) return {true, "host memory"};
   return {false,

@@ -27,17 +27,15 @@
 #include <string_view>
 #include <vector>
 
+#include "base/memory_kind.h"
 #include "psld/status.h"
 
 namespace psld::transport {
 
 using Clock = std::chrono::steady_clock;
 
-enum class MemoryKind : uint8_t {
-  kHost = 0,
-  kCuda = 1,  // device memory; backends that cannot reach it say Unimplemented
-};
-std::string_view memory_kind_name(MemoryKind kind);
+// Regions hold memory of a MemoryKind (base/memory_kind.h); a backend that
+// cannot reach CUDA memory says Unimplemented.
 
 // Largest control message; larger payloads belong in a write.
 inline constexpr size_t kMaxMessageBytes = 8192;

@@ -82,7 +82,7 @@ struct RuntimeOptions {
   // answer, kernels::memory_kind_of) and the copy engine that stages CUDA
   // tensors (default: create_cuda_copy_engine). Tests replace
   // both to run the staged path on host memory posing as device memory.
-  std::function<transport::MemoryKind(const void*)> memory_kind_of;
+  std::function<MemoryKind(const void*)> memory_kind_of;
   std::function<Result<std::unique_ptr<CopyEngine>>()> copy_engine;
   // The device of a server with server_device = kCuda (default:
   // create_cuda_server_device with one lane per server thread). Tests

@@ -16,8 +16,6 @@ namespace psld {
 
 using transport::ConnectionPtr;
 
-namespace kn = psld::kernels;
-
 void ServerService::serve_ready_pulls(Shard& shard, KeyState& k) {
   std::vector<PullWork> still;
   for (auto& p : k.waiting) {

@@ -77,14 +77,14 @@ Status Aggregator::accumulate(ComputeLane& lane, const void* host) {
   switch (dtype_) {
     case DType::kFloat32: {
       const auto* x = static_cast<const float*>(src);
-      st = first ? lane.copy(acc, x, bytes_) : lane.run([=](kn::MemoryKind where, void* stream) {
+      st = first ? lane.copy(acc, x, bytes_) : lane.run([=](MemoryKind where, void* stream) {
         return kn::reduce_f32(where, acc, x, n, stream);
       });
       break;
     }
     case DType::kFloat16: {
       const auto* x = static_cast<const uint16_t*>(src);
-      st = lane.run([=](kn::MemoryKind where, void* stream) {
+      st = lane.run([=](MemoryKind where, void* stream) {
         return first ? kn::f16_to_f32(where, acc, x, n, stream)
                      : kn::reduce_f16(where, acc, x, n, stream);
       });
@@ -92,7 +92,7 @@ Status Aggregator::accumulate(ComputeLane& lane, const void* host) {
     }
     case DType::kBFloat16: {
       const auto* x = static_cast<const uint16_t*>(src);
-      st = lane.run([=](kn::MemoryKind where, void* stream) {
+      st = lane.run([=](MemoryKind where, void* stream) {
         return first ? kn::bf16_to_f32(where, acc, x, n, stream)
                      : kn::reduce_bf16(where, acc, x, n, stream);
       });
@@ -133,12 +133,12 @@ Status Aggregator::publish(ComputeLane& lane) {
   uint16_t* out16 = out16_.get();
   const size_t n = elements_;
   if (dtype_ == DType::kFloat16) {
-    PSLD_RETURN_IF_ERROR(lane.run([=](kn::MemoryKind where, void* stream) {
+    PSLD_RETURN_IF_ERROR(lane.run([=](MemoryKind where, void* stream) {
       return kn::f32_to_f16(where, out16, param, n, stream);
     }));
   }
   if (dtype_ == DType::kBFloat16) {
-    PSLD_RETURN_IF_ERROR(lane.run([=](kn::MemoryKind where, void* stream) {
+    PSLD_RETURN_IF_ERROR(lane.run([=](MemoryKind where, void* stream) {
       return kn::f32_to_bf16(where, out16, param, n, stream);
     }));
   }
@@ -164,7 +164,7 @@ Status Aggregator::apply(ComputeLane& lane) {
         st = lane.copy(param, acc, n * sizeof(float));
       }
     } else {
-      st = lane.run([=](kn::MemoryKind where, void* stream) {
+      st = lane.run([=](MemoryKind where, void* stream) {
         return kn::reduce_f32(where, param, acc, n, stream);  // the running total
       });
     }
@@ -173,7 +173,7 @@ Status Aggregator::apply(ComputeLane& lane) {
     switch (o.kind) {
       case OptimizerKind::kSgd: {
         const kn::SgdParams p{o.lr, o.weight_decay};
-        st = lane.run([=](kn::MemoryKind where, void* stream) {
+        st = lane.run([=](MemoryKind where, void* stream) {
           return kn::sgd_f32(where, param, acc, n, p, stream);
         });
         break;
@@ -184,7 +184,7 @@ Status Aggregator::apply(ComputeLane& lane) {
         float* m = first_moment_.get();
         const kn::MomentumParams p{o.lr,           o.momentum, o.dampening,
                                    o.weight_decay, o.nesterov, version_ == 0};
-        st = lane.run([=](kn::MemoryKind where, void* stream) {
+        st = lane.run([=](MemoryKind where, void* stream) {
           return kn::momentum_f32(where, param, m, acc, n, p, stream);
         });
         break;
@@ -199,7 +199,7 @@ Status Aggregator::apply(ComputeLane& lane) {
         const kn::AdamParams p{o.lr,        o.beta1,        o.beta2,
                                o.eps,       o.weight_decay, o.kind == OptimizerKind::kAdamW,
                                version_ + 1};
-        st = lane.run([=](kn::MemoryKind where, void* stream) {
+        st = lane.run([=](MemoryKind where, void* stream) {
           return kn::adam_f32(where, param, m, v, acc, n, p, stream);
         });
         break;

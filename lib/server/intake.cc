@@ -16,8 +16,6 @@ namespace psld {
 
 using transport::ConnectionPtr;
 
-namespace kn = psld::kernels;
-
 void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::Message& message) {
   std::shared_ptr<WorkerConn> w;
   {
@@ -33,8 +31,8 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
       return;
     }
     const uint64_t slot_bytes = session_.welcome().chunk_bytes;
-    auto slots = transport().allocate_memory(options_.slots_per_worker * slot_bytes,
-                                             transport::MemoryKind::kHost);
+    auto slots =
+        transport().allocate_memory(options_.slots_per_worker * slot_bytes, MemoryKind::kHost);
     if (!slots.ok()) {
       send_error(conn->id(), 0, slots.status().with_context("allocating landing slots"));
       return;

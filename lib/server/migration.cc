@@ -16,8 +16,6 @@ namespace psld {
 
 using transport::ConnectionPtr;
 
-namespace kn = psld::kernels;
-
 ConnectionPtr ServerService::peer(ServerId id) {
   std::lock_guard<std::mutex> lock(peers_mu_);
   auto it = peers_.find(id);
@@ -40,7 +38,7 @@ void ServerService::request_state(KeyState& k, uint64_t switch_round, ServerId f
   k.awaiting_state = true;
   k.state_round = switch_round;
   auto region = transport().allocate_memory(kStateHeader + 3 * k.agg.size() * sizeof(float),
-                                            transport::MemoryKind::kHost);
+                                            MemoryKind::kHost);
   ConnectionPtr conn = peer(from);
   if (!region.ok() || !conn) {
     PSLD_LOG_ERROR("server {}: cannot ask server {} for key {:#x}: {}", rank(), from, k.key,
@@ -132,7 +130,7 @@ void ServerService::maybe_ship(Shard& shard, KeyState& k) {
 // fp32, into the successor's region with one write.
 void ServerService::ship_state(Shard& shard, KeyState& k, const StateWork& w) {
   const uint64_t bytes = kStateHeader + 3 * k.agg.size() * sizeof(float);
-  auto staging = transport().allocate_memory(bytes, transport::MemoryKind::kHost);
+  auto staging = transport().allocate_memory(bytes, MemoryKind::kHost);
   ConnectionPtr conn = worker_connection(w.conn);
   if (!staging.ok() || !conn) {
     PSLD_LOG_ERROR("server {}: cannot ship key {:#x}: {}", rank(), k.key,

@@ -52,7 +52,7 @@ class CudaServerDevice final : public ServerDevice {
   }
   Status launch(size_t lane, const Launch& fn) override {
     if (lane >= streams_.size()) return InvalidArgument("server device: no such lane");
-    return status_from_kernel(fn(kernels::MemoryKind::kCuda, streams_[lane]));
+    return status_from_kernel(fn(MemoryKind::kCuda, streams_[lane]));
   }
   Status synchronize(size_t lane) override {
     if (lane >= streams_.size()) return InvalidArgument("server device: no such lane");

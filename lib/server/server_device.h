@@ -30,7 +30,7 @@ class ServerDevice {
  public:
   // A kernel call to queue: called with where the arrays are (and so which
   // kernels to run, kernels/dispatch.h) and the lane's stream.
-  using Launch = std::function<kernels::KernelStatus(kernels::MemoryKind where, void* stream)>;
+  using Launch = std::function<kernels::KernelStatus(MemoryKind where, void* stream)>;
 
   virtual ~ServerDevice() = default;
   // "cuda device 0: NVIDIA H200, 139.8 GiB, sm_90", for the start-up line.

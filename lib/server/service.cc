@@ -16,8 +16,6 @@ namespace psld {
 
 using transport::ConnectionPtr;
 
-namespace kn = psld::kernels;
-
 Result<std::unique_ptr<ServerService>> ServerService::start(const RuntimeOptions& options) {
   if (options.net.options.common.listen_address.empty()) {
     return InvalidArgument("a server needs a listen address");

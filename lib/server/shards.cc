@@ -16,8 +16,6 @@ namespace psld {
 
 using transport::ConnectionPtr;
 
-namespace kn = psld::kernels;
-
 void ServerService::shard_loop(Shard& shard) {
   std::deque<Work> batch;
   while (true) {
@@ -181,7 +179,7 @@ ServerService::KeyState& ServerService::key_state(Shard& shard, Key key, DType d
   if (!made.ok()) {
     fail_key(shard, k, made.with_context(fmt::format("allocating {} bytes", bytes)));
   } else {
-    auto region = transport().register_memory(k.agg.output(), bytes, transport::MemoryKind::kHost);
+    auto region = transport().register_memory(k.agg.output(), bytes, MemoryKind::kHost);
     if (region.ok()) {
       k.out_region = *region;
     } else {
@@ -190,8 +188,7 @@ ServerService::KeyState& ServerService::key_state(Shard& shard, Key key, DType d
     }
   }
   if (k.out_region && k.agg.can_swap(shard.lane)) {
-    auto acc =
-        transport().register_memory(k.agg.accumulator(), bytes, transport::MemoryKind::kHost);
+    auto acc = transport().register_memory(k.agg.accumulator(), bytes, MemoryKind::kHost);
     if (acc.ok()) {
       k.acc_region = *acc;
       k.agg.swap_on_apply();

@@ -13,8 +13,6 @@
 
 namespace psld {
 
-using transport::MemoryKind;
-
 GpuPathChoice choose_gpu_path(GpuPath requested, const transport::Transport& transport) {
   const transport::MemorySupport support = transport.memory_support(MemoryKind::kCuda);
   GpuPathChoice c;

@@ -406,19 +406,18 @@ Result<uint32_t> WorkerService::register_tensor(const std::string& name, DType d
   t.bytes = bytes;
   t.data = static_cast<uint8_t*>(data);
   if (bytes > 0) {
-    t.kind = options_.memory_kind_of ? options_.memory_kind_of(data)
-                                     : (kernels::memory_kind_of(data) == kernels::MemoryKind::kCuda
-                                            ? transport::MemoryKind::kCuda
-                                            : transport::MemoryKind::kHost);
+    t.kind = options_.memory_kind_of
+                 ? options_.memory_kind_of(data)
+                 : (kernels::memory_kind_of(data) == MemoryKind::kCuda ? MemoryKind::kCuda
+                                                                       : MemoryKind::kHost);
   }
-  if (t.kind == transport::MemoryKind::kCuda) {
+  if (t.kind == MemoryKind::kCuda) {
     const GpuPathChoice path = choose_gpu_path(options_.gpu_path, transport());
     if (!path.possible) {
       return FailedPrecondition(fmt::format("tensor '{}' is in CUDA memory: {}", name, path.text));
     }
     if (path.direct) {
-      PSLD_ASSIGN_OR_RETURN(t.region,
-                            transport().register_memory(data, bytes, transport::MemoryKind::kCuda));
+      PSLD_ASSIGN_OR_RETURN(t.region, transport().register_memory(data, bytes, MemoryKind::kCuda));
     } else {
       PSLD_RETURN_IF_ERROR(
           stage_tensor(t).with_context(fmt::format("tensor '{}' is in CUDA memory", name)));
@@ -441,8 +440,7 @@ Result<uint32_t> WorkerService::register_tensor(const std::string& name, DType d
       }
     }
     if (!t.region) {
-      PSLD_ASSIGN_OR_RETURN(t.region,
-                            transport().register_memory(data, bytes, transport::MemoryKind::kHost));
+      PSLD_ASSIGN_OR_RETURN(t.region, transport().register_memory(data, bytes, MemoryKind::kHost));
     }
   }
   protocol::RegisterTensor reg;
@@ -495,7 +493,7 @@ Result<uint32_t> WorkerService::register_tensor(const std::string& name, DType d
   }
   // Worker 0 sets the initial value; the others get it with their first pull.
   if (init != nullptr && rank() == 0 && bytes > 0) {
-    if (init != data && tensors_[handle].kind == transport::MemoryKind::kCuda) {
+    if (init != data && tensors_[handle].kind == MemoryKind::kCuda) {
       PSLD_ASSIGN_OR_RETURN(DeviceCopier * c, copier());
       PSLD_RETURN_IF_ERROR(c->copy_and_wait(DeviceCopier::Direction::kToDevice, data, init, bytes)
                                .with_context("initial value of '" + name + "'"));
@@ -560,8 +558,7 @@ Result<std::shared_ptr<RequestState>> WorkerService::submit(uint32_t handle, Req
 
 Result<void*> WorkerService::allocate(size_t bytes) {
   if (bytes == 0) return InvalidArgument("allocate: 0 bytes");
-  PSLD_ASSIGN_OR_RETURN(auto region,
-                        transport().allocate_memory(bytes, transport::MemoryKind::kHost));
+  PSLD_ASSIGN_OR_RETURN(auto region, transport().allocate_memory(bytes, MemoryKind::kHost));
   std::lock_guard<std::mutex> lock(mu_);
   if (stopped_) return FailedPrecondition("the worker was shut down");
   allocations_[region->data()] = region;
@@ -587,7 +584,7 @@ Status WorkerService::stage_tensor(Tensor& t) {
         (void)transport().invalidate(p, bytes);
         c->free_host(p);
       });
-  auto region = transport().register_memory(host, t.bytes, transport::MemoryKind::kHost);
+  auto region = transport().register_memory(host, t.bytes, MemoryKind::kHost);
   if (!region.ok()) {
     return region.status().with_context(
         fmt::format("tensor '{}': registering its pinned staging memory", t.name));

@@ -95,7 +95,7 @@ class WorkerService final : public ProcessRuntime {
     DType dtype = DType::kFloat32;
     uint64_t bytes = 0;
     uint8_t* data = nullptr;  // the caller's memory, host or CUDA
-    transport::MemoryKind kind = transport::MemoryKind::kHost;
+    MemoryKind kind = MemoryKind::kHost;
     std::optional<ChunkLayout> layout;
     // Staged CUDA tensors: the pinned host copy the transport reads pushes
     // from and servers write pulls into. Declared before `region`, which
