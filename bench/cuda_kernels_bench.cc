@@ -83,13 +83,13 @@ class DeviceBuffer {
 
   float* f32() { return static_cast<float*>(mem_); }
   uint16_t* u16() { return static_cast<uint16_t*>(mem_); }
-  const KernelStatus& status() const { return status_; }
+  const Status& status() const { return status_; }
 
-  KernelStatus fill(float base, float spread, size_t n) {
+  Status fill(float base, float spread, size_t n) {
     const std::vector<float> host = pattern(n, base, spread);
     return cuda::copy(mem_, host.data(), n * sizeof(float));
   }
-  KernelStatus fill_half(size_t n, bool bf16) {
+  Status fill_half(size_t n, bool bf16) {
     std::vector<uint16_t> host(n);
     for (size_t i = 0; i < n; ++i) {
       const float x = 1e-3f * static_cast<float>(static_cast<int>(i % 2001) - 1000);
@@ -100,7 +100,7 @@ class DeviceBuffer {
 
  private:
   void* mem_ = nullptr;
-  KernelStatus status_;
+  Status status_;
 };
 
 // The arrays of one size, shared by all rows and filled once: a (parameters
@@ -123,8 +123,8 @@ struct Arrays {
         return;
       }
     }
-    for (KernelStatus s : {a.fill(0.0f, 1.0f, n), b.fill(0.0f, 1e-3f, n), c.fill(1e-5f, 1e-6f, n),
-                           d.fill(0.0f, 1e-2f, n), h.fill_half(n, false)}) {
+    for (Status s : {a.fill(0.0f, 1.0f, n), b.fill(0.0f, 1e-3f, n), c.fill(1e-5f, 1e-6f, n),
+                     d.fill(0.0f, 1e-2f, n), h.fill_half(n, false)}) {
       if (!s.ok()) {
         status = s;
         return;
@@ -133,7 +133,7 @@ struct Arrays {
   }
   size_t n;
   DeviceBuffer a, b, c, d, h, out, out16;
-  KernelStatus status;
+  Status status;
 };
 
 std::map<int64_t, std::unique_ptr<Arrays>>& array_cache() {
@@ -174,7 +174,7 @@ void run(benchmark::State& state, const std::string& name, int64_t bytes_per_cal
   const int64_t calls = std::max<int64_t>(1, kBytesPerTimedIteration / state.range(0));
 
   // One untimed call: the first launch of a kernel loads its module.
-  KernelStatus s = launch();
+  Status s = launch();
   if (s.ok()) s = cuda::stream_synchronize(t.stream);
   if (!s.ok()) {
     state.SkipWithError(s.to_string().c_str());
@@ -187,7 +187,7 @@ void run(benchmark::State& state, const std::string& name, int64_t bytes_per_cal
       s = launch();
     cudaEventRecord(t.stop, stream);
     const cudaError_t e = cudaEventSynchronize(t.stop);
-    if (s.ok() && e != cudaSuccess) s = {KernelError::kCudaError, cudaGetErrorString(e)};
+    if (s.ok() && e != cudaSuccess) s = Internal(cudaGetErrorString(e));
     if (!s.ok()) {
       state.SkipWithError(s.to_string().c_str());
       break;
@@ -208,9 +208,9 @@ void run(benchmark::State& state, const std::string& name, int64_t bytes_per_cal
 
 // This row's arrays, or nullptr with the row skipped.
 Arrays* ready(benchmark::State& state) {
-  const KernelStatus device = cuda_device_status();
+  const Status device = cuda_device_status();
   if (!device.ok()) {
-    state.SkipWithError(("no CUDA device: " + device.message).c_str());
+    state.SkipWithError(("no CUDA device: " + device.message()).c_str());
     return nullptr;
   }
   Arrays& arr = arrays(state.range(0));
@@ -225,11 +225,11 @@ void BM_cuda_copy(benchmark::State& state) {
   Arrays* arr = ready(state);
   if (arr == nullptr) return;
   const auto bytes = static_cast<size_t>(state.range(0));
-  run(state, "copy", 2 * state.range(0), [&]() -> KernelStatus {
+  run(state, "copy", 2 * state.range(0), [&]() -> Status {
     const cudaError_t e =
         cudaMemcpyAsync(arr->out.f32(), arr->a.f32(), bytes, cudaMemcpyDeviceToDevice,
                         static_cast<cudaStream_t>(timing().stream));
-    if (e != cudaSuccess) return {KernelError::kCudaError, cudaGetErrorString(e)};
+    if (e != cudaSuccess) return Internal(cudaGetErrorString(e));
     return {};
   });
 }
@@ -389,10 +389,10 @@ int main(int argc, char** argv) {
   using namespace psld::kernels;
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  const KernelStatus device = cuda_device_status();
+  const psld::Status device = cuda_device_status();
   if (!device.ok()) {
     std::printf("cuda_kernels_bench: no CUDA device: %s\nNothing to measure on this machine.\n",
-                device.message.c_str());
+                device.message().c_str());
     return 0;
   }
   int index = 0;

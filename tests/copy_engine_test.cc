@@ -33,8 +33,8 @@ TEST(CudaCopyEngine, DeviceRangeRoundTripsThroughPinnedMemory) {
     EXPECT_EQ(engine.status().code(), StatusCode::kUnavailable) << engine.status().to_string();
     GTEST_SKIP() << engine.status().message();  // "no CUDA device: ..." / "built without CUDA"
   }
-  const kernels::KernelStatus device_ok = kernels::cuda::device_status();
-  if (!device_ok.ok()) GTEST_SKIP() << "no CUDA device: " << device_ok.message;
+  const Status device_ok = kernels::cuda::device_status();
+  if (!device_ok.ok()) GTEST_SKIP() << "no CUDA device: " << device_ok.message();
   ASSERT_EQ((*engine)->lanes(), 2u);
   constexpr size_t kBytes = (size_t{20} << 20) + 333;
   Result<void*> out = (*engine)->allocate_host(kBytes);

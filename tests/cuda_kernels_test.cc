@@ -39,7 +39,7 @@ namespace el = cuda::element;
 
 #define ASSERT_KERNEL_OK(expr)                                      \
   do {                                                              \
-    const ::psld::kernels::KernelStatus kernel_status_ = (expr);    \
+    const ::psld::Status kernel_status_ = (expr);                   \
     ASSERT_TRUE(kernel_status_.ok()) << kernel_status_.to_string(); \
   } while (false)
 
@@ -356,18 +356,18 @@ TEST(ElementMath, VectorPlanAlignsEveryArrayOrNone) {
 // CudaAvailability: answers everywhere, without aborting.
 
 TEST(CudaAvailability, ProbeAnswersWithoutAborting) {
-  const KernelStatus first = cuda_device_status();
-  const KernelStatus second = cuda_device_status();
-  EXPECT_EQ(first.error, second.error);
-  EXPECT_EQ(first.message, second.message);
+  const Status first = cuda_device_status();
+  const Status second = cuda_device_status();
+  EXPECT_EQ(first.code(), second.code());
+  EXPECT_EQ(first.message(), second.message());
   EXPECT_EQ(cuda_device_present(), first.ok());
   EXPECT_EQ(cuda_built(), cuda::built());
   if (!cuda_built()) {
-    EXPECT_EQ(first.error, KernelError::kBuiltWithoutCuda);
-    EXPECT_NE(first.message.find("built without CUDA"), std::string::npos) << first.message;
+    EXPECT_EQ(first.code(), StatusCode::kUnavailable);
+    EXPECT_NE(first.message().find("built without CUDA"), std::string::npos) << first.message();
   } else if (!first.ok()) {
-    EXPECT_EQ(first.error, KernelError::kNoDevice);
-    EXPECT_FALSE(first.message.empty());
+    EXPECT_EQ(first.code(), StatusCode::kUnavailable);
+    EXPECT_FALSE(first.message().empty());
   }
   std::printf("CUDA built: %s; device: %s\n", cuda_built() ? "yes" : "no",
               first.to_string().c_str());
@@ -375,7 +375,7 @@ TEST(CudaAvailability, ProbeAnswersWithoutAborting) {
 }
 
 TEST(CudaAvailability, CudaCallsWithoutDeviceFailCleanly) {
-  const KernelStatus status = cuda_device_status();
+  const Status status = cuda_device_status();
   if (status.ok()) GTEST_SKIP() << "a CUDA device is present: CudaDispatchTest covers this path";
 
   const std::vector<float> a0 = {1, 2, 3, 4, 5}, b0 = {0.5f, 0.25f, -1, 2, 8};
@@ -383,12 +383,11 @@ TEST(CudaAvailability, CudaCallsWithoutDeviceFailCleanly) {
   std::vector<uint16_t> h(a0.size(), 0x3c00);
   const std::vector<uint16_t> h0 = h;
   const size_t n = a.size();
-  const std::string expected_text =
-      status.error == KernelError::kBuiltWithoutCuda ? "built without CUDA" : "no CUDA device";
-  auto expect_refused = [&](const KernelStatus& s, const char* name) {
-    EXPECT_EQ(s.error, status.error) << name << ": " << s.to_string();
-    EXPECT_NE(s.message.find(name), std::string::npos) << s.message;
-    EXPECT_NE(s.message.find(expected_text), std::string::npos) << s.message;
+  const std::string expected_text = !cuda_built() ? "built without CUDA" : "no CUDA device";
+  auto expect_refused = [&](const Status& s, const char* name) {
+    EXPECT_EQ(s.code(), status.code()) << name << ": " << s.to_string();
+    EXPECT_NE(s.message().find(name), std::string::npos) << s.message();
+    EXPECT_NE(s.message().find(expected_text), std::string::npos) << s.message();
   };
   const MemoryKind gpu = MemoryKind::kCuda;
   expect_refused(reduce_f32(gpu, a.data(), b.data(), n), "reduce_f32");
@@ -434,8 +433,8 @@ TEST(CudaAvailability, CudaCallsWithoutDeviceFailCleanly) {
 
 TEST(CudaAvailability, UnknownMemoryKindIsAnError) {
   std::vector<float> a = {1, 2};
-  const KernelStatus s = scale_f32(static_cast<MemoryKind>(7), a.data(), 2.0f, a.size());
-  EXPECT_EQ(s.error, KernelError::kInvalidArgument) << s.to_string();
+  const Status s = scale_f32(static_cast<MemoryKind>(7), a.data(), 2.0f, a.size());
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
   EXPECT_EQ(a, (std::vector<float>{1, 2}));
   EXPECT_EQ(memory_kind_name(MemoryKind::kHost), "host");
   EXPECT_EQ(memory_kind_name(MemoryKind::kCuda), "cuda");
@@ -454,7 +453,7 @@ class DeviceArray {
 
   DeviceArray(size_t n, size_t offset) : n_(n), offset_(offset), total_(n + offset + 2 * kGuard) {
     void* p = nullptr;
-    const KernelStatus s = cuda::device_alloc(total_ * sizeof(T), &p);
+    const Status s = cuda::device_alloc(total_ * sizeof(T), &p);
     if (!s.ok()) {
       ADD_FAILURE() << s.to_string();
       return;
@@ -506,7 +505,7 @@ class DeviceArray {
     }
   }
   void upload_all(const std::vector<T>& all) {
-    const KernelStatus s = cuda::copy(base_, all.data(), total_ * sizeof(T));
+    const Status s = cuda::copy(base_, all.data(), total_ * sizeof(T));
     if (!s.ok()) {
       ADD_FAILURE() << s.to_string();
       ok_ = false;
@@ -514,7 +513,7 @@ class DeviceArray {
   }
   std::vector<T> download_all() const {
     std::vector<T> all(total_);
-    const KernelStatus s = cuda::copy(all.data(), base_, total_ * sizeof(T));
+    const Status s = cuda::copy(all.data(), base_, total_ * sizeof(T));
     EXPECT_TRUE(s.ok()) << s.to_string();
     return all;
   }
@@ -571,8 +570,8 @@ std::vector<Shape> shapes() {
 class CudaKernelTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    const KernelStatus s = cuda_device_status();
-    if (!s.ok()) GTEST_SKIP() << "no CUDA device: " << s.message;
+    const Status s = cuda_device_status();
+    if (!s.ok()) GTEST_SKIP() << "no CUDA device: " << s.message();
     ASSERT_KERNEL_OK(cuda::stream_create(&stream_));
   }
   void TearDown() override {
@@ -583,7 +582,7 @@ class CudaKernelTest : public ::testing::Test {
   // Waits for the kernels queued on stream_ (cuda::copy runs on the legacy
   // default stream, which does not wait for a non-blocking one).
   ::testing::AssertionResult finish() {
-    const KernelStatus s = cuda::stream_synchronize(stream_);
+    const Status s = cuda::stream_synchronize(stream_);
     if (s.ok()) return ::testing::AssertionSuccess();
     return ::testing::AssertionFailure() << s.to_string();
   }
@@ -937,10 +936,10 @@ TEST_F(CudaKernelTest, BadPointersAreRefusedBeforeLaunch) {
   ASSERT_TRUE(a.ok());
   float* const misaligned =
       reinterpret_cast<float*>(reinterpret_cast<uintptr_t>(a.data()) + 2);  // 2-byte aligned
-  KernelStatus s = cuda::scale_f32(misaligned, 2.0f, 8, stream_);
-  EXPECT_EQ(s.error, KernelError::kInvalidArgument) << s.to_string();
+  Status s = cuda::scale_f32(misaligned, 2.0f, 8, stream_);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
   s = cuda::reduce_f32(a.data(), nullptr, 8, stream_);
-  EXPECT_EQ(s.error, KernelError::kInvalidArgument) << s.to_string();
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
   EXPECT_TRUE(cuda::reduce_f32(nullptr, nullptr, 0, stream_).ok());
   ASSERT_TRUE(finish());
   EXPECT_TRUE(a.guards_intact());

@@ -17,8 +17,8 @@
 namespace {
 
 TEST(CudaLaunch, TwoWorkersPushAndPullDeviceTensorsExactly) {
-  const psld::kernels::KernelStatus device = psld::kernels::cuda_device_status();
-  if (!device.ok()) GTEST_SKIP() << "no CUDA device: " << device.message;
+  const psld::Status device = psld::kernels::cuda_device_status();
+  if (!device.ok()) GTEST_SKIP() << "no CUDA device: " << device.message();
   const std::pair<const char*, const char*> runs[] = {
       {"tcp", "cpu"}, {"sm,tcp", "cpu"}, {"sm,tcp", "cuda"}};
   for (const auto& [tls, server_device] : runs) {

@@ -49,7 +49,7 @@ int main(int argc, char** argv) {
   for (size_t t = 0; t < sizes.size(); ++t) {
     void* p = nullptr;
     if (auto s = cuda::device_alloc(sizes[t] * 4, &p); !s.ok())
-      return fail("cudaMalloc: " + s.message);
+      return fail("cudaMalloc: " + s.message());
     dev.push_back(static_cast<float*>(p));
     auto h = w.register_tensor("t" + std::to_string(t), psld::DType::kFloat32, sizes[t] * 4, p);
     if (!h.ok()) return fail("register: " + h.status().to_string());
@@ -62,9 +62,9 @@ int main(int argc, char** argv) {
     host[i] = static_cast<float>(i % 1000);
   void* init_dev = nullptr;
   void* param_dev = nullptr;
-  if (auto s = cuda::device_alloc(kInit * 4, &init_dev); !s.ok()) return fail(s.message);
-  if (auto s = cuda::device_alloc(kInit * 4, &param_dev); !s.ok()) return fail(s.message);
-  if (auto s = cuda::copy(init_dev, host.data(), kInit * 4); !s.ok()) return fail(s.message);
+  if (auto s = cuda::device_alloc(kInit * 4, &init_dev); !s.ok()) return fail(s.message());
+  if (auto s = cuda::device_alloc(kInit * 4, &param_dev); !s.ok()) return fail(s.message());
+  if (auto s = cuda::copy(init_dev, host.data(), kInit * 4); !s.ok()) return fail(s.message());
   auto hp = w.register_tensor("param", psld::DType::kFloat32, kInit * 4, param_dev, init_dev);
   if (!hp.ok()) return fail("register param: " + hp.status().to_string());
   if (auto s = w.barrier(); !s.ok()) return fail("barrier: " + s.to_string());
@@ -72,7 +72,7 @@ int main(int argc, char** argv) {
   if (!pull.ok()) return fail("pull: " + pull.status().to_string());
   if (auto s = pull->wait(std::chrono::seconds(60)); !s.ok()) return fail("pull: " + s.to_string());
   std::vector<float> got(kInit);
-  if (auto s = cuda::copy(got.data(), param_dev, kInit * 4); !s.ok()) return fail(s.message);
+  if (auto s = cuda::copy(got.data(), param_dev, kInit * 4); !s.ok()) return fail(s.message());
   if (got != host) return fail("the initial value did not arrive in device memory");
 
   std::vector<float> buf;
@@ -82,7 +82,7 @@ int main(int argc, char** argv) {
       buf.resize(sizes[t]);
       for (size_t i = 0; i < sizes[t]; ++i)
         buf[i] = static_cast<float>(rank + r + static_cast<int>(i % 5));
-      if (auto s = cuda::copy(dev[t], buf.data(), sizes[t] * 4); !s.ok()) return fail(s.message);
+      if (auto s = cuda::copy(dev[t], buf.data(), sizes[t] * 4); !s.ok()) return fail(s.message());
       auto req = w.push_pull(handles[t]);
       if (!req.ok()) return fail("push_pull: " + req.status().to_string());
       reqs.push_back(*req);
@@ -94,7 +94,7 @@ int main(int argc, char** argv) {
     }
     for (size_t t = 0; t < sizes.size(); ++t) {
       buf.resize(sizes[t]);
-      if (auto s = cuda::copy(buf.data(), dev[t], sizes[t] * 4); !s.ok()) return fail(s.message);
+      if (auto s = cuda::copy(buf.data(), dev[t], sizes[t] * 4); !s.ok()) return fail(s.message());
       for (size_t i = 0; i < sizes[t]; ++i) {
         const float want = static_cast<float>(n * (n - 1) / 2 + n * (r + static_cast<int>(i % 5)));
         if (buf[i] != want) {

@@ -164,7 +164,7 @@ class FakeServerDevice final : public ServerDevice {
     const bool fault = log_->launches.fetch_add(1) + 1 == log_->fault_launch.load();
     return queue(lane, [fn, fault]() -> Status {
       if (fault) return Internal("fake kernel fault (as cudaErrorIllegalAddress)");
-      return status_from_kernel(fn(MemoryKind::kHost, nullptr));
+      return fn(MemoryKind::kHost, nullptr);
     });
   }
   Status synchronize(size_t lane) override {

@@ -373,11 +373,11 @@ TEST(CudaServerDevice, WithoutAGpuAServerSaysWhyItCannotStartElseSumsAreExact) {
     EXPECT_NE(server.status().message().find("server.device = cuda, but the GPU cannot be used"),
               std::string::npos)
         << server.status().to_string();
-    EXPECT_NE(server.status().message().find(kernels::cuda_device_status().message),
+    EXPECT_NE(server.status().message().find(kernels::cuda_device_status().message()),
               std::string::npos)
         << server.status().to_string();
     GTEST_SKIP() << "no CUDA device: checked the error only ("
-                 << kernels::cuda_device_status().message << ")";
+                 << kernels::cuda_device_status().message() << ")";
   }
   Cluster c(2, 1, [](RuntimeOptions& o) {
     o.mode = ServerMode::kSum;

@@ -258,8 +258,8 @@ TEST_P(Conformance, CudaMemoryIsSupportedOrRefusedWithTheReason) {
     EXPECT_EQ(alloc.status().code(), StatusCode::kUnimplemented) << alloc.status().to_string();
     GTEST_SKIP() << GetParam().label << " cannot reach CUDA memory here: " << cuda.detail;
   }
-  const kernels::KernelStatus device = kernels::cuda::device_status();
-  if (!device.ok()) GTEST_SKIP() << "no CUDA device: " << device.message;
+  const Status device = kernels::cuda::device_status();
+  if (!device.ok()) GTEST_SKIP() << "no CUDA device: " << device.message();
 
   constexpr size_t kBytes = (size_t{8} << 20) + 12345;
   ConnectionPtr conn = connect();

@@ -26,16 +26,16 @@ std::string driver_hint(cudaError_t e) {
   }
 }
 
-KernelStatus probe_devices() {
+Status probe_devices() {
   int count = 0;
   // Without a driver this fails cleanly (cudaErrorInsufficientDriver), it
   // does not abort: the runtime loads libcuda.so.1 lazily, here.
   const cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess) {
-    KernelStatus s = cuda_failure("cudaGetDeviceCount", e);
-    return {KernelError::kNoDevice, s.message + driver_hint(e)};
+    Status s = cuda_failure("cudaGetDeviceCount", e);
+    return Unavailable(s.message() + driver_hint(e));
   }
-  if (count <= 0) return {KernelError::kNoDevice, "the CUDA driver reports no devices"};
+  if (count <= 0) return Unavailable("the CUDA driver reports no devices");
   return {};
 }
 
@@ -45,14 +45,14 @@ bool built() {
   return true;
 }
 
-KernelStatus device_status() {
+Status device_status() {
   // Once per process: a GPU does not come or go under a running trainer, and
   // the kernels ask on every launch. std::call_once rather than a static
   // local: its pthread_once is visible to ThreadSanitizer, whereas the guard
   // of a static local is an inline load in this nvcc-compiled (and so not
   // instrumented) file, and a thread reading the result would look racy.
   static std::once_flag once;
-  static KernelStatus probed;
+  static Status probed;
   std::call_once(once, [] { (void)(probed = probe_devices()); });
   return probed;
 }
@@ -62,8 +62,8 @@ namespace {
 // Makes one CUDA runtime call once a device is usable. An error names the
 // call, with the bytes it moves or allocates where it has some.
 template <typename Call>
-KernelStatus runtime_call(const char* what, std::optional<size_t> bytes, Call&& call) {
-  KernelStatus s = device_status();
+Status runtime_call(const char* what, std::optional<size_t> bytes, Call&& call) {
+  Status s = device_status();
   if (!s.ok()) return s;
   const cudaError_t e = call();
   if (e == cudaSuccess) return {};
@@ -91,84 +91,84 @@ bool is_device_pointer(const void* p) {
   return attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged;
 }
 
-KernelStatus device_alloc(size_t bytes, void** out) {
+Status device_alloc(size_t bytes, void** out) {
   *out = nullptr;
-  KernelStatus s = runtime_call("cudaMalloc", bytes, [&] { return cudaMalloc(out, bytes); });
+  Status s = runtime_call("cudaMalloc", bytes, [&] { return cudaMalloc(out, bytes); });
   if (!s.ok()) *out = nullptr;
   return s;
 }
 
-KernelStatus device_free(void* p) {
+Status device_free(void* p) {
   if (p == nullptr) return {};
   return runtime_call("cudaFree", std::nullopt, [&] { return cudaFree(p); });
 }
 
-KernelStatus copy(void* dst, const void* src, size_t bytes) {
+Status copy(void* dst, const void* src, size_t bytes) {
   if (bytes == 0) return {};
   return runtime_call("cudaMemcpy", bytes,
                       [&] { return cudaMemcpy(dst, src, bytes, cudaMemcpyDefault); });
 }
 
-KernelStatus stream_create(void** out) {
+Status stream_create(void** out) {
   *out = nullptr;
   cudaStream_t stream = nullptr;
-  KernelStatus s = runtime_call("cudaStreamCreateWithFlags", std::nullopt, [&] {
+  Status s = runtime_call("cudaStreamCreateWithFlags", std::nullopt, [&] {
     return cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
   });
   if (s.ok()) *out = stream;
   return s;
 }
 
-KernelStatus stream_destroy(void* stream) {
+Status stream_destroy(void* stream) {
   if (stream == nullptr) return {};
   return runtime_call("cudaStreamDestroy", std::nullopt,
                       [&] { return cudaStreamDestroy(static_cast<cudaStream_t>(stream)); });
 }
 
-KernelStatus stream_synchronize(void* stream) {
+Status stream_synchronize(void* stream) {
   return runtime_call("cudaStreamSynchronize", std::nullopt,
                       [&] { return cudaStreamSynchronize(static_cast<cudaStream_t>(stream)); });
 }
 
-KernelStatus copy_async(void* dst, const void* src, size_t bytes, void* stream) {
+Status copy_async(void* dst, const void* src, size_t bytes, void* stream) {
   if (bytes == 0) return {};
   return runtime_call("cudaMemcpyAsync", bytes, [&] {
     return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream));
   });
 }
 
-KernelStatus zero(void* p, size_t bytes) {
+Status zero(void* p, size_t bytes) {
   if (bytes == 0) return {};
   return runtime_call("cudaMemset", bytes, [&] { return cudaMemset(p, 0, bytes); });
 }
 
-KernelStatus host_alloc(size_t bytes, void** out) {
+Status host_alloc(size_t bytes, void** out) {
   *out = nullptr;
-  KernelStatus s = runtime_call("cudaHostAlloc", bytes,
-                                [&] { return cudaHostAlloc(out, bytes, cudaHostAllocPortable); });
+  Status s = runtime_call("cudaHostAlloc", bytes,
+                          [&] { return cudaHostAlloc(out, bytes, cudaHostAllocPortable); });
   if (!s.ok()) *out = nullptr;
   return s;
 }
 
-KernelStatus host_free(void* p) {
+Status host_free(void* p) {
   if (p == nullptr) return {};
   return runtime_call("cudaFreeHost", std::nullopt, [&] { return cudaFreeHost(p); });
 }
 
-KernelStatus host_register(void* p, size_t bytes) {
+Status host_register(void* p, size_t bytes) {
   if (bytes == 0) return {};
   return runtime_call("cudaHostRegister", bytes,
                       [&] { return cudaHostRegister(p, bytes, cudaHostRegisterDefault); });
 }
 
-KernelStatus host_unregister(void* p) {
+Status host_unregister(void* p) {
   if (p == nullptr) return {};
   return runtime_call("cudaHostUnregister", std::nullopt, [&] { return cudaHostUnregister(p); });
 }
 
-KernelStatus describe_device(std::string* out) {
+Status describe_device(std::string* out) {
   out->clear();
-  KernelStatus s = device_status();
+  Status s = device_status();
   if (!s.ok()) return s;
   int device = 0;
   if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) {

@@ -258,7 +258,7 @@ struct Widen {
 
 // Enough blocks to fill the current device, from its SM count, cached per
 // device (the query is a driver call; kernels are launched millions of times).
-KernelStatus max_blocks(const char* name, unsigned* blocks) {
+Status max_blocks(const char* name, unsigned* blocks) {
   int device = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) return cuda_failure(std::string(name) + ": cudaGetDevice", e);
@@ -274,31 +274,31 @@ KernelStatus max_blocks(const char* name, unsigned* blocks) {
   return {};
 }
 
-KernelStatus check_arrays(const char* name, const el::ArrayShape* arrays, size_t count) {
+Status check_arrays(const char* name, const el::ArrayShape* arrays, size_t count) {
   for (size_t a = 0; a < count; ++a) {
     if (arrays[a].data == nullptr) {
-      return {KernelError::kInvalidArgument,
-              std::string(name) + ": array " + std::to_string(a) + " is null with n > 0"};
+      return InvalidArgument(std::string(name) + ": array " + std::to_string(a) +
+                             " is null with n > 0");
     }
     if (reinterpret_cast<uintptr_t>(arrays[a].data) % arrays[a].element_size != 0) {
-      return {KernelError::kInvalidArgument,
-              std::string(name) + ": array " + std::to_string(a) + " is not aligned to its " +
-                  std::to_string(arrays[a].element_size) + "-byte element size"};
+      return InvalidArgument(std::string(name) + ": array " + std::to_string(a) +
+                             " is not aligned to its " + std::to_string(arrays[a].element_size) +
+                             "-byte element size");
     }
   }
   return {};
 }
 
 template <class Op, size_t kArrays>
-KernelStatus launch(const char* name, const Op& op, size_t n,
-                    const el::ArrayShape (&arrays)[kArrays], void* stream) {
+Status launch(const char* name, const Op& op, size_t n, const el::ArrayShape (&arrays)[kArrays],
+              void* stream) {
   if (n == 0) return {};
-  if (KernelStatus s = check_arrays(name, arrays, kArrays); !s.ok()) return s;
-  if (KernelStatus s = device_status(); !s.ok()) {
-    return {s.error, std::string(name) + ": no CUDA device: " + s.message};
+  if (Status s = check_arrays(name, arrays, kArrays); !s.ok()) return s;
+  if (Status s = device_status(); !s.ok()) {
+    return Status(s.code(), std::string(name) + ": no CUDA device: " + s.message());
   }
   unsigned limit = 0;
-  if (KernelStatus s = max_blocks(name, &limit); !s.ok()) return s;
+  if (Status s = max_blocks(name, &limit); !s.ok()) return s;
   const el::VectorPlan plan = el::plan_vectors(n, Op::kLanes, arrays, kArrays);
   const size_t singles = n - plan.vectors * Op::kLanes;
   const size_t items = std::max(plan.vectors, singles);
@@ -315,33 +315,33 @@ KernelStatus launch(const char* name, const Op& op, size_t n,
 
 }  // namespace
 
-KernelStatus reduce_f32(float* acc, const float* x, size_t n, void* stream) {
+Status reduce_f32(float* acc, const float* x, size_t n, void* stream) {
   const el::ArrayShape arrays[] = {{acc, 4}, {x, 4}};
   return launch("cuda reduce_f32", ReduceF32{acc, x}, n, arrays, stream);
 }
 
-KernelStatus reduce_f16(float* acc, const uint16_t* x, size_t n, void* stream) {
+Status reduce_f16(float* acc, const uint16_t* x, size_t n, void* stream) {
   const el::ArrayShape arrays[] = {{acc, 4}, {x, 2}};
   return launch("cuda reduce_f16", ReduceHalf<false>{acc, x}, n, arrays, stream);
 }
 
-KernelStatus reduce_bf16(float* acc, const uint16_t* x, size_t n, void* stream) {
+Status reduce_bf16(float* acc, const uint16_t* x, size_t n, void* stream) {
   const el::ArrayShape arrays[] = {{acc, 4}, {x, 2}};
   return launch("cuda reduce_bf16", ReduceHalf<true>{acc, x}, n, arrays, stream);
 }
 
-KernelStatus scale_f32(float* x, float a, size_t n, void* stream) {
+Status scale_f32(float* x, float a, size_t n, void* stream) {
   const el::ArrayShape arrays[] = {{x, 4}};
   return launch("cuda scale_f32", ScaleF32{x, a}, n, arrays, stream);
 }
 
-KernelStatus sgd_f32(float* w, const float* g, size_t n, const SgdParams& p, void* stream) {
+Status sgd_f32(float* w, const float* g, size_t n, const SgdParams& p, void* stream) {
   const el::ArrayShape arrays[] = {{w, 4}, {g, 4}};
   return launch("cuda sgd_f32", Sgd{w, g, internal::sgd_consts(p)}, n, arrays, stream);
 }
 
-KernelStatus momentum_f32(float* w, float* buf, const float* g, size_t n, const MomentumParams& p,
-                          void* stream) {
+Status momentum_f32(float* w, float* buf, const float* g, size_t n, const MomentumParams& p,
+                    void* stream) {
   // As on the CPU: momentum 0 is plain SGD and buf is neither read nor written.
   if (p.momentum == 0.0f) return sgd_f32(w, g, n, SgdParams{p.lr, p.weight_decay}, stream);
   const el::ArrayShape arrays[] = {{w, 4}, {buf, 4}, {g, 4}};
@@ -349,28 +349,28 @@ KernelStatus momentum_f32(float* w, float* buf, const float* g, size_t n, const 
                 n, arrays, stream);
 }
 
-KernelStatus adam_f32(float* w, float* m, float* v, const float* g, size_t n, const AdamParams& p,
-                      void* stream) {
+Status adam_f32(float* w, float* m, float* v, const float* g, size_t n, const AdamParams& p,
+                void* stream) {
   const el::ArrayShape arrays[] = {{w, 4}, {m, 4}, {v, 4}, {g, 4}};
   return launch("cuda adam_f32", Adam{w, m, v, g, internal::adam_consts(p)}, n, arrays, stream);
 }
 
-KernelStatus f32_to_f16(uint16_t* out, const float* in, size_t n, void* stream) {
+Status f32_to_f16(uint16_t* out, const float* in, size_t n, void* stream) {
   const el::ArrayShape arrays[] = {{out, 2}, {in, 4}};
   return launch("cuda f32_to_f16", Narrow<false>{out, in}, n, arrays, stream);
 }
 
-KernelStatus f16_to_f32(float* out, const uint16_t* in, size_t n, void* stream) {
+Status f16_to_f32(float* out, const uint16_t* in, size_t n, void* stream) {
   const el::ArrayShape arrays[] = {{out, 4}, {in, 2}};
   return launch("cuda f16_to_f32", Widen<false>{out, in}, n, arrays, stream);
 }
 
-KernelStatus f32_to_bf16(uint16_t* out, const float* in, size_t n, void* stream) {
+Status f32_to_bf16(uint16_t* out, const float* in, size_t n, void* stream) {
   const el::ArrayShape arrays[] = {{out, 2}, {in, 4}};
   return launch("cuda f32_to_bf16", Narrow<true>{out, in}, n, arrays, stream);
 }
 
-KernelStatus bf16_to_f32(float* out, const uint16_t* in, size_t n, void* stream) {
+Status bf16_to_f32(float* out, const uint16_t* in, size_t n, void* stream) {
   const el::ArrayShape arrays[] = {{out, 4}, {in, 2}};
   return launch("cuda bf16_to_f32", Widen<true>{out, in}, n, arrays, stream);
 }

@@ -74,7 +74,7 @@ class ComputeLane {
   template <typename Fn>
   Status run(const Fn& fn) const {
     if (device_ != nullptr) return device_->launch(lane_, ServerDevice::Launch(fn));
-    return status_from_kernel(fn(MemoryKind::kHost, nullptr));
+    return fn(MemoryKind::kHost, nullptr);
   }
   // Waits for what was queued (nothing to wait for on the host).
   Status finish() const { return device_ != nullptr ? device_->synchronize(lane_) : Status::Ok(); }

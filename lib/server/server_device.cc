@@ -25,8 +25,8 @@ class CudaServerDevice final : public ServerDevice {
 
   Result<void*> allocate(size_t bytes) override {
     void* p = nullptr;
-    Status s = status_from_kernel(cu::device_alloc(bytes, &p));
-    if (s.ok()) s = status_from_kernel(cu::zero(p, bytes));
+    Status s = cu::device_alloc(bytes, &p);
+    if (s.ok()) s = cu::zero(p, bytes);
     if (!s.ok()) {
       (void)cu::device_free(p);
       return s;
@@ -37,26 +37,24 @@ class CudaServerDevice final : public ServerDevice {
 
   Result<void*> allocate_host(size_t bytes) override {
     void* p = nullptr;
-    PSLD_RETURN_IF_ERROR(status_from_kernel(cu::host_alloc(bytes, &p)));
+    PSLD_RETURN_IF_ERROR(cu::host_alloc(bytes, &p));
     return p;
   }
   void free_host(void* p) override { (void)cu::host_free(p); }
-  Status pin(void* p, size_t bytes) override {
-    return status_from_kernel(cu::host_register(p, bytes));
-  }
+  Status pin(void* p, size_t bytes) override { return cu::host_register(p, bytes); }
   void unpin(void* p) override { (void)cu::host_unregister(p); }
 
   Status copy(void* dst, const void* src, size_t bytes, size_t lane) override {
     if (lane >= streams_.size()) return InvalidArgument("server device: no such lane");
-    return status_from_kernel(cu::copy_async(dst, src, bytes, streams_[lane]));
+    return cu::copy_async(dst, src, bytes, streams_[lane]);
   }
   Status launch(size_t lane, const Launch& fn) override {
     if (lane >= streams_.size()) return InvalidArgument("server device: no such lane");
-    return status_from_kernel(fn(MemoryKind::kCuda, streams_[lane]));
+    return fn(MemoryKind::kCuda, streams_[lane]);
   }
   Status synchronize(size_t lane) override {
     if (lane >= streams_.size()) return InvalidArgument("server device: no such lane");
-    return status_from_kernel(cu::stream_synchronize(streams_[lane]));
+    return cu::stream_synchronize(streams_[lane]);
   }
 
  private:
@@ -66,29 +64,14 @@ class CudaServerDevice final : public ServerDevice {
 
 }  // namespace
 
-Status status_from_kernel(const kernels::KernelStatus& s) {
-  switch (s.error) {
-    case kernels::KernelError::kOk:
-      return Status::Ok();
-    case kernels::KernelError::kInvalidArgument:
-      return InvalidArgument(s.message);
-    case kernels::KernelError::kBuiltWithoutCuda:
-    case kernels::KernelError::kNoDevice:
-      return Unavailable(s.message);
-    case kernels::KernelError::kCudaError:
-      return Internal(s.message);
-  }
-  return Internal(s.message);
-}
-
 Result<std::unique_ptr<ServerDevice>> create_cuda_server_device(size_t lanes) {
   if (lanes == 0) return InvalidArgument("server device: lanes must be positive");
   std::string description;
-  PSLD_RETURN_IF_ERROR(status_from_kernel(cu::describe_device(&description)));
+  PSLD_RETURN_IF_ERROR(cu::describe_device(&description));
   std::vector<void*> streams;
   for (size_t i = 0; i < lanes; ++i) {
     void* s = nullptr;
-    Status st = status_from_kernel(cu::stream_create(&s));
+    Status st = cu::stream_create(&s);
     if (!st.ok()) {
       for (void* made : streams)
         (void)cu::stream_destroy(made);
@@ -102,7 +85,7 @@ Result<std::unique_ptr<ServerDevice>> create_cuda_server_device(size_t lanes) {
 
 Result<std::string> describe_server_device() {
   std::string description;
-  PSLD_RETURN_IF_ERROR(status_from_kernel(cu::describe_device(&description)));
+  PSLD_RETURN_IF_ERROR(cu::describe_device(&description));
   return description;
 }
 

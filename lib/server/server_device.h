@@ -30,7 +30,7 @@ class ServerDevice {
  public:
   // A kernel call to queue: called with where the arrays are (and so which
   // kernels to run, kernels/dispatch.h) and the lane's stream.
-  using Launch = std::function<kernels::KernelStatus(MemoryKind where, void* stream)>;
+  using Launch = std::function<Status(MemoryKind where, void* stream)>;
 
   virtual ~ServerDevice() = default;
   // "cuda device 0: NVIDIA H200, 139.8 GiB, sm_90", for the start-up line.
@@ -58,10 +58,6 @@ class ServerDevice {
   // Waits until everything queued on `lane` has run; the first error of it.
   virtual Status synchronize(size_t lane) = 0;
 };
-
-// A kernel's status as psld's: no device or no CUDA build is Unavailable,
-// a bad argument InvalidArgument, a CUDA error Internal.
-Status status_from_kernel(const kernels::KernelStatus& s);
 
 // The calling thread's current CUDA device with `lanes` non-blocking
 // streams. Unavailable with the reason where there is no device, or in a

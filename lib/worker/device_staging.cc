@@ -44,10 +44,10 @@ GpuPathChoice choose_gpu_path(GpuPath requested, const transport::Transport& tra
 
 std::string describe_gpu_path(GpuPath requested, const transport::Transport& transport) {
   const GpuPathChoice c = choose_gpu_path(requested, transport);
-  const kernels::KernelStatus device = kernels::cuda_device_status();
+  const Status device = kernels::cuda_device_status();
   if (device.ok()) return c.text;
   // A tensor is only ever staged or direct where its memory is CUDA memory.
-  return fmt::format("none here ({}); a CUDA tensor would go {}", device.message, c.text);
+  return fmt::format("none here ({}); a CUDA tensor would go {}", device.message(), c.text);
 }
 
 std::string describe_gpu_path(const RuntimeOptions& options) {
