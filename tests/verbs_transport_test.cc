@@ -22,6 +22,7 @@
 #include <thread>
 
 #include "gpu/cuda_driver.h"
+#include "tests/eventually.h"
 #include "tests/fake_verbs.h"
 #include "tests/transport_test_util.h"
 #include "transports/verbs/send_queue.h"
@@ -1138,12 +1139,10 @@ TEST_F(VerbsFake, ManyThreadsWriteSendAndCloseWhileAnotherProgresses) {
   conns[kThreads]->close();
   for (auto& w : writers)
     w.join();
-  const auto deadline = Clock::now() + 30s;
-  while ((completed.load() < kThreads * kPerThread ||
-          rb_.num_writes() + rb_.num_messages() < kThreads * kPerThread) &&
-         Clock::now() < deadline) {
-    std::this_thread::sleep_for(1ms);
-  }
+  EXPECT_TRUE(eventually("every operation's completion and arrival", 30s, [&] {
+    return completed.load() >= kThreads * kPerThread &&
+           rb_.num_writes() + rb_.num_messages() >= kThreads * kPerThread;
+  }));
   stop = true;
   a_->wake();
   progress.join();
