@@ -486,10 +486,12 @@ TEST(VerbsSideChannel, HelloArrivesInPiecesOverTcp) {
     std::this_thread::sleep_for(1ms);
     ASSERT_TRUE(server.read_available().ok());
   }
-  for (int i = 0; i < 100 && server.input().size() < kHelloBytes; ++i) {
-    std::this_thread::sleep_for(1ms);
-    ASSERT_TRUE(server.read_available().ok());
-  }
+  Status read;
+  eventually("the whole hello", 100ms, [&] {
+    read = server.read_available();
+    return !read.ok() || server.input().size() >= kHelloBytes;
+  });
+  ASSERT_TRUE(read.ok()) << read.to_string();
   ASSERT_EQ(server.input().size(), kHelloBytes);
   auto d = decode_hello(server.input());
   ASSERT_TRUE(d.ok()) << d.status().to_string();
@@ -499,10 +501,11 @@ TEST(VerbsSideChannel, HelloArrivesInPiecesOverTcp) {
   EXPECT_FALSE(server.eof());
 
   client.close();
-  for (int i = 0; i < 100 && !server.eof(); ++i) {
-    std::this_thread::sleep_for(1ms);
-    ASSERT_TRUE(server.read_available().ok());
-  }
+  eventually("end of stream", 100ms, [&] {
+    read = server.read_available();
+    return !read.ok() || server.eof();
+  });
+  ASSERT_TRUE(read.ok()) << read.to_string();
   EXPECT_TRUE(server.eof()) << "a peer that goes away is seen as end of stream";
 }
 
@@ -1052,10 +1055,12 @@ TEST_F(VerbsFake, AClientSendingAnotherVersionIsDroppedWithoutAnAccept) {
   ASSERT_TRUE(raw.send(encode_hello(h)).ok());
   pump_for({b_.get()}, 100ms);
   EXPECT_EQ(rb_.num_accepted(), 0u);
-  for (int i = 0; i < 100 && !raw.eof(); ++i) {
-    std::this_thread::sleep_for(1ms);
-    ASSERT_TRUE(raw.read_available().ok());
-  }
+  Status read;
+  eventually("end of stream", 100ms, [&] {
+    read = raw.read_available();
+    return !read.ok() || raw.eof();
+  });
+  ASSERT_TRUE(read.ok()) << read.to_string();
   EXPECT_TRUE(raw.eof()) << "the server closes a side channel whose hello it refused";
 }
 
