@@ -17,6 +17,7 @@
 #include "kernels/dispatch.h"
 #include "lib/worker/device_staging.h"
 #include "tests/cluster.h"
+#include "tests/eventually.h"
 #include "tests/fake_gpu.h"
 
 namespace psld {
@@ -279,8 +280,8 @@ TEST_P(DeviceTensors, AFailedCopyFailsTheRequestNamingTheTensorAndNothingHangs) 
   EXPECT_NE(s.message().find("tensor 'grad' chunk 3"), std::string::npos) << s.to_string();
   EXPECT_NE(s.message().find("fake copy failure"), std::string::npos) << s.to_string();
   // The other chunks finish or fail, none is left behind.
-  for (int i = 0; i < 200 && w.operations_in_flight() > 0; ++i)
-    std::this_thread::sleep_for(10ms);
+  EXPECT_TRUE(eventually(
+      "every chunk to finish", 2s, [&] { return w.operations_in_flight() == 0; }, 10ms));
   EXPECT_EQ(w.operations_in_flight(), 0u) << w.describe_in_flight();
 }
 

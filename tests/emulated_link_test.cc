@@ -4,8 +4,11 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
+#include <functional>
 
+#include "base/clock.h"
 #include "tests/transport_test_util.h"
 #include "transports/loopback/loopback.h"
 
@@ -16,7 +19,12 @@ using namespace std::chrono_literals;
 
 constexpr size_t kChunk = 256 * 1024;
 
+// The link runs on a ManualClock: an operation is released exactly when the
+// clock reaches the moment its last byte would have left, and the tests say
+// that moment to the nanosecond. (The loopback backend underneath keeps real
+// time but adds none: it delivers inside the next progress().)
 struct Pair {
+  ManualClock clock;
   std::shared_ptr<LoopbackFabric> fabric = std::make_shared<LoopbackFabric>();
   Recorder server_rec, client_rec;
   std::unique_ptr<Transport> server, client;
@@ -29,9 +37,10 @@ struct Pair {
   Pair(const LinkOptions& client_link, const LinkOptions* server_link = nullptr) {
     TransportOptions o;
     o.loopback.fabric = fabric;
-    server = server_link ? *create_emulated_link("loopback", o, *server_link, &server_rec)
+    server = server_link ? *create_emulated_link("loopback", o, *server_link, &server_rec,
+                                                 TimeSource(&clock))
                          : *create_transport("loopback", o, &server_rec);
-    client = *create_emulated_link("loopback", o, client_link, &client_rec);
+    client = *create_emulated_link("loopback", o, client_link, &client_rec, TimeSource(&clock));
     conn = *client->connect(server->address());
     EXPECT_TRUE(pump({client.get(), server.get()}, [&] { return server_rec.num_accepted() == 1; }));
     src = *client->register_memory(source.data(), source.size(), MemoryKind::kHost);
@@ -43,79 +52,117 @@ struct Pair {
     server->shutdown();
   }
 
-  // Writes `total` bytes in kChunk writes, all issued at once, and returns
-  // the time from the first issue to the last notification.
-  std::chrono::duration<double> transfer(uint64_t total) {
-    const size_t before = server_rec.num_writes();
-    const uint64_t n = total / kChunk;
-    const auto t0 = Clock::now();
+  // Issues `n` writes of kChunk bytes at once, at the clock's present time.
+  void issue(uint64_t n) {
     for (uint64_t i = 0; i < n; ++i) {
       EXPECT_TRUE(
           conn->write({src.get(), 0, remote.get(), 0, kChunk, static_cast<uint32_t>(i)}, nullptr)
               .ok());
     }
-    EXPECT_TRUE(pump(
-        {client.get(), server.get()}, [&] { return server_rec.num_writes() == before + n; }, 60s));
-    return Clock::now() - t0;
+  }
+
+  // Sets the clock to `t` and drives both ends until neither has anything
+  // left to do at that time; returns the writes the server was told of.
+  size_t writes_at(ManualClock::time_point t) {
+    clock.set(t);
+    while (client->progress() + server->progress() > 0) {
+    }
+    return server_rec.num_writes();
+  }
+
+  // Expects the k-th (from 1) of `n` writes issued at once, after `before`
+  // had arrived, to arrive exactly at arrival(k): at that nanosecond and not
+  // one before.
+  void expect_arrivals(size_t before, uint64_t n,
+                       const std::function<ManualClock::time_point(uint64_t)>& arrival) {
+    for (uint64_t k = 1; k <= n; ++k) {
+      const auto at = arrival(k);
+      EXPECT_EQ(writes_at(at - std::chrono::nanoseconds(1)), before + k - 1) << "write " << k;
+      EXPECT_EQ(writes_at(at), before + k) << "write " << k;
+    }
   }
 };
 
-class LinkRate : public ::testing::TestWithParam<double> {};
-
-TEST_P(LinkRate, MeasuredThroughputIsWithinTenPercentOfTheSetting) {
-  const double rate = GetParam() * 1e6;  // MB/s
-  LinkOptions link;
-  link.egress_bytes_per_second = rate;
-  Pair p(link);
-  // About 0.4 s of traffic: long enough that the 64 KiB burst and the
-  // per-operation overhead stay well under 1%.
-  const uint64_t total = static_cast<uint64_t>(rate * 0.4) / kChunk * kChunk;
-  const double seconds = p.transfer(total).count();
-  const double measured = static_cast<double>(total) / seconds;
-  EXPECT_NEAR(measured / rate, 1.0, 0.10)
-      << "set " << rate / 1e6 << " MB/s, measured " << measured / 1e6 << " MB/s";
+// The time a link of `rate` bytes per second takes to carry `bytes` (the
+// tests' rates divide a second into whole nanoseconds).
+std::chrono::nanoseconds carry(uint64_t bytes, uint64_t rate) {
+  return std::chrono::nanoseconds(bytes * 1'000'000'000 / rate);
 }
 
-INSTANTIATE_TEST_SUITE_P(MBps, LinkRate, ::testing::Values(50.0, 200.0, 1000.0),
-                         [](const auto& info) {
-                           return std::to_string(static_cast<int>(info.param));
-                         });
+constexpr uint64_t kOpBytes = kChunk + LinkOptions{}.per_op_overhead_bytes;
+constexpr uint64_t kBurst = LinkOptions{}.burst_bytes;
+
+class LinkRate : public ::testing::TestWithParam<uint64_t> {};
+
+TEST_P(LinkRate, EachWriteArrivesWhenTheLinkHasCarriedItsBytes) {
+  const uint64_t rate = GetParam() * 1'000'000;  // MB/s
+  LinkOptions link;
+  link.egress_bytes_per_second = static_cast<double>(rate);
+  Pair p(link);
+  const auto t0 = p.clock.now();
+  constexpr uint64_t kWrites = 16;  // 4 MiB
+  p.issue(kWrites);
+  // The idle link lends one burst; after it, each write's bytes and its
+  // per-operation overhead pass at exactly the set rate.
+  p.expect_arrivals(0, kWrites,
+                    [&](uint64_t k) { return t0 + carry(k * kOpBytes - kBurst, rate); });
+}
+
+INSTANTIATE_TEST_SUITE_P(MBps, LinkRate, ::testing::Values(50, 200, 1000),
+                         [](const auto& info) { return std::to_string(info.param); });
 
 TEST(EmulatedLink, IngressShapingPacesNotifications) {
   LinkOptions unlimited;
   LinkOptions slow_in;
   slow_in.ingress_bytes_per_second = 100e6;
   Pair p(unlimited, &slow_in);
-  const uint64_t total = 40 * kChunk;  // ~10.5 MB: ~0.1 s at 100 MB/s
-  const double seconds = p.transfer(total).count();
-  EXPECT_GE(seconds, 0.9 * static_cast<double>(total) / 100e6);
+  const auto t0 = p.clock.now();
+  constexpr uint64_t kWrites = 40;  // ~10.5 MB: ~0.1 s at 100 MB/s
+  p.issue(kWrites);
+  // The bytes reach the shaped end now; their notifications wait for it.
+  EXPECT_EQ(p.writes_at(t0), 0u);
+  p.expect_arrivals(0, kWrites,
+                    [&](uint64_t k) { return t0 + carry(k * kOpBytes - kBurst, 100'000'000); });
 }
 
 TEST(EmulatedLink, LatencyIsAddedToEveryOperation) {
   LinkOptions link;
   link.latency = 20ms;
   Pair p(link);
-  const auto t0 = Clock::now();
+  const auto t0 = p.clock.now();
   ASSERT_TRUE(p.conn->write({p.src.get(), 0, p.remote.get(), 0, 64, 1}, nullptr).ok());
-  ASSERT_TRUE(
-      pump({p.client.get(), p.server.get()}, [&] { return p.server_rec.num_writes() == 1; }));
-  EXPECT_GE(Clock::now() - t0, 20ms);
+  EXPECT_EQ(p.writes_at(t0 + 20ms - 1ns), 0u);
+  EXPECT_EQ(p.writes_at(t0 + 20ms), 1u);
+  // A message too, sent later, on an otherwise idle link.
+  const auto t1 = t0 + 25ms;
+  p.writes_at(t1);
+  const uint8_t hello[] = {1, 2, 3};
+  ASSERT_TRUE(p.conn->send(hello, nullptr).ok());
+  p.writes_at(t1 + 20ms - 1ns);
+  EXPECT_EQ(p.server_rec.num_messages(), 0u);
+  p.writes_at(t1 + 20ms);
+  EXPECT_EQ(p.server_rec.num_messages(), 1u);
 }
 
 TEST(EmulatedLink, RateCanChangeWhileRunning) {
   LinkOptions fast;
   fast.egress_bytes_per_second = 400e6;
   Pair p(fast);
-  const uint64_t total = 40 * kChunk;
-  const double t_fast = p.transfer(total).count();
+  constexpr uint64_t kWrites = 40;
+  const auto t0 = p.clock.now();
+  p.issue(kWrites);
+  const auto fast_done = t0 + carry(kWrites * kOpBytes - kBurst, 400'000'000);
+  EXPECT_EQ(p.writes_at(fast_done - 1ns), kWrites - 1);
+  EXPECT_EQ(p.writes_at(fast_done), kWrites);
   LinkOptions slow = fast;
   slow.egress_bytes_per_second = 100e6;
   ASSERT_TRUE(set_link(*p.client, slow).ok());
   EXPECT_EQ(get_link(*p.client).egress_bytes_per_second, 100e6);
-  const double t_slow = p.transfer(total).count();
-  // 4x less bandwidth: at least 3x longer (the slow run's own lower bound).
-  EXPECT_GE(t_slow, 0.9 * static_cast<double>(total) / 100e6);
-  EXPECT_GT(t_slow, 2.5 * t_fast);
+  // Issued the moment the link fell idle, so with no idle credit: 4x less
+  // bandwidth, each write takes 4x as long.
+  p.issue(kWrites);
+  p.expect_arrivals(kWrites, kWrites,
+                    [&](uint64_t k) { return fast_done + carry(k * kOpBytes, 100'000'000); });
 }
 
 TEST(EmulatedLink, RejectsBadOptionsWithTheFieldName) {
@@ -143,7 +190,7 @@ TEST(EmulatedLink, RejectsBadOptionsWithTheFieldName) {
 
 TEST(EmulatedLink, ShutdownFailsHeldOperationsOnce) {
   LinkOptions link;
-  link.egress_bytes_per_second = 1e6;  // 256 KiB takes 0.25 s: the shaper holds most of them
+  link.egress_bytes_per_second = 1e6;  // 256 KiB takes 0.25 s, and the clock stands still
   Pair p(link);
   std::vector<int> calls(8, 0);
   std::vector<Status> results(8);

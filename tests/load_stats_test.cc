@@ -2,9 +2,10 @@
 // coordinator's bounded memory of it (LoadHistory).
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <set>
-#include <thread>
 
+#include "base/clock.h"
 #include "lib/stats/load_history.h"
 #include "lib/stats/load_stats.h"
 
@@ -84,20 +85,27 @@ TEST(LoadRecorder, SamplesTheRingOverwroteAreReportedLost) {
 }
 
 TEST(LoadRecorder, OccupancyCountsOverlappingServiceOnceAndSplitsAtWindows) {
-  auto rec = *LoadRecorder::make(Role::kServer);
+  using namespace std::chrono_literals;
+  ManualClock clock;
+  auto rec = *LoadRecorder::make(Role::kServer, LoadRecorder::kDefaultCapacity, TimeSource(&clock));
   EXPECT_EQ(rec->close_window(0, 0, 1)[0].busy_ns, 0u);  // idle
+  clock.advance(5ms);                                    // idle time is not occupied
   rec->begin_service();
+  clock.advance(3ms);
   rec->begin_service();  // overlapping requests: one busy period
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  clock.advance(20ms);
   rec->end_service();
-  const auto first = rec->close_window(0, 0, 1)[0].busy_ns;  // still in service
-  EXPECT_GE(first, 20'000'000u);
-  std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  clock.advance(1ms);
+  // Still in service: the window gets the busy period up to its close.
+  EXPECT_EQ(rec->close_window(0, 0, 1)[0].busy_ns, 24'000'000u);
+  clock.advance(10ms);
   rec->end_service();
-  const auto second = rec->close_window(0, 0, 1)[0].busy_ns;
-  EXPECT_GE(second, 10'000'000u);
+  clock.advance(7ms);  // idle after the period ended
+  EXPECT_EQ(rec->close_window(0, 0, 1)[0].busy_ns, 10'000'000u);
+  clock.advance(2ms);
   EXPECT_EQ(rec->close_window(0, 0, 1)[0].busy_ns, 0u);  // idle again
   rec->end_service();                                    // unbalanced: ignored
+  clock.advance(2ms);
   EXPECT_EQ(rec->close_window(0, 0, 1)[0].busy_ns, 0u);
 }
 

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <thread>
 
+#include "tests/eventually.h"
 #include "tests/transport_test_util.h"
 #include "transports/common/progress_thread.h"
 #include "transports/loopback/loopback.h"
@@ -251,10 +252,8 @@ TEST(ProgressThread, DeliversEventsAndSleepsWhenIdle) {
   std::atomic<bool> done{false};
   ASSERT_TRUE(
       conn->write({src.get(), 0, remote.get(), 0, 64, 1}, [&](Status) { done = true; }).ok());
-  const auto deadline = Clock::now() + 5s;
-  while ((!done || srec.num_writes() == 0) && Clock::now() < deadline) {
-    std::this_thread::sleep_for(1ms);
-  }
+  EXPECT_TRUE(eventually("the write's completion and notification", 5s,
+                         [&] { return done && srec.num_writes() != 0; }));
   ASSERT_TRUE(done.load());
   EXPECT_EQ(handler_thread.load(), pt.id()) << "handlers run on the progress thread";
 

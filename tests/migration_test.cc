@@ -13,6 +13,7 @@
 
 #include "lib/placement/epoch_log.h"
 #include "tests/cluster.h"
+#include "tests/eventually.h"
 #include "tests/fake_gpu.h"
 
 namespace psld {
@@ -28,10 +29,7 @@ Status switch_to(Cluster& c, const char* what, Make&& make) {
   if (!change.ok()) return change.status().with_context(what);
   const uint64_t before = c.coordinator->switches();
   PSLD_RETURN_IF_ERROR(c.coordinator->propose(change->delta).with_context(what));
-  const auto deadline = std::chrono::steady_clock::now() + 10s;
-  while (c.coordinator->switches() == before && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(1ms);
-  if (c.coordinator->switches() == before) {
+  if (!eventually(what, 10s, [&] { return c.coordinator->switches() != before; })) {
     return Timeout(std::string(what) + " did not commit within 10 s");
   }
   return Status::Ok();
@@ -181,10 +179,10 @@ TEST_P(Migration, PushPullsReadInPlaceStayExactThroughTwentyForcedMigrations) {
 // runs").
 Status runs_settle(Cluster& c, const std::vector<std::pair<TensorId, uint32_t>>& chunks,
                    uint64_t ships) {
-  const auto deadline = std::chrono::steady_clock::now() + 20s;
-  while (true) {
+  std::string off;  // what is not settled yet
+  const auto settled = [&] {
     const Placement p = c.coordinator->current_placement();
-    std::string off;
+    off.clear();
     uint64_t shipped = 0;
     for (const auto& s : c.servers)
       shipped += s->stats().states_out;
@@ -198,12 +196,10 @@ Status runs_settle(Cluster& c, const std::vector<std::pair<TensorId, uint32_t>>&
       if (runs != owned)
         off += fmt::format(" server {} holds {} runs for {} keys;", s->rank(), runs, owned);
     }
-    if (off.empty()) return Status::Ok();
-    if (std::chrono::steady_clock::now() > deadline) {
-      return Timeout("old runs were not freed within 20 s:" + off);
-    }
-    std::this_thread::sleep_for(5ms);
-  }
+    return off.empty();
+  };
+  if (eventually("old runs to be freed", 20s, settled, 5ms)) return Status::Ok();
+  return Timeout("old runs were not freed within 20 s:" + off);
 }
 
 // The range of one key forced back and forth between two servers 60 times
@@ -513,15 +509,14 @@ TEST_P(Migration, AsyncModeConservesEveryPushAcrossMigrations) {
     ASSERT_EQ(x[i], want) << "element " << i << " (" << last.to_string() << ")";
   // Every run that ended was freed once the slowest worker passed its end:
   // one run per key in all.
-  const auto deadline_runs = std::chrono::steady_clock::now() + 20s;
   uint64_t runs = 0;
-  do {
+  const auto one_run_per_key = [&] {
     runs = 0;
     for (const auto& srv : c.servers)
       runs += srv->stats().runs;
-    if (runs == chunks.size()) break;
-    std::this_thread::sleep_for(5ms);
-  } while (std::chrono::steady_clock::now() < deadline_runs);
+    return runs == chunks.size();
+  };
+  EXPECT_TRUE(eventually("one run per key", 20s, one_run_per_key, 5ms));
   EXPECT_EQ(runs, chunks.size());
 }
 
@@ -682,11 +677,8 @@ Result<Placement> scale_out_and_kill(Cluster& c,
 
 // Waits until the coordinator published an abort and closed the transfer.
 Status wait_for_abort(Cluster& c) {
-  const auto deadline = std::chrono::steady_clock::now() + 10s;
-  while ((c.coordinator->aborts() == 0 || c.coordinator->switching()) &&
-         std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(1ms);
-  }
+  eventually("an abort and the transfer closed", 10s,
+             [&] { return c.coordinator->aborts() != 0 && !c.coordinator->switching(); });
   if (c.coordinator->aborts() == 0) return Timeout("no abort within 10 s of the kill");
   if (c.coordinator->switching()) return Timeout("the transfer is still open 10 s after the abort");
   return Status::Ok();
@@ -863,11 +855,10 @@ TEST_P(MigrationAbort, AKeyThatLagsBehindTheSwitchDoesNotHoldTheTransferForever)
       PSLD_ASSIGN_OR_RETURN(Placement next, p.apply(d));
       return PlacementChange{std::move(next), std::move(d)};
     });
-    const auto deadline = std::chrono::steady_clock::now() + 20s;
-    while (control.ok() && c.coordinator->switching() &&
-           std::chrono::steady_clock::now() < deadline)
-      std::this_thread::sleep_for(1ms);
-    if (control.ok() && c.coordinator->switching()) control = Timeout("the transfer never ended");
+    if (control.ok() &&
+        !eventually("the transfer to end", 20s, [&] { return !c.coordinator->switching(); })) {
+      control = Timeout("the transfer never ended");
+    }
     EXPECT_GT(c.coordinator->switches(), switches);
     job.target = 2 * job.furthest.load() + 10;  // the lagging key gets there too
   });

@@ -18,6 +18,7 @@
 #include "lib/stats/load_history.h"
 #include "lib/worker/service.h"
 #include "tests/cluster.h"
+#include "tests/eventually.h"
 #include "transports/loopback/loopback.h"
 
 namespace psld {
@@ -235,8 +236,7 @@ TEST_P(Runtime, TheCoordinatorHearsEveryPushedByteInTheLoadReports) {
   const uint64_t want_answers = 2 * kRounds * chunks_per_round;
   std::map<uint32_t, uint64_t> reported_in, reported_arcs;
   uint64_t answers = 0;
-  const auto deadline = std::chrono::steady_clock::now() + 5s;
-  while (std::chrono::steady_clock::now() < deadline) {
+  const auto all_reported = [&] {
     const LoadHistory h = c.coordinator->load_history();
     reported_in.clear();
     reported_arcs.clear();
@@ -255,9 +255,9 @@ TEST_P(Runtime, TheCoordinatorHearsEveryPushedByteInTheLoadReports) {
       for (const auto& win : ring)
         reported_arcs[win.server] += win.bytes_in;
     }
-    if (reported_in == pushed && answers == want_answers) break;
-    std::this_thread::sleep_for(50ms);
-  }
+    return reported_in == pushed && answers == want_answers;
+  };
+  EXPECT_TRUE(eventually("the last windows", 5s, all_reported, 50ms));
   EXPECT_EQ(reported_in, pushed);
   // Every chunk of every push_pull was answered, and every worker said so.
   EXPECT_EQ(answers, want_answers);

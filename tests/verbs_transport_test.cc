@@ -22,6 +22,7 @@
 #include <thread>
 
 #include "gpu/cuda_driver.h"
+#include "tests/eventually.h"
 #include "tests/fake_verbs.h"
 #include "tests/transport_test_util.h"
 #include "transports/verbs/send_queue.h"
@@ -485,10 +486,12 @@ TEST(VerbsSideChannel, HelloArrivesInPiecesOverTcp) {
     std::this_thread::sleep_for(1ms);
     ASSERT_TRUE(server.read_available().ok());
   }
-  for (int i = 0; i < 100 && server.input().size() < kHelloBytes; ++i) {
-    std::this_thread::sleep_for(1ms);
-    ASSERT_TRUE(server.read_available().ok());
-  }
+  Status read;
+  eventually("the whole hello", 100ms, [&] {
+    read = server.read_available();
+    return !read.ok() || server.input().size() >= kHelloBytes;
+  });
+  ASSERT_TRUE(read.ok()) << read.to_string();
   ASSERT_EQ(server.input().size(), kHelloBytes);
   auto d = decode_hello(server.input());
   ASSERT_TRUE(d.ok()) << d.status().to_string();
@@ -498,10 +501,11 @@ TEST(VerbsSideChannel, HelloArrivesInPiecesOverTcp) {
   EXPECT_FALSE(server.eof());
 
   client.close();
-  for (int i = 0; i < 100 && !server.eof(); ++i) {
-    std::this_thread::sleep_for(1ms);
-    ASSERT_TRUE(server.read_available().ok());
-  }
+  eventually("end of stream", 100ms, [&] {
+    read = server.read_available();
+    return !read.ok() || server.eof();
+  });
+  ASSERT_TRUE(read.ok()) << read.to_string();
   EXPECT_TRUE(server.eof()) << "a peer that goes away is seen as end of stream";
 }
 
@@ -1051,10 +1055,12 @@ TEST_F(VerbsFake, AClientSendingAnotherVersionIsDroppedWithoutAnAccept) {
   ASSERT_TRUE(raw.send(encode_hello(h)).ok());
   pump_for({b_.get()}, 100ms);
   EXPECT_EQ(rb_.num_accepted(), 0u);
-  for (int i = 0; i < 100 && !raw.eof(); ++i) {
-    std::this_thread::sleep_for(1ms);
-    ASSERT_TRUE(raw.read_available().ok());
-  }
+  Status read;
+  eventually("end of stream", 100ms, [&] {
+    read = raw.read_available();
+    return !read.ok() || raw.eof();
+  });
+  ASSERT_TRUE(read.ok()) << read.to_string();
   EXPECT_TRUE(raw.eof()) << "the server closes a side channel whose hello it refused";
 }
 
@@ -1138,12 +1144,10 @@ TEST_F(VerbsFake, ManyThreadsWriteSendAndCloseWhileAnotherProgresses) {
   conns[kThreads]->close();
   for (auto& w : writers)
     w.join();
-  const auto deadline = Clock::now() + 30s;
-  while ((completed.load() < kThreads * kPerThread ||
-          rb_.num_writes() + rb_.num_messages() < kThreads * kPerThread) &&
-         Clock::now() < deadline) {
-    std::this_thread::sleep_for(1ms);
-  }
+  EXPECT_TRUE(eventually("every operation's completion and arrival", 30s, [&] {
+    return completed.load() >= kThreads * kPerThread &&
+           rb_.num_writes() + rb_.num_messages() >= kThreads * kPerThread;
+  }));
   stop = true;
   a_->wake();
   progress.join();

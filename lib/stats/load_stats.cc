@@ -1,5 +1,6 @@
 #include "lib/stats/load_stats.h"
 
+#include <chrono>
 #include <cmath>
 
 namespace psld {
@@ -10,26 +11,27 @@ uint64_t as_u64(double v) {
 }
 }  // namespace
 
-Result<std::unique_ptr<LoadRecorder>> LoadRecorder::make(Role role, size_t capacity) {
+Result<std::unique_ptr<LoadRecorder>> LoadRecorder::make(Role role, size_t capacity,
+                                                         TimeSource time) {
   PSLD_ASSIGN_OR_RETURN(auto ring, LoadRing<StatSample>::make(capacity));
-  return std::unique_ptr<LoadRecorder>(new LoadRecorder(role, std::move(ring)));
+  return std::unique_ptr<LoadRecorder>(new LoadRecorder(role, std::move(ring), time));
 }
 
-LoadRecorder::LoadRecorder(Role role, std::unique_ptr<LoadRing<StatSample>> ring)
-    : role_(role), ring_(std::move(ring)), queue_(*WindowStats::make()) {}
+LoadRecorder::LoadRecorder(Role role, std::unique_ptr<LoadRing<StatSample>> ring,
+                           TimeSource time)
+    : role_(role), time_(time), ring_(std::move(ring)), queue_(*WindowStats::make()) {}
 
 void LoadRecorder::begin_service() {
   std::lock_guard<std::mutex> lock(busy_mu_);
-  if (in_service_++ == 0) busy_since_ = std::chrono::steady_clock::now();
+  if (in_service_++ == 0) busy_since_ = time_.now();
 }
 
 void LoadRecorder::end_service() {
   std::lock_guard<std::mutex> lock(busy_mu_);
   if (in_service_ == 0) return;
   if (--in_service_ == 0) {
-    busy_ns_ += static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                          std::chrono::steady_clock::now() - busy_since_)
-                                          .count());
+    busy_ns_ += static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(time_.now() - busy_since_).count());
   }
 }
 
@@ -81,7 +83,7 @@ std::vector<protocol::LoadReport> LoadRecorder::close_window(uint32_t rank, uint
     // Occupied time of the window, including the part of a service period
     // still running (the rest goes to the next window).
     std::lock_guard<std::mutex> lock(busy_mu_);
-    const auto now = std::chrono::steady_clock::now();
+    const auto now = time_.now();
     if (in_service_ > 0) {
       busy_ns_ += static_cast<uint64_t>(
           std::chrono::duration_cast<std::chrono::nanoseconds>(now - busy_since_).count());

@@ -16,6 +16,7 @@
 #include <mutex>
 #include <vector>
 
+#include "base/clock.h"
 #include "lib/protocol/protocol.h"
 #include "lib/stats/load_ring.h"
 
@@ -45,7 +46,10 @@ class LoadRecorder {
   // 65,536 samples (1.5 MiB): several windows of traffic at full speed.
   static constexpr size_t kDefaultCapacity = size_t{1} << 16;
 
-  static Result<std::unique_ptr<LoadRecorder>> make(Role role, size_t capacity = kDefaultCapacity);
+  // `time` measures occupancy (a ManualClock in tests).
+  static Result<std::unique_ptr<LoadRecorder>> make(Role role,
+                                                    size_t capacity = kDefaultCapacity,
+                                                    TimeSource time = {});
 
   // Any thread, wait-free.
   void record(uint64_t subject, LoadMetric metric, double value) {
@@ -68,9 +72,10 @@ class LoadRecorder {
   uint64_t windows() const { return window_; }
 
  private:
-  LoadRecorder(Role role, std::unique_ptr<LoadRing<StatSample>> ring);
+  LoadRecorder(Role role, std::unique_ptr<LoadRing<StatSample>> ring, TimeSource time);
 
   const Role role_;
+  const TimeSource time_;
   std::unique_ptr<LoadRing<StatSample>> ring_;
   std::mutex busy_mu_;
   uint64_t in_service_ = 0;                           // guarded by busy_mu_

@@ -84,7 +84,10 @@ class LinkConnection final : public Connection {
 
 class LinkTransport final : public Transport, public Handler {
  public:
-  LinkTransport(const LinkOptions& link, Handler* user) : user_(user) { configure(link); }
+  LinkTransport(const LinkOptions& link, Handler* user, TimeSource time)
+      : user_(user), time_(time) {
+    configure(link);
+  }
   ~LinkTransport() override { shutdown(); }
 
   Status init(std::string_view inner, const TransportOptions& options) {
@@ -129,7 +132,7 @@ class LinkTransport final : public Transport, public Handler {
     std::vector<std::function<void()>> due;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      const auto now = Clock::now();
+      const auto now = time_.now();
       while (!queue_.empty() && queue_.begin()->first.first <= now) {
         due.push_back(std::move(queue_.begin()->second.fn));
         queue_.erase(queue_.begin());
@@ -145,9 +148,10 @@ class LinkTransport final : public Transport, public Handler {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!queue_.empty()) {
-        const auto until = queue_.begin()->first.first - Clock::now();
+        const auto until = queue_.begin()->first.first - time_.now();
         if (until <= Clock::duration::zero()) return;
-        limit = std::min(limit, std::chrono::ceil<std::chrono::milliseconds>(until));
+        limit =
+            std::min(limit, std::chrono::ceil<std::chrono::milliseconds>(time_.real_delay(until)));
       }
     }
     inner_->wait(limit);
@@ -176,7 +180,7 @@ class LinkTransport final : public Transport, public Handler {
   void egress(uint64_t bytes, std::function<void()> issue, std::shared_ptr<HeldCompletion> held) {
     std::lock_guard<std::mutex> lock(mu_);
     const auto at =
-        egress_.release(bytes + link_.per_op_overhead_bytes, Clock::now()) + link_.latency;
+        egress_.release(bytes + link_.per_op_overhead_bytes, time_.now()) + link_.latency;
     queue_.emplace(std::make_pair(at, seq_++), Action{std::move(issue), std::move(held)});
   }
 
@@ -198,7 +202,7 @@ class LinkTransport final : public Transport, public Handler {
     if (!wrapper) return;
     // After the data that arrived before it, never before.
     std::lock_guard<std::mutex> lock(mu_);
-    const auto at = ingress_.release(0, Clock::now());
+    const auto at = ingress_.release(0, time_.now());
     queue_.emplace(std::make_pair(at, seq_++), Action{[this, wrapper, why, conn] {
                                                         user_->on_disconnect(wrapper, why);
                                                         std::lock_guard<std::mutex> l(mu_);
@@ -210,7 +214,7 @@ class LinkTransport final : public Transport, public Handler {
  private:
   void ingress(uint64_t bytes, std::function<void()> fn) {
     std::lock_guard<std::mutex> lock(mu_);
-    const auto at = ingress_.release(bytes + link_.per_op_overhead_bytes, Clock::now());
+    const auto at = ingress_.release(bytes + link_.per_op_overhead_bytes, time_.now());
     queue_.emplace(std::make_pair(at, seq_++), Action{std::move(fn), nullptr});
   }
 
@@ -227,6 +231,7 @@ class LinkTransport final : public Transport, public Handler {
   }
 
   Handler* user_;
+  const TimeSource time_;
   std::unique_ptr<Transport> inner_;
   std::string name_;
   std::atomic<bool> shut_{false};
@@ -299,10 +304,11 @@ Status validate_link_options(const LinkOptions& link) {
 
 Result<std::unique_ptr<Transport>> create_emulated_link(std::string_view inner,
                                                         const TransportOptions& options,
-                                                        const LinkOptions& link, Handler* handler) {
+                                                        const LinkOptions& link, Handler* handler,
+                                                        TimeSource time) {
   if (handler == nullptr) return InvalidArgument("create_emulated_link needs a Handler");
   PSLD_RETURN_IF_ERROR(validate_link_options(link));
-  auto t = std::make_unique<LinkTransport>(link, handler);
+  auto t = std::make_unique<LinkTransport>(link, handler, time);
   PSLD_RETURN_IF_ERROR(t->init(inner, options));
   return std::unique_ptr<Transport>(std::move(t));
 }

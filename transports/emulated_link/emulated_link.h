@@ -14,6 +14,7 @@
 #include <memory>
 #include <string_view>
 
+#include "base/clock.h"
 #include "psld/status.h"
 #include "transports/transport.h"
 
@@ -34,10 +35,12 @@ struct LinkOptions {
 Status validate_link_options(const LinkOptions& link);
 
 // Creates the `inner` backend wrapped in an emulated link. The wrapper's
-// name() is "<inner>+link".
+// name() is "<inner>+link". The link's buckets and latency run on `time`
+// (a ManualClock in tests); the inner backend keeps the steady clock.
 Result<std::unique_ptr<Transport>> create_emulated_link(std::string_view inner,
                                                         const TransportOptions& options,
-                                                        const LinkOptions& link, Handler* handler);
+                                                        const LinkOptions& link, Handler* handler,
+                                                        TimeSource time = {});
 
 // Changes the link of a transport made by create_emulated_link while it runs
 // (a straggler that appears at round 200). InvalidArgument for any other
