@@ -33,6 +33,31 @@ MemorySupport Transport::memory_support(MemoryKind kind) const {
                       name(), kind == MemoryKind::kCuda ? "device" : memory_kind_name(kind))};
 }
 
+Status Connection::foreign_source() {
+  return InvalidArgument("write source is not a region registered with this transport");
+}
+
+Status Connection::foreign_target() {
+  return InvalidArgument("write target was not imported on this connection");
+}
+
+Status Connection::request_error(const WriteRequest& r) const {
+  if (r.local == nullptr || r.local->backend() != region_tag_) return foreign_source();
+  if (r.remote == nullptr || r.remote->backend() != remote_tag_) return foreign_target();
+  const uint64_t local = r.local->length(), remote = r.remote->length();
+  if (r.local_offset > local || r.length > local - r.local_offset) {
+    return OutOfRange(
+        fmt::format("write of {} bytes at offset {} exceeds the {}-byte source region", r.length,
+                    r.local_offset, local));
+  }
+  if (r.remote_offset > remote || r.length > remote - r.remote_offset) {
+    return OutOfRange(
+        fmt::format("write of {} bytes at offset {} exceeds the {}-byte remote region", r.length,
+                    r.remote_offset, remote));
+  }
+  return Status::Ok();
+}
+
 std::vector<std::string> available_transports() {
   std::vector<std::string> names{"loopback"};
 #if PSLD_HAVE_UCX

@@ -46,6 +46,9 @@ class Shaper {
 
 class LinkTransport;
 
+// Transport::backend() of the emulated link: how set_link tells its own.
+const char kLinkTransportTag = 'T';
+
 // Both shaped operations keep their completion in a shared slot: it is
 // called exactly once, by the inner transport once issued, or with Aborted if
 // the transport shuts down while the shaper still holds the operation.
@@ -60,8 +63,11 @@ struct HeldCompletion {
 
 class LinkConnection final : public Connection {
  public:
+  // The regions it writes are the inner transport's, with their tags.
   LinkConnection(LinkTransport* owner, ConnectionPtr inner)
-      : owner_(owner), inner_(std::move(inner)) {}
+      : Connection(inner->region_tag(), inner->remote_tag()),
+        owner_(owner),
+        inner_(std::move(inner)) {}
 
   uint64_t id() const override { return inner_->id(); }
   std::string peer() const override { return inner_->peer(); }
@@ -70,12 +76,14 @@ class LinkConnection final : public Connection {
   Result<std::shared_ptr<RemoteRegion>> import_region(std::span<const uint8_t> key) override {
     return inner_->import_region(key);
   }
-  Status check_write(const WriteRequest& req) const override { return inner_->check_write(req); }
-  Status write(const WriteRequest& req, Completion done) override;
   Status send(std::span<const uint8_t> message, Completion done) override;
   void close() override { inner_->close(); }
 
   const ConnectionPtr& inner() const { return inner_; }
+
+ protected:
+  Status check_backend(const WriteRequest& req) const override { return inner_->check_write(req); }
+  Status start_write(const WriteRequest& req, Completion done) override;
 
  private:
   LinkTransport* owner_;
@@ -84,7 +92,10 @@ class LinkConnection final : public Connection {
 
 class LinkTransport final : public Transport, public Handler {
  public:
-  LinkTransport(const LinkOptions& link, Handler* user) : user_(user) { configure(link); }
+  LinkTransport(const LinkOptions& link, Handler* user)
+      : Transport(&kLinkTransportTag), user_(user) {
+    configure(link);
+  }
   ~LinkTransport() override { shutdown(); }
 
   Status init(std::string_view inner, const TransportOptions& options) {
@@ -244,8 +255,8 @@ class LinkTransport final : public Transport, public Handler {
   std::map<uint64_t, std::shared_ptr<LinkConnection>> conns_;
 };
 
-Status LinkConnection::write(const WriteRequest& req, Completion done) {
-  PSLD_RETURN_IF_ERROR(inner_->check_write(req));
+Status LinkConnection::start_write(const WriteRequest& req, Completion done) {
+  PSLD_RETURN_IF_ERROR(check_backend(req));
   auto held = std::make_shared<HeldCompletion>();
   held->done = std::move(done);
   ConnectionPtr inner = inner_;
@@ -308,18 +319,17 @@ Result<std::unique_ptr<Transport>> create_emulated_link(std::string_view inner,
 }
 
 Status set_link(Transport& transport, const LinkOptions& link) {
-  auto* t = dynamic_cast<LinkTransport*>(&transport);
-  if (t == nullptr) {
+  if (transport.backend() != &kLinkTransportTag) {
     return InvalidArgument(fmt::format("transport '{}' is not an emulated link", transport.name()));
   }
   PSLD_RETURN_IF_ERROR(validate_link_options(link));
-  t->configure(link);
+  static_cast<LinkTransport&>(transport).configure(link);
   return Status::Ok();
 }
 
 LinkOptions get_link(const Transport& transport) {
-  auto* t = dynamic_cast<const LinkTransport*>(&transport);
-  return t ? t->link() : LinkOptions{};
+  if (transport.backend() != &kLinkTransportTag) return LinkOptions{};
+  return static_cast<const LinkTransport&>(transport).link();
 }
 
 }  // namespace psld::transport

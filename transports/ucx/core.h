@@ -328,11 +328,13 @@ struct UcxContext {
 };
 
 // MemoryRegion::backend() and RemoteRegion::backend() of this backend's
-// regions: check_write tells its own regions by these, not by dynamic_cast
-// (two of them were ~10% of a shared-memory write). One object each for all
-// the backend's files, hidden so that taking its address needs no GOT load.
+// regions: Connection::write tells its own regions by these, not by
+// dynamic_cast (two of them were ~10% of a shared-memory write). One object
+// each for all the backend's files, hidden so that taking its address needs
+// no GOT load. Transport::backend() of its transports, likewise.
 PSLD_UCX_HIDDEN inline const char kUcxRegionTag = 'L';
 PSLD_UCX_HIDDEN inline const char kUcxRemoteRegionTag = 'R';
+PSLD_UCX_HIDDEN inline const char kUcxTransportTag = 'T';
 
 class UcxRegion final : public MemoryRegion, public std::enable_shared_from_this<UcxRegion> {
  public:
@@ -469,7 +471,11 @@ struct TxRing {
 class UcxConnection final : public Connection, public std::enable_shared_from_this<UcxConnection> {
  public:
   UcxConnection(UcxCore* core, std::weak_ptr<UcxCore> weak_core, bool client, std::string peer)
-      : core_(std::move(weak_core)), core_raw_(core), client_(client), peer_(std::move(peer)) {}
+      : Connection(&kUcxRegionTag, &kUcxRemoteRegionTag),
+        core_(std::move(weak_core)),
+        core_raw_(core),
+        client_(client),
+        peer_(std::move(peer)) {}
 
   uint64_t id() const override { return id_; }
   std::string peer() const override { return peer_; }
@@ -485,8 +491,6 @@ class UcxConnection final : public Connection, public std::enable_shared_from_th
     return "pending (handshake not finished)";
   }
   Result<std::shared_ptr<RemoteRegion>> import_region(std::span<const uint8_t> key) override;
-  Status check_write(const WriteRequest& request) const override;
-  Status write(const WriteRequest& request, Completion done) override;
   Status send(std::span<const uint8_t> message, Completion done) override;
   void close() override;
   bool is_open() const override { return open_.load(); }
@@ -496,6 +500,10 @@ class UcxConnection final : public Connection, public std::enable_shared_from_th
     uint64_t op_id;
     WriteHeader header;
   };
+
+ protected:
+  Status check_backend(const WriteRequest& request) const override;
+  Status start_write(const WriteRequest& request, Completion done) override;
 
  private:
   friend class UcxCore;
@@ -525,7 +533,7 @@ class UcxConnection final : public Connection, public std::enable_shared_from_th
   State state_ = State::kHandshake;
   ucp_ep_h ep_ = nullptr;
   // The peer transport's instance, from the handshake (0 before): the
-  // exporter every imported key must name. Atomic: check_write reads it
+  // exporter every imported key must name. Atomic: check_backend reads it
   // without mu_.
   std::atomic<uint64_t> peer_instance_{0};
   RmaKind rma_ = RmaKind::kEmulated;
@@ -682,7 +690,9 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   // Connection
   Result<std::shared_ptr<RemoteRegion>> import_region(UcxConnection& conn,
                                                       std::span<const uint8_t> key);
-  Status check_write(const UcxConnection& conn, const WriteRequest& req) const;
+  // The backend's checks of a write (Connection::check_backend); the request
+  // passed Connection::write's.
+  Status check_backend(const UcxConnection& conn, const WriteRequest& req) const;
   Status write(UcxConnection& conn, const WriteRequest& req, Completion done);
   Status send(UcxConnection& conn, std::span<const uint8_t> message, Completion done);
   void close_connection(UcxConnection& conn);

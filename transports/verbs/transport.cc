@@ -177,13 +177,13 @@ Result<std::shared_ptr<RemoteRegion>> VerbsConnection::import_region(std::span<c
   return core->import_region(*this, key);
 }
 
-Status VerbsConnection::check_write(const WriteRequest& request) const {
+Status VerbsConnection::check_backend(const WriteRequest& request) const {
   auto core = core_.lock();
   if (!core) return Unavailable("verbs transport is gone");
-  return core->check_write(*this, request);
+  return core->check_backend(*this, request);
 }
 
-Status VerbsConnection::write(const WriteRequest& request, Completion done) {
+Status VerbsConnection::start_write(const WriteRequest& request, Completion done) {
   auto core = core_.lock();
   if (!core) return Unavailable("verbs transport is gone");
   return core->write(*this, request, std::move(done));
