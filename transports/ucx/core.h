@@ -141,27 +141,8 @@ struct MappedAllocation {
 // calls to them stay direct, as when all of this was local to one file.
 #pragma GCC visibility push(hidden)
 
-// Little-endian fields of `n` bytes (at most 8). On a little-endian host
-// these are single unaligned moves: the byte loops they replace were not
-// merged by the compiler and cost ~10 ns per ring record on each side.
-inline void store_le(uint8_t* p, uint64_t v, size_t n) {
-  if constexpr (std::endian::native == std::endian::little) {
-    std::memcpy(p, &v, n);
-  } else {
-    for (size_t i = 0; i < n; ++i)
-      p[i] = static_cast<uint8_t>(v >> (8 * i));
-  }
-}
-inline uint64_t load_le(const uint8_t* p, size_t n) {
-  uint64_t v = 0;
-  if constexpr (std::endian::native == std::endian::little) {
-    std::memcpy(&v, p, n);
-  } else {
-    for (size_t i = 0; i < n; ++i)
-      v |= static_cast<uint64_t>(p[i]) << (8 * i);
-  }
-  return v;
-}
+// The WriteHeader as it lies in an active message's header, a notification
+// batch and a ring record (store_le and load_le: base/wire.h).
 inline void encode_header(const WriteHeader& h, uint8_t* p) {
   store_le(p, h.region, 8);
   store_le(p + 8, h.secret, 8);
