@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include "transports/common/forwarding_transport.h"
+
 namespace psld::transport {
 namespace {
 
@@ -90,10 +92,10 @@ class LinkConnection final : public Connection {
   ConnectionPtr inner_;
 };
 
-class LinkTransport final : public Transport, public Handler {
+class LinkTransport final : public ForwardingTransport<std::unique_ptr<Transport>>, public Handler {
  public:
   LinkTransport(const LinkOptions& link, Handler* user)
-      : Transport(&kLinkTransportTag), user_(user) {
+      : ForwardingTransport(&kLinkTransportTag, nullptr), user_(user) {
     configure(link);
   }
   ~LinkTransport() override { shutdown(); }
@@ -116,24 +118,11 @@ class LinkTransport final : public Transport, public Handler {
   }
 
   std::string_view name() const override { return name_; }
-  std::vector<uint8_t> address() const override { return inner_->address(); }
-  MemorySupport memory_support(MemoryKind kind) const override {
-    return inner_->memory_support(kind);
-  }
 
   Result<ConnectionPtr> connect(std::span<const uint8_t> peer_address) override {
     PSLD_ASSIGN_OR_RETURN(ConnectionPtr inner, inner_->connect(peer_address));
     return ConnectionPtr(wrap(inner));
   }
-
-  Result<std::shared_ptr<MemoryRegion>> register_memory(void* data, size_t length,
-                                                        MemoryKind kind) override {
-    return inner_->register_memory(data, length, kind);
-  }
-  Result<std::shared_ptr<MemoryRegion>> allocate_memory(size_t length, MemoryKind kind) override {
-    return inner_->allocate_memory(length, kind);
-  }
-  Status invalidate(void* data, size_t length) override { return inner_->invalidate(data, length); }
 
   size_t progress() override {
     size_t n = inner_->progress();
@@ -163,7 +152,6 @@ class LinkTransport final : public Transport, public Handler {
     }
     inner_->wait(limit);
   }
-  void wake() override { inner_->wake(); }
 
   void shutdown() override {
     if (shut_.exchange(true)) return;
@@ -238,7 +226,8 @@ class LinkTransport final : public Transport, public Handler {
   }
 
   Handler* user_;
-  std::unique_ptr<Transport> inner_;
+  // The wrapped transport (ForwardingTransport's target), set by init().
+  std::unique_ptr<Transport>& inner_ = target_;
   std::string name_;
   std::atomic<bool> shut_{false};
 

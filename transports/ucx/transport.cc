@@ -5,6 +5,8 @@
 
 #include <thread>
 
+#include "transports/common/forwarding_transport.h"
+
 namespace psld::transport {
 
 namespace ucx_detail {
@@ -148,28 +150,13 @@ void UcxConnection::close() {
 
 // ---------------------------------------------------------------------------
 
-class UcxTransport final : public Transport {
+class UcxTransport final : public ForwardingTransport<std::shared_ptr<UcxCore>> {
  public:
   explicit UcxTransport(std::shared_ptr<UcxCore> core)
-      : Transport(&kUcxTransportTag), core_(std::move(core)) {}
-  ~UcxTransport() override { core_->shutdown(); }
+      : ForwardingTransport(&kUcxTransportTag, std::move(core)) {}
+  ~UcxTransport() override { shutdown(); }
 
   std::string_view name() const override { return "ucx"; }
-  MemorySupport memory_support(MemoryKind kind) const override {
-    return core_->memory_support(kind);
-  }
-  std::vector<uint8_t> address() const override { return core_->address(); }
-  Result<ConnectionPtr> connect(std::span<const uint8_t> peer_address) override {
-    return core_->connect(peer_address);
-  }
-  Result<std::shared_ptr<MemoryRegion>> register_memory(void* data, size_t length,
-                                                        MemoryKind kind) override {
-    return core_->register_memory(data, length, kind);
-  }
-  Result<std::shared_ptr<MemoryRegion>> allocate_memory(size_t length, MemoryKind kind) override {
-    return core_->allocate_memory(length, kind);
-  }
-  Status invalidate(void* data, size_t length) override { return core_->invalidate(data, length); }
   const uint8_t* local_view(const RemoteRegion& remote) const override {
     // Host memory the peer allocated and this process mapped (shared memory
     // on one host); device memory is never read by this process's CPU.
@@ -178,15 +165,8 @@ class UcxTransport final : public Transport {
     if (!r.mapped() || r.kind() != MemoryKind::kHost) return nullptr;
     return r.mapped_base();
   }
-  size_t progress() override { return core_->progress(); }
-  void wait(std::chrono::milliseconds timeout) override { core_->wait(timeout); }
-  void wake() override { core_->wake(); }
-  void shutdown() override { core_->shutdown(); }
 
-  const UcxCore& core() const { return *core_; }
-
- private:
-  std::shared_ptr<UcxCore> core_;
+  const UcxCore& core() const { return *target_; }
 };
 
 Result<std::unique_ptr<Transport>> create_ucx_transport(const TransportOptions& options,
