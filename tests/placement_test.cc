@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <bit>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -573,6 +574,70 @@ TEST(PlacementChanges, RejectBadInputAndLeaveTheOldEpochAlone) {
   ASSERT_TRUE(p.isolate_key(5).ok());
   EXPECT_EQ(p.serialize(), bytes);
   EXPECT_EQ(p.epoch(), 0u);
+}
+
+// ---- Byte layout ----------------------------------------------------------------
+
+// The layouts in placement.cc, byte by byte, built here without the codec
+// that serialize() uses, so that a change of codec cannot change the bytes.
+void append_le(std::vector<uint8_t>& out, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i)
+    out.push_back(static_cast<uint8_t>(v >> (8 * i)));
+}
+void append_checksum(std::vector<uint8_t>& out) {
+  append_le(out, fnv1a64(out), 8);
+}
+
+TEST(PlacementLayout, DeltaBytesAreTheDocumentedLayout) {
+  PlacementDelta d;
+  d.from_epoch = 1;
+  d.to_epoch = 2;
+  d.membership = {MembershipChange::add({7, 1.5}, ServerState::kDraining),
+                  MembershipChange::remove(9)};
+  d.assignments = {{0x10, 0x20, 7}};
+  const std::vector<uint8_t> expected_head = {
+      0x50, 0x53, 0x4c, 0x44,                          // "PSLD"
+      0x01, 0x00, 0x00, 0x00,                          // version 1, reserved
+      0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // from_epoch
+      0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // to_epoch
+      0x02, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // 2 changes, 1 assignment
+      0x01, 0x01, 0x00, 0x00, 0x07, 0x00, 0x00, 0x00,  // add, draining, id 7
+      0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0xf8, 0x3f,  // weight 1.5
+      0x03, 0x00, 0x00, 0x00, 0x09, 0x00, 0x00, 0x00,  // remove id 9: no state
+      0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // and no weight
+      0x10, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // lo
+      0x20, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // hi
+      0x07, 0x00, 0x00, 0x00,                          // owner
+  };
+  std::vector<uint8_t> expected = expected_head;
+  append_checksum(expected);
+  EXPECT_EQ(d.serialize(), expected);
+}
+
+TEST(PlacementLayout, PlacementBytesAreTheDocumentedLayout) {
+  ASSERT_OK_AND_ASSIGN(Placement p, Placement::initial({{3, 2.0}, {5, 0.5}}, 2));
+  std::vector<uint8_t> expected;
+  append_le(expected, 0x504c5350, 4);  // "PSLP"
+  append_le(expected, 1, 2);
+  append_le(expected, 0, 2);
+  append_le(expected, p.epoch(), 8);
+  append_le(expected, p.servers().size(), 4);
+  append_le(expected, p.num_arcs(), 4);
+  for (const ServerInfo& s : p.servers()) {
+    append_le(expected, s.id, 4);
+    append_le(expected, static_cast<uint8_t>(s.state), 1);
+    append_le(expected, 0, 3);
+    append_le(expected, std::bit_cast<uint64_t>(s.weight), 8);
+  }
+  for (size_t i = 0; i < p.num_arcs(); ++i) {
+    append_le(expected, p.arc(i).hi, 8);
+    append_le(expected, p.arc(i).owner, 4);
+  }
+  append_checksum(expected);
+  const std::vector<uint8_t> bytes = p.serialize();
+  EXPECT_EQ(bytes, expected);
+  ASSERT_OK_AND_ASSIGN(Placement back, Placement::deserialize(bytes));
+  EXPECT_EQ(back.serialize(), bytes);
 }
 
 // ---- Deltas -------------------------------------------------------------------

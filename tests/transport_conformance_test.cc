@@ -107,6 +107,25 @@ class Conformance : public ::testing::TestWithParam<Backend> {
     return server_rec_.accepted.empty() ? nullptr : server_rec_.accepted.back();
   }
 
+  // A 4096-byte source the client registered and a 1024-byte target the
+  // server allocated, imported on `conn`: what the bad-write tests write with.
+  struct WriteRegions {
+    std::vector<uint8_t> src_buf = std::vector<uint8_t>(4096, 1);
+    std::shared_ptr<MemoryRegion> src, dst;
+    std::shared_ptr<RemoteRegion> remote;
+  };
+  void make_write_regions(const ConnectionPtr& conn, WriteRegions* w) {
+    auto src = client_->register_memory(w->src_buf.data(), w->src_buf.size(), MemoryKind::kHost);
+    ASSERT_TRUE(src.ok());
+    w->src = *src;
+    auto dst = server_->allocate_memory(1024, MemoryKind::kHost);
+    ASSERT_TRUE(dst.ok());
+    w->dst = *dst;
+    auto remote = conn->import_region(w->dst->remote_key());
+    ASSERT_TRUE(remote.ok());
+    w->remote = *remote;
+  }
+
   std::chrono::milliseconds op_timeout_ = 20s;
   std::shared_ptr<LoopbackFabric> fabric_;
   Recorder server_rec_, client_rec_;
@@ -359,38 +378,33 @@ TEST_P(Conformance, BadWritesFailLocallyAndNeverReachThePeer) {
   ConnectionPtr other = connect();
   ASSERT_NE(conn, nullptr);
   ASSERT_NE(other, nullptr);
-  std::vector<uint8_t> src_buf(4096, 1);
-  auto src = client_->register_memory(src_buf.data(), src_buf.size(), MemoryKind::kHost);
-  ASSERT_TRUE(src.ok());
-  auto dst = server_->allocate_memory(1024, MemoryKind::kHost);
-  ASSERT_TRUE(dst.ok());
-  auto remote = conn->import_region((*dst)->remote_key());
-  ASSERT_TRUE(remote.ok());
-  auto remote_other = other->import_region((*dst)->remote_key());
+  WriteRegions w;
+  ASSERT_NO_FATAL_FAILURE(make_write_regions(conn, &w));
+  auto remote_other = other->import_region(w.dst->remote_key());
   ASSERT_TRUE(remote_other.ok());
 
   int callbacks = 0;
   auto count = [&](Status) { ++callbacks; };
   // Past the end of the remote region, and overflowing offsets.
-  EXPECT_EQ(conn->write({src->get(), 0, remote->get(), 1000, 25, 1}, count).code(),
+  EXPECT_EQ(conn->write({w.src.get(), 0, w.remote.get(), 1000, 25, 1}, count).code(),
             StatusCode::kOutOfRange);
-  EXPECT_EQ(conn->write({src->get(), 0, remote->get(), UINT64_MAX, 2, 1}, count).code(),
+  EXPECT_EQ(conn->write({w.src.get(), 0, w.remote.get(), UINT64_MAX, 2, 1}, count).code(),
             StatusCode::kOutOfRange);
   // Past the end of the local region.
-  EXPECT_EQ(conn->write({src->get(), 4000, remote->get(), 0, 100, 1}, count).code(),
+  EXPECT_EQ(conn->write({w.src.get(), 4000, w.remote.get(), 0, 100, 1}, count).code(),
             StatusCode::kOutOfRange);
   // A remote region imported on another connection.
-  EXPECT_EQ(conn->write({src->get(), 0, remote_other->get(), 0, 8, 1}, count).code(),
+  EXPECT_EQ(conn->write({w.src.get(), 0, remote_other->get(), 0, 8, 1}, count).code(),
             StatusCode::kInvalidArgument);
   // A local region that belongs to another transport.
   std::vector<uint8_t> foreign_buf(64);
   auto foreign =
       server_->register_memory(foreign_buf.data(), foreign_buf.size(), MemoryKind::kHost);
   ASSERT_TRUE(foreign.ok());
-  EXPECT_EQ(conn->write({foreign->get(), 0, remote->get(), 0, 8, 1}, count).code(),
+  EXPECT_EQ(conn->write({foreign->get(), 0, w.remote.get(), 0, 8, 1}, count).code(),
             StatusCode::kInvalidArgument);
   // Malformed and truncated keys.
-  std::vector<uint8_t> key((*dst)->remote_key().begin(), (*dst)->remote_key().end());
+  std::vector<uint8_t> key(w.dst->remote_key().begin(), w.dst->remote_key().end());
   EXPECT_FALSE(conn->import_region(std::span<const uint8_t>(key.data(), key.size() / 2)).ok());
   EXPECT_FALSE(conn->import_region({}).ok());
   std::vector<uint8_t> garbage(key.size(), 0xab);
@@ -404,8 +418,102 @@ TEST_P(Conformance, BadWritesFailLocallyAndNeverReachThePeer) {
   // The connection still works.
   bool ok = false;
   ASSERT_TRUE(
-      conn->write({src->get(), 0, remote->get(), 0, 1024, 9}, [&](Status s) { ok = s.ok(); }).ok());
+      conn->write({w.src.get(), 0, w.remote.get(), 0, 1024, 9}, [&](Status s) { ok = s.ok(); })
+          .ok());
   ASSERT_TRUE(pump(both(), [&] { return ok && server_rec_.num_writes() == 1; }));
+}
+
+// Regions no backend made (their backend() tag is null), as a caller could
+// pass by mistake.
+class AlienRegion final : public MemoryRegion {
+ public:
+  AlienRegion(uint8_t* data, size_t length) : MemoryRegion(data, length, MemoryKind::kHost, 1) {}
+};
+class AlienRemoteRegion final : public RemoteRegion {
+ public:
+  explicit AlienRemoteRegion(size_t length) : RemoteRegion(length, 1) {}
+};
+
+// Connection::write checks a request once for every backend: each bad case
+// fails with the same code and message everywhere, through write() and
+// check_write() alike, and never calls the completion.
+TEST_P(Conformance, EachBadRequestFailsTheSameWayOnEveryBackend) {
+  ConnectionPtr conn = connect();
+  ASSERT_NE(conn, nullptr);
+  WriteRegions w;
+  ASSERT_NO_FATAL_FAILURE(make_write_regions(conn, &w));
+  AlienRegion alien(w.src_buf.data(), w.src_buf.size());
+  AlienRemoteRegion alien_remote(1024);
+
+  const MemoryRegion* l = w.src.get();
+  const RemoteRegion* r = w.remote.get();
+  struct Case {
+    const char* what;
+    WriteRequest request;
+    StatusCode code;
+    std::string message;
+  };
+  const std::string not_source = "write source is not a region registered with this transport";
+  const std::string not_target = "write target was not imported on this connection";
+  const std::vector<Case> cases = {
+      {"no source", {nullptr, 0, r, 0, 8, 1}, StatusCode::kInvalidArgument, not_source},
+      {"no target", {l, 0, nullptr, 0, 8, 1}, StatusCode::kInvalidArgument, not_target},
+      {"source of no backend", {&alien, 0, r, 0, 8, 1}, StatusCode::kInvalidArgument, not_source},
+      {"target of no backend",
+       {l, 0, &alien_remote, 0, 8, 1},
+       StatusCode::kInvalidArgument,
+       not_target},
+      {"past the source's end",
+       {l, 4000, r, 0, 100, 1},
+       StatusCode::kOutOfRange,
+       "write of 100 bytes at offset 4000 exceeds the 4096-byte source region"},
+      {"source offset past the end",
+       {l, 4097, r, 0, 0, 1},
+       StatusCode::kOutOfRange,
+       "write of 0 bytes at offset 4097 exceeds the 4096-byte source region"},
+      {"source offset overflowing",
+       {l, UINT64_MAX, r, 0, 2, 1},
+       StatusCode::kOutOfRange,
+       "write of 2 bytes at offset 18446744073709551615 exceeds the 4096-byte source region"},
+      {"length overflowing",
+       {l, 8, r, 0, UINT64_MAX - 4, 1},
+       StatusCode::kOutOfRange,
+       "write of 18446744073709551611 bytes at offset 8 exceeds the 4096-byte source region"},
+      {"past the target's end",
+       {l, 0, r, 1000, 25, 1},
+       StatusCode::kOutOfRange,
+       "write of 25 bytes at offset 1000 exceeds the 1024-byte remote region"},
+      {"target offset overflowing",
+       {l, 0, r, UINT64_MAX, 2, 1},
+       StatusCode::kOutOfRange,
+       "write of 2 bytes at offset 18446744073709551615 exceeds the 1024-byte remote region"},
+  };
+  int callbacks = 0;
+  for (const Case& c : cases) {
+    Status checked = conn->check_write(c.request);
+    EXPECT_EQ(checked.code(), c.code) << c.what << ": " << checked.to_string();
+    EXPECT_EQ(checked.message(), c.message) << c.what;
+    Status written = conn->write(c.request, [&](Status) { ++callbacks; });
+    EXPECT_EQ(written.code(), c.code) << c.what << ": " << written.to_string();
+    EXPECT_EQ(written.message(), c.message) << c.what;
+  }
+  pump_for(both(), 50ms);
+  EXPECT_EQ(callbacks, 0) << "a rejected write must not call its completion";
+  EXPECT_EQ(server_rec_.num_writes(), 0u);
+  EXPECT_TRUE(conn->is_open());
+
+  // Zero bytes at the very end of both regions fit.
+  bool ok = false;
+  ASSERT_TRUE(conn->write({l, 4096, r, 1024, 0, 7}, [&](Status s) { ok = s.ok(); }).ok());
+  ASSERT_TRUE(pump(both(), [&] { return ok && server_rec_.num_writes() == 1; }));
+
+  // A request that fits, on a closed connection.
+  conn->close();
+  EXPECT_EQ(conn->check_write({l, 0, r, 0, 8, 1}).code(), StatusCode::kUnavailable);
+  EXPECT_EQ(conn->write({l, 0, r, 0, 8, 1}, [&](Status) { ++callbacks; }).code(),
+            StatusCode::kUnavailable);
+  pump_for(both(), 20ms);
+  EXPECT_EQ(callbacks, 0);
 }
 
 TEST_P(Conformance, CloseTellsThePeerAndLaterCallsFail) {

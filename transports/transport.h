@@ -139,11 +139,25 @@ class Connection {
   // transport or connection (InvalidArgument), or the connection is closed
   // (Unavailable). Otherwise `done` is called exactly once: Ok when the source
   // may be reused (the bytes left it), or the failure.
-  virtual Status write(const WriteRequest& request, Completion done) = 0;
+  //
+  // The checks every backend needs are made here, once, before the backend
+  // sees the request: both regions are present and the backend's own (by
+  // their backend() tags), and the write lies inside both, without overflow.
+  // They come before the backend's own (check_backend), so a request that is
+  // wrong in several ways fails the same way on every backend.
+  Status write(const WriteRequest& request, Completion done) {
+    if (!fits(request)) [[unlikely]]
+      return request_error(request);
+    return start_write(request, std::move(done));
+  }
 
   // The checks write() makes before sending anything, without sending: the
   // emulated link uses it to reject a bad write before it queues it.
-  virtual Status check_write(const WriteRequest& request) const = 0;
+  Status check_write(const WriteRequest& request) const {
+    if (!fits(request)) [[unlikely]]
+      return request_error(request);
+    return check_backend(request);
+  }
 
   // Sends a control message of at most kMaxMessageBytes; the bytes are copied
   // before send() returns. `done` may be empty.
@@ -152,6 +166,50 @@ class Connection {
   // Fails every pending operation with Aborted and tells the peer. Idempotent.
   virtual void close() = 0;
   virtual bool is_open() const = 0;
+
+  // The MemoryRegion::backend() and RemoteRegion::backend() of the regions
+  // this connection writes from and into.
+  const void* region_tag() const { return region_tag_; }
+  const void* remote_tag() const { return remote_tag_; }
+
+  // What write() answers for a source or target that is not the backend's:
+  // for backends that find it out themselves (another transport's region of
+  // the same backend).
+  static Status foreign_source();
+  static Status foreign_target();
+
+ protected:
+  // The tags the backend gives its regions (non-null, one address each).
+  Connection(const void* region_tag, const void* remote_tag)
+      : region_tag_(region_tag), remote_tag_(remote_tag) {}
+
+  // What only the backend can check, after the checks of write(): that the
+  // connection is open and its transport up, that the regions belong to this
+  // transport and were imported on this connection, and any limit of its own.
+  // The regions carry the backend's tags here, so a static_cast to its
+  // region classes is safe. check_write() calls it; start_write() makes the
+  // same checks itself, where they hold for the write it starts (under the
+  // backend's lock), so that a write pays for them once.
+  virtual Status check_backend(const WriteRequest& request) const = 0;
+
+  // Starts a write that passed the checks of write(); the contract is
+  // write()'s.
+  virtual Status start_write(const WriteRequest& request, Completion done) = 0;
+
+ private:
+  // No allocation and no formatting: this runs on every write.
+  bool fits(const WriteRequest& r) const {
+    return r.local != nullptr && r.local->backend() == region_tag_ && r.remote != nullptr &&
+           r.remote->backend() == remote_tag_ && r.local_offset <= r.local->length() &&
+           r.length <= r.local->length() - r.local_offset &&
+           r.remote_offset <= r.remote->length() &&
+           r.length <= r.remote->length() - r.remote_offset;
+  }
+  // Which check failed, and its message; out of line, off the write path.
+  Status request_error(const WriteRequest& r) const;
+
+  const void* const region_tag_;
+  const void* const remote_tag_;
 };
 
 using ConnectionPtr = std::shared_ptr<Connection>;
@@ -196,6 +254,9 @@ class Transport {
   virtual ~Transport() = default;
 
   virtual std::string_view name() const = 0;
+  // As MemoryRegion::backend(), for the backend's own functions that take a
+  // Transport (ucx_counters, set_link); null if the backend sets none.
+  const void* backend() const { return backend_; }
 
   // What register_memory/allocate_memory do with `kind` in this process,
   // decided when the transport started. The default: host memory only.
@@ -248,6 +309,12 @@ class Transport {
   // Closes every connection and stops listening. Pending operations fail with
   // Aborted. Idempotent; the destructor calls it.
   virtual void shutdown() = 0;
+
+ protected:
+  explicit Transport(const void* backend = nullptr) : backend_(backend) {}
+
+ private:
+  const void* backend_;
 };
 
 // Backend-specific options; each backend reads only its own.

@@ -11,6 +11,8 @@
 
 #include <fmt/format.h>
 
+#include "base/wire.h"
+
 namespace psld {
 namespace {
 
@@ -56,58 +58,10 @@ constexpr size_t kChecksumBytes = 8;
 constexpr size_t kMaxDeltaChanges = Placement::kMaxServers;
 constexpr size_t kMaxDeltaAssignments = Placement::kMaxArcs;
 
-class Writer {
- public:
-  explicit Writer(size_t bytes) { out_.reserve(bytes); }
-  void u8(uint8_t v) { out_.push_back(v); }
-  void u16(uint16_t v) { put(v, 2); }
-  void u32(uint32_t v) { put(v, 4); }
-  void u64(uint64_t v) { put(v, 8); }
-  void f64(double v) { u64(std::bit_cast<uint64_t>(v)); }
-  std::vector<uint8_t> finish() && {
-    u64(fnv1a64(out_));
-    return std::move(out_);
-  }
-
- private:
-  void put(uint64_t v, int bytes) {
-    for (int i = 0; i < bytes; ++i)
-      out_.push_back(static_cast<uint8_t>(v >> (8 * i)));
-  }
-  std::vector<uint8_t> out_;
-};
-
-// Reads fields in order. The callers check the buffer's length against its
-// counts before reading entries; past the end it reads zeros rather than
-// trusting that.
-class Reader {
- public:
-  explicit Reader(std::span<const uint8_t> bytes) : bytes_(bytes) {}
-  uint8_t u8() { return static_cast<uint8_t>(get(1)); }
-  uint16_t u16() { return static_cast<uint16_t>(get(2)); }
-  uint32_t u32() { return static_cast<uint32_t>(get(4)); }
-  uint64_t u64() { return get(8); }
-  double f64() { return std::bit_cast<double>(get(8)); }
-
- private:
-  uint64_t get(size_t n) {
-    uint64_t v = 0;
-    if (pos_ + n <= bytes_.size()) {
-      for (size_t i = 0; i < n; ++i)
-        v |= static_cast<uint64_t>(bytes_[pos_ + i]) << (8 * i);
-    }
-    pos_ += n;
-    return v;
-  }
-  std::span<const uint8_t> bytes_;
-  size_t pos_ = 0;
-};
-
-uint64_t load_u64(std::span<const uint8_t> bytes) {
-  uint64_t v = 0;
-  for (size_t i = 0; i < 8; ++i)
-    v |= static_cast<uint64_t>(bytes[i]) << (8 * i);
-  return v;
+// Appends the checksum of everything written so far.
+std::vector<uint8_t> finish(WireWriter& w) {
+  w.u64(fnv1a64(w.data()));
+  return w.take();
 }
 
 // The checks both formats share, in the order that gives the clearest message:
@@ -120,7 +74,7 @@ Status check_envelope(std::span<const uint8_t> bytes, uint32_t magic, size_t hea
         fmt::format("a serialized {} is at least {} bytes, this buffer has {}: truncated", what,
                     header_bytes + kChecksumBytes, bytes.size()));
   }
-  Reader r(bytes);
+  WireReader r(bytes);
   const uint32_t got_magic = r.u32();
   if (got_magic != magic) {
     return DataLoss(fmt::format("not a serialized {}: magic is {:#010x}, expected {:#010x}", what,
@@ -143,7 +97,7 @@ Status check_length_and_checksum(std::span<const uint8_t> bytes, uint64_t expect
                                 counts, expected, bytes.size()));
   }
   const auto payload = bytes.first(bytes.size() - kChecksumBytes);
-  const uint64_t stored = load_u64(bytes.last(kChecksumBytes));
+  const uint64_t stored = WireReader(bytes.last(kChecksumBytes)).u64();
   const uint64_t computed = fnv1a64(payload);
   if (stored != computed) {
     return DataLoss(
@@ -317,8 +271,8 @@ MembershipChange MembershipChange::remove(ServerId id) {
 // ---- PlacementDelta ----------------------------------------------------------
 
 std::vector<uint8_t> PlacementDelta::serialize() const {
-  Writer w(kDeltaHeaderBytes + kChangeBytes * membership.size() +
-           kAssignmentBytes * assignments.size() + kChecksumBytes);
+  WireWriter w(kDeltaHeaderBytes + kChangeBytes * membership.size() +
+               kAssignmentBytes * assignments.size() + kChecksumBytes);
   w.u32(kDeltaMagic);
   w.u16(kFormatVersion);
   w.u16(0);
@@ -342,12 +296,12 @@ std::vector<uint8_t> PlacementDelta::serialize() const {
     w.u64(a.hi);
     w.u32(a.owner);
   }
-  return std::move(w).finish();
+  return finish(w);
 }
 
 Result<PlacementDelta> PlacementDelta::deserialize(std::span<const uint8_t> bytes) {
   PSLD_RETURN_IF_ERROR(check_envelope(bytes, kDeltaMagic, kDeltaHeaderBytes, "placement delta"));
-  Reader r(bytes.subspan(8));
+  WireReader r(bytes.subspan(8));
   PlacementDelta d;
   d.from_epoch = r.u64();
   d.to_epoch = r.u64();
@@ -366,7 +320,7 @@ Result<PlacementDelta> PlacementDelta::deserialize(std::span<const uint8_t> byte
       bytes, expected, "placement delta",
       fmt::format("{} changes and {} assignments", num_changes, num_assignments)));
 
-  r = Reader(bytes.subspan(kDeltaHeaderBytes));
+  r = WireReader(bytes.subspan(kDeltaHeaderBytes));
   d.membership.reserve(num_changes);
   for (uint32_t i = 0; i < num_changes; ++i) {
     MembershipChange c;
@@ -475,8 +429,8 @@ Result<Placement> Placement::initial(std::vector<ServerSpec> servers,
 }
 
 std::vector<uint8_t> Placement::serialize() const {
-  Writer w(kPlacementHeaderBytes + kServerBytes * servers_.size() + kArcBytes * upper_.size() +
-           kChecksumBytes);
+  WireWriter w(kPlacementHeaderBytes + kServerBytes * servers_.size() + kArcBytes * upper_.size() +
+               kChecksumBytes);
   w.u32(kPlacementMagic);
   w.u16(kFormatVersion);
   w.u16(0);
@@ -494,12 +448,12 @@ std::vector<uint8_t> Placement::serialize() const {
     w.u64(upper_[i]);
     w.u32(owner_[i]);
   }
-  return std::move(w).finish();
+  return finish(w);
 }
 
 Result<Placement> Placement::deserialize(std::span<const uint8_t> bytes) {
   PSLD_RETURN_IF_ERROR(check_envelope(bytes, kPlacementMagic, kPlacementHeaderBytes, "placement"));
-  Reader r(bytes.subspan(8));
+  WireReader r(bytes.subspan(8));
   Placement p;
   p.epoch_ = r.u64();
   const uint32_t num_servers = r.u32();
@@ -515,7 +469,7 @@ Result<Placement> Placement::deserialize(std::span<const uint8_t> bytes) {
   PSLD_RETURN_IF_ERROR(check_length_and_checksum(
       bytes, expected, "placement", fmt::format("{} servers and {} arcs", num_servers, num_arcs)));
 
-  r = Reader(bytes.subspan(kPlacementHeaderBytes));
+  r = WireReader(bytes.subspan(kPlacementHeaderBytes));
   p.servers_.reserve(num_servers);
   for (uint32_t i = 0; i < num_servers; ++i) {
     ServerInfo s;

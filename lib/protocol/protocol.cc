@@ -10,9 +10,6 @@
 namespace psld::protocol {
 namespace {
 
-using transport::WireReader;
-using transport::WireWriter;
-
 // ---- Field helpers: each read reports failure instead of reading past the end.
 
 bool read_bytes(WireReader& r, std::vector<uint8_t>* out, size_t max) {

@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include "transports/common/forwarding_transport.h"
+
 namespace psld::transport {
 namespace {
 
@@ -46,6 +48,9 @@ class Shaper {
 
 class LinkTransport;
 
+// Transport::backend() of the emulated link: how set_link tells its own.
+const char kLinkTransportTag = 'T';
+
 // Both shaped operations keep their completion in a shared slot: it is
 // called exactly once, by the inner transport once issued, or with Aborted if
 // the transport shuts down while the shaper still holds the operation.
@@ -60,8 +65,11 @@ struct HeldCompletion {
 
 class LinkConnection final : public Connection {
  public:
+  // The regions it writes are the inner transport's, with their tags.
   LinkConnection(LinkTransport* owner, ConnectionPtr inner)
-      : owner_(owner), inner_(std::move(inner)) {}
+      : Connection(inner->region_tag(), inner->remote_tag()),
+        owner_(owner),
+        inner_(std::move(inner)) {}
 
   uint64_t id() const override { return inner_->id(); }
   std::string peer() const override { return inner_->peer(); }
@@ -70,22 +78,24 @@ class LinkConnection final : public Connection {
   Result<std::shared_ptr<RemoteRegion>> import_region(std::span<const uint8_t> key) override {
     return inner_->import_region(key);
   }
-  Status check_write(const WriteRequest& req) const override { return inner_->check_write(req); }
-  Status write(const WriteRequest& req, Completion done) override;
   Status send(std::span<const uint8_t> message, Completion done) override;
   void close() override { inner_->close(); }
 
   const ConnectionPtr& inner() const { return inner_; }
+
+ protected:
+  Status check_backend(const WriteRequest& req) const override { return inner_->check_write(req); }
+  Status start_write(const WriteRequest& req, Completion done) override;
 
  private:
   LinkTransport* owner_;
   ConnectionPtr inner_;
 };
 
-class LinkTransport final : public Transport, public Handler {
+class LinkTransport final : public ForwardingTransport<std::unique_ptr<Transport>>, public Handler {
  public:
   LinkTransport(const LinkOptions& link, Handler* user, TimeSource time)
-      : user_(user), time_(time) {
+      : ForwardingTransport(&kLinkTransportTag, nullptr), user_(user), time_(time) {
     configure(link);
   }
   ~LinkTransport() override { shutdown(); }
@@ -108,24 +118,11 @@ class LinkTransport final : public Transport, public Handler {
   }
 
   std::string_view name() const override { return name_; }
-  std::vector<uint8_t> address() const override { return inner_->address(); }
-  MemorySupport memory_support(MemoryKind kind) const override {
-    return inner_->memory_support(kind);
-  }
 
   Result<ConnectionPtr> connect(std::span<const uint8_t> peer_address) override {
     PSLD_ASSIGN_OR_RETURN(ConnectionPtr inner, inner_->connect(peer_address));
     return ConnectionPtr(wrap(inner));
   }
-
-  Result<std::shared_ptr<MemoryRegion>> register_memory(void* data, size_t length,
-                                                        MemoryKind kind) override {
-    return inner_->register_memory(data, length, kind);
-  }
-  Result<std::shared_ptr<MemoryRegion>> allocate_memory(size_t length, MemoryKind kind) override {
-    return inner_->allocate_memory(length, kind);
-  }
-  Status invalidate(void* data, size_t length) override { return inner_->invalidate(data, length); }
 
   size_t progress() override {
     size_t n = inner_->progress();
@@ -156,7 +153,6 @@ class LinkTransport final : public Transport, public Handler {
     }
     inner_->wait(limit);
   }
-  void wake() override { inner_->wake(); }
 
   void shutdown() override {
     if (shut_.exchange(true)) return;
@@ -232,7 +228,8 @@ class LinkTransport final : public Transport, public Handler {
 
   Handler* user_;
   const TimeSource time_;
-  std::unique_ptr<Transport> inner_;
+  // The wrapped transport (ForwardingTransport's target), set by init().
+  std::unique_ptr<Transport>& inner_ = target_;
   std::string name_;
   std::atomic<bool> shut_{false};
 
@@ -249,8 +246,8 @@ class LinkTransport final : public Transport, public Handler {
   std::map<uint64_t, std::shared_ptr<LinkConnection>> conns_;
 };
 
-Status LinkConnection::write(const WriteRequest& req, Completion done) {
-  PSLD_RETURN_IF_ERROR(inner_->check_write(req));
+Status LinkConnection::start_write(const WriteRequest& req, Completion done) {
+  PSLD_RETURN_IF_ERROR(check_backend(req));
   auto held = std::make_shared<HeldCompletion>();
   held->done = std::move(done);
   ConnectionPtr inner = inner_;
@@ -314,18 +311,17 @@ Result<std::unique_ptr<Transport>> create_emulated_link(std::string_view inner,
 }
 
 Status set_link(Transport& transport, const LinkOptions& link) {
-  auto* t = dynamic_cast<LinkTransport*>(&transport);
-  if (t == nullptr) {
+  if (transport.backend() != &kLinkTransportTag) {
     return InvalidArgument(fmt::format("transport '{}' is not an emulated link", transport.name()));
   }
   PSLD_RETURN_IF_ERROR(validate_link_options(link));
-  t->configure(link);
+  static_cast<LinkTransport&>(transport).configure(link);
   return Status::Ok();
 }
 
 LinkOptions get_link(const Transport& transport) {
-  auto* t = dynamic_cast<const LinkTransport*>(&transport);
-  return t ? t->link() : LinkOptions{};
+  if (transport.backend() != &kLinkTransportTag) return LinkOptions{};
+  return static_cast<const LinkTransport&>(transport).link();
 }
 
 }  // namespace psld::transport

@@ -25,6 +25,11 @@ constexpr auto kReorderHold = std::chrono::milliseconds(2);
 
 std::atomic<uint64_t> g_next_connection_id{1};
 
+// MemoryRegion::backend() and RemoteRegion::backend() of this backend's
+// regions: how it tells its own, without a dynamic_cast.
+const char kLbRegionTag = 'L';
+const char kLbRemoteRegionTag = 'R';
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -70,7 +75,9 @@ class LbRegion final : public MemoryRegion, public std::enable_shared_from_this<
  public:
   LbRegion(uint8_t* data, size_t length, MemoryKind kind, uint64_t id, uint64_t node_id,
            uint64_t fabric_token, std::unique_ptr<uint8_t, void (*)(void*)> owned)
-      : MemoryRegion(data, length, kind, id), node_id_(node_id), owned_(std::move(owned)) {
+      : MemoryRegion(data, length, kind, id, &kLbRegionTag),
+        node_id_(node_id),
+        owned_(std::move(owned)) {
     secret_ = random_u64();
     WireWriter w;
     w.u32(kKeyMagic);
@@ -98,7 +105,7 @@ class LbRemoteRegion final : public RemoteRegion {
   // as shared memory would be (Transport::local_view); null otherwise.
   LbRemoteRegion(size_t length, uint64_t region_id, uint64_t connection_id,
                  std::shared_ptr<const MemoryRegion> mapped)
-      : RemoteRegion(length, region_id),
+      : RemoteRegion(length, region_id, &kLbRemoteRegionTag),
         connection_id_(connection_id),
         mapped_(std::move(mapped)) {}
   uint64_t connection_id() const { return connection_id_; }
@@ -156,7 +163,8 @@ class LbConnection final : public Connection, public std::enable_shared_from_thi
  public:
   LbConnection(std::weak_ptr<Node> self, std::weak_ptr<Node> peer, uint64_t peer_node_id,
                std::string peer_address, const FaultPlan& plan, uint64_t seq)
-      : self_(std::move(self)),
+      : Connection(&kLbRegionTag, &kLbRemoteRegionTag),
+        self_(std::move(self)),
         peer_node_(std::move(peer)),
         peer_node_id_(peer_node_id),
         peer_address_(std::move(peer_address)),
@@ -198,14 +206,16 @@ class LbConnection final : public Connection, public std::enable_shared_from_thi
         std::make_shared<LbRemoteRegion>(length, region, id_, std::move(mapped)));
   }
 
-  Status check_write(const WriteRequest& req) const override;
-  Status write(const WriteRequest& req, Completion done) override;
   Status send(std::span<const uint8_t> message, Completion done) override;
   void close() override { break_connection(Aborted("connection closed locally"), true); }
 
   // Closes both ends: pending operations fail with `why` and both handlers
   // hear on_disconnect. `local` says whether this end asked for it.
   void break_connection(const Status& why, bool local);
+
+ protected:
+  Status check_backend(const WriteRequest& req) const override;
+  Status start_write(const WriteRequest& req, Completion done) override;
 
  private:
   friend Result<ConnectionPtr> connect_nodes(const std::shared_ptr<Node>&, const std::string&);
@@ -298,28 +308,14 @@ Status LbConnection::deliver(const Plan& plan, std::function<void(LbConnection&)
   return Status::Ok();
 }
 
-Status LbConnection::check_write(const WriteRequest& req) const {
+Status LbConnection::check_backend(const WriteRequest& req) const {
   if (!is_open()) return Unavailable("connection to " + peer() + " is closed");
   auto self = self_.lock();
   if (!self) return Unavailable("transport is shut down");
-  auto* local = dynamic_cast<const LbRegion*>(req.local);
-  if (local == nullptr || local->node_id() != self->id) {
-    return InvalidArgument("write source is not a region registered with this transport");
-  }
-  auto* remote = dynamic_cast<const LbRemoteRegion*>(req.remote);
-  if (remote == nullptr || remote->connection_id() != id_) {
-    return InvalidArgument("write target was not imported on this connection");
-  }
-  if (req.local_offset > local->length() || req.length > local->length() - req.local_offset) {
-    return OutOfRange(
-        fmt::format("write of {} bytes at offset {} exceeds the {}-byte source region", req.length,
-                    req.local_offset, local->length()));
-  }
-  if (req.remote_offset > remote->length() || req.length > remote->length() - req.remote_offset) {
-    return OutOfRange(
-        fmt::format("write of {} bytes at offset {} exceeds the {}-byte remote region", req.length,
-                    req.remote_offset, remote->length()));
-  }
+  // Connection::write proved both are this backend's.
+  if (static_cast<const LbRegion*>(req.local)->node_id() != self->id) return foreign_source();
+  auto* remote = static_cast<const LbRemoteRegion*>(req.remote);
+  if (remote->connection_id() != id_) return foreign_target();
   auto peer_node = peer_node_.lock();
   if (!peer_node || !peer_node->exported_region(remote->peer_region_id())) {
     return NotFound("remote region was deregistered by the peer (stale key)");
@@ -327,8 +323,8 @@ Status LbConnection::check_write(const WriteRequest& req) const {
   return Status::Ok();
 }
 
-Status LbConnection::write(const WriteRequest& req, Completion done) {
-  PSLD_RETURN_IF_ERROR(check_write(req));
+Status LbConnection::start_write(const WriteRequest& req, Completion done) {
+  PSLD_RETURN_IF_ERROR(check_backend(req));
   auto self = self_.lock();
   auto peer_node = peer_node_.lock();
   auto dst = peer_node ? peer_node->exported_region(req.remote->peer_region_id()) : nullptr;
@@ -448,8 +444,8 @@ class LoopbackTransport final : public Transport {
   }
 
   const uint8_t* local_view(const RemoteRegion& remote) const override {
-    const auto* lb = dynamic_cast<const LbRemoteRegion*>(&remote);
-    return lb != nullptr ? lb->view() : nullptr;
+    if (remote.backend() != &kLbRemoteRegionTag) return nullptr;
+    return static_cast<const LbRemoteRegion&>(remote).view();
   }
 
   Status invalidate(void* data, size_t length) override {

@@ -141,27 +141,8 @@ struct MappedAllocation {
 // calls to them stay direct, as when all of this was local to one file.
 #pragma GCC visibility push(hidden)
 
-// Little-endian fields of `n` bytes (at most 8). On a little-endian host
-// these are single unaligned moves: the byte loops they replace were not
-// merged by the compiler and cost ~10 ns per ring record on each side.
-inline void store_le(uint8_t* p, uint64_t v, size_t n) {
-  if constexpr (std::endian::native == std::endian::little) {
-    std::memcpy(p, &v, n);
-  } else {
-    for (size_t i = 0; i < n; ++i)
-      p[i] = static_cast<uint8_t>(v >> (8 * i));
-  }
-}
-inline uint64_t load_le(const uint8_t* p, size_t n) {
-  uint64_t v = 0;
-  if constexpr (std::endian::native == std::endian::little) {
-    std::memcpy(&v, p, n);
-  } else {
-    for (size_t i = 0; i < n; ++i)
-      v |= static_cast<uint64_t>(p[i]) << (8 * i);
-  }
-  return v;
-}
+// The WriteHeader as it lies in an active message's header, a notification
+// batch and a ring record (store_le and load_le: base/wire.h).
 inline void encode_header(const WriteHeader& h, uint8_t* p) {
   store_le(p, h.region, 8);
   store_le(p + 8, h.secret, 8);
@@ -328,11 +309,13 @@ struct UcxContext {
 };
 
 // MemoryRegion::backend() and RemoteRegion::backend() of this backend's
-// regions: check_write tells its own regions by these, not by dynamic_cast
-// (two of them were ~10% of a shared-memory write). One object each for all
-// the backend's files, hidden so that taking its address needs no GOT load.
+// regions: Connection::write tells its own regions by these, not by
+// dynamic_cast (two of them were ~10% of a shared-memory write). One object
+// each for all the backend's files, hidden so that taking its address needs
+// no GOT load. Transport::backend() of its transports, likewise.
 PSLD_UCX_HIDDEN inline const char kUcxRegionTag = 'L';
 PSLD_UCX_HIDDEN inline const char kUcxRemoteRegionTag = 'R';
+PSLD_UCX_HIDDEN inline const char kUcxTransportTag = 'T';
 
 class UcxRegion final : public MemoryRegion, public std::enable_shared_from_this<UcxRegion> {
  public:
@@ -469,7 +452,11 @@ struct TxRing {
 class UcxConnection final : public Connection, public std::enable_shared_from_this<UcxConnection> {
  public:
   UcxConnection(UcxCore* core, std::weak_ptr<UcxCore> weak_core, bool client, std::string peer)
-      : core_(std::move(weak_core)), core_raw_(core), client_(client), peer_(std::move(peer)) {}
+      : Connection(&kUcxRegionTag, &kUcxRemoteRegionTag),
+        core_(std::move(weak_core)),
+        core_raw_(core),
+        client_(client),
+        peer_(std::move(peer)) {}
 
   uint64_t id() const override { return id_; }
   std::string peer() const override { return peer_; }
@@ -485,8 +472,6 @@ class UcxConnection final : public Connection, public std::enable_shared_from_th
     return "pending (handshake not finished)";
   }
   Result<std::shared_ptr<RemoteRegion>> import_region(std::span<const uint8_t> key) override;
-  Status check_write(const WriteRequest& request) const override;
-  Status write(const WriteRequest& request, Completion done) override;
   Status send(std::span<const uint8_t> message, Completion done) override;
   void close() override;
   bool is_open() const override { return open_.load(); }
@@ -496,6 +481,10 @@ class UcxConnection final : public Connection, public std::enable_shared_from_th
     uint64_t op_id;
     WriteHeader header;
   };
+
+ protected:
+  Status check_backend(const WriteRequest& request) const override;
+  Status start_write(const WriteRequest& request, Completion done) override;
 
  private:
   friend class UcxCore;
@@ -525,7 +514,7 @@ class UcxConnection final : public Connection, public std::enable_shared_from_th
   State state_ = State::kHandshake;
   ucp_ep_h ep_ = nullptr;
   // The peer transport's instance, from the handshake (0 before): the
-  // exporter every imported key must name. Atomic: check_write reads it
+  // exporter every imported key must name. Atomic: check_backend reads it
   // without mu_.
   std::atomic<uint64_t> peer_instance_{0};
   RmaKind rma_ = RmaKind::kEmulated;
@@ -682,7 +671,9 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   // Connection
   Result<std::shared_ptr<RemoteRegion>> import_region(UcxConnection& conn,
                                                       std::span<const uint8_t> key);
-  Status check_write(const UcxConnection& conn, const WriteRequest& req) const;
+  // The backend's checks of a write (Connection::check_backend); the request
+  // passed Connection::write's.
+  Status check_backend(const UcxConnection& conn, const WriteRequest& req) const;
   Status write(UcxConnection& conn, const WriteRequest& req, Completion done);
   Status send(UcxConnection& conn, std::span<const uint8_t> message, Completion done);
   void close_connection(UcxConnection& conn);

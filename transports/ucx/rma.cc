@@ -12,37 +12,23 @@ namespace psld::transport {
 // ---------------------------------------------------------------------------
 // Writes
 
-Status UcxCore::check_write(const UcxConnection& conn, const WriteRequest& req) const {
+Status UcxCore::check_backend(const UcxConnection& conn, const WriteRequest& req) const {
   if (!conn.is_open()) return Unavailable("connection to " + conn.peer() + " is closed");
   if (shut_) return Unavailable("UCX transport is shut down");
-  if (req.local == nullptr || req.local->backend() != &kUcxRegionTag ||
-      static_cast<const UcxRegion*>(req.local)->owner() != instance_) {
-    return InvalidArgument("write source is not a region registered with this transport");
-  }
-  auto* local = static_cast<const UcxRegion*>(req.local);
-  if (req.remote == nullptr || req.remote->backend() != &kUcxRemoteRegionTag ||
-      static_cast<const UcxRemoteRegion*>(req.remote)->connection_id() != conn.id()) {
-    return InvalidArgument("write target was not imported on this connection");
+  // Connection::write proved both are this backend's (by their tags).
+  if (static_cast<const UcxRegion*>(req.local)->owner() != instance_) {
+    return Connection::foreign_source();
   }
   auto* remote = static_cast<const UcxRemoteRegion*>(req.remote);
+  if (remote->connection_id() != conn.id()) return Connection::foreign_target();
   const uint64_t peer = conn.peer_instance_.load();
   if (peer != 0 && remote->owner() != peer) return foreign_key(conn);
-  if (req.local_offset > local->length() || req.length > local->length() - req.local_offset) {
-    return OutOfRange(
-        fmt::format("write of {} bytes at offset {} exceeds the {}-byte source region", req.length,
-                    req.local_offset, local->length()));
-  }
-  if (req.remote_offset > remote->length() || req.length > remote->length() - req.remote_offset) {
-    return OutOfRange(
-        fmt::format("write of {} bytes at offset {} exceeds the {}-byte remote region", req.length,
-                    req.remote_offset, remote->length()));
-  }
   return Status::Ok();
 }
 
 Status UcxCore::write(UcxConnection& conn, const WriteRequest& req, Completion done) {
-  PSLD_RETURN_IF_ERROR(check_write(conn, req));
-  // check_write proved both are ours.
+  PSLD_RETURN_IF_ERROR(check_backend(conn, req));
+  // Connection::write and check_backend proved both are ours.
   auto* src_region = const_cast<UcxRegion*>(static_cast<const UcxRegion*>(req.local));
   auto* remote_region =
       const_cast<UcxRemoteRegion*>(static_cast<const UcxRemoteRegion*>(req.remote));
@@ -124,7 +110,7 @@ Status UcxCore::write(UcxConnection& conn, const WriteRequest& req, Completion d
 }
 
 // A small write with no completion to a peer on this host whose ring is
-// mapped here: check, memcpy into the peer's mapped region, publish the
+// mapped here: the backend's checks, memcpy into the peer's mapped region, publish the
 // record, all under the connection's tx_mu_ and nothing else. This is the
 // latency path (a shared-memory ping-pong), so it takes no reference to the
 // core (weak_ptr::lock is two atomic read-modify-writes), no mapping_mu_ and
@@ -143,7 +129,7 @@ bool UcxCore::write_through_ring(UcxConnection& conn, const WriteRequest& req, S
   TxRing* r = conn.tx_ring_.get();
   if (r == nullptr) return false;
   UcxCore& core = *conn.core_raw_;
-  if (Status s = core.check_write(conn, req); !s.ok()) {
+  if (Status s = core.check_backend(conn, req); !s.ok()) {
     *status = std::move(s);
     return true;
   }

@@ -5,6 +5,8 @@
 
 #include <thread>
 
+#include "transports/common/forwarding_transport.h"
+
 namespace psld::transport {
 
 namespace ucx_detail {
@@ -116,13 +118,13 @@ Result<std::shared_ptr<RemoteRegion>> UcxConnection::import_region(std::span<con
   return core->import_region(*this, key);
 }
 
-Status UcxConnection::check_write(const WriteRequest& request) const {
+Status UcxConnection::check_backend(const WriteRequest& request) const {
   auto core = core_.lock();
   if (!core) return Unavailable("UCX transport is gone");
-  return core->check_write(*this, request);
+  return core->check_backend(*this, request);
 }
 
-Status UcxConnection::write(const WriteRequest& request, Completion done) {
+Status UcxConnection::start_write(const WriteRequest& request, Completion done) {
   if (!done && request.length <= kRingCopyMax && tx_ring_mapped_.load(std::memory_order_acquire)) {
     Status status;
     if (UcxCore::write_through_ring(*this, request, &status)) return status;
@@ -148,43 +150,23 @@ void UcxConnection::close() {
 
 // ---------------------------------------------------------------------------
 
-class UcxTransport final : public Transport {
+class UcxTransport final : public ForwardingTransport<std::shared_ptr<UcxCore>> {
  public:
-  explicit UcxTransport(std::shared_ptr<UcxCore> core) : core_(std::move(core)) {}
-  ~UcxTransport() override { core_->shutdown(); }
+  explicit UcxTransport(std::shared_ptr<UcxCore> core)
+      : ForwardingTransport(&kUcxTransportTag, std::move(core)) {}
+  ~UcxTransport() override { shutdown(); }
 
   std::string_view name() const override { return "ucx"; }
-  MemorySupport memory_support(MemoryKind kind) const override {
-    return core_->memory_support(kind);
-  }
-  std::vector<uint8_t> address() const override { return core_->address(); }
-  Result<ConnectionPtr> connect(std::span<const uint8_t> peer_address) override {
-    return core_->connect(peer_address);
-  }
-  Result<std::shared_ptr<MemoryRegion>> register_memory(void* data, size_t length,
-                                                        MemoryKind kind) override {
-    return core_->register_memory(data, length, kind);
-  }
-  Result<std::shared_ptr<MemoryRegion>> allocate_memory(size_t length, MemoryKind kind) override {
-    return core_->allocate_memory(length, kind);
-  }
-  Status invalidate(void* data, size_t length) override { return core_->invalidate(data, length); }
   const uint8_t* local_view(const RemoteRegion& remote) const override {
     // Host memory the peer allocated and this process mapped (shared memory
     // on one host); device memory is never read by this process's CPU.
-    const auto* r = dynamic_cast<const UcxRemoteRegion*>(&remote);
-    if (r == nullptr || !r->mapped() || r->kind() != MemoryKind::kHost) return nullptr;
-    return r->mapped_base();
+    if (remote.backend() != &kUcxRemoteRegionTag) return nullptr;
+    const auto& r = static_cast<const UcxRemoteRegion&>(remote);
+    if (!r.mapped() || r.kind() != MemoryKind::kHost) return nullptr;
+    return r.mapped_base();
   }
-  size_t progress() override { return core_->progress(); }
-  void wait(std::chrono::milliseconds timeout) override { core_->wait(timeout); }
-  void wake() override { core_->wake(); }
-  void shutdown() override { core_->shutdown(); }
 
-  const UcxCore& core() const { return *core_; }
-
- private:
-  std::shared_ptr<UcxCore> core_;
+  const UcxCore& core() const { return *target_; }
 };
 
 Result<std::unique_ptr<Transport>> create_ucx_transport(const TransportOptions& options,
@@ -232,9 +214,8 @@ Result<std::unique_ptr<Transport>> create_ucx_transport(const TransportOptions& 
 }
 
 Result<UcxCounters> ucx_counters(const Transport& transport) {
-  auto* t = dynamic_cast<const UcxTransport*>(&transport);
-  if (t == nullptr) return InvalidArgument("not a UCX transport");
-  return t->core().counters();
+  if (transport.backend() != &kUcxTransportTag) return InvalidArgument("not a UCX transport");
+  return static_cast<const UcxTransport&>(transport).core().counters();
 }
 
 }  // namespace psld::transport

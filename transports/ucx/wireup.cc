@@ -267,7 +267,7 @@ Result<std::shared_ptr<RemoteRegion>> UcxCore::import_region(UcxConnection& conn
     return Unavailable("connection to " + conn.peer() + " is closed");
   }
   // Before the handshake answered the peer is not known yet; then the writes
-  // check the key (check_write, dispatch_queued).
+  // check the key (check_backend, dispatch_queued).
   if (conn.peer_instance_.load() != 0 && owner != conn.peer_instance_.load()) {
     return foreign_key(conn);
   }

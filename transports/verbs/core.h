@@ -129,13 +129,18 @@ class Core;
 // ---------------------------------------------------------------------------
 // Regions
 
+// MemoryRegion::backend() and RemoteRegion::backend() of this backend's
+// regions: how Connection::write tells its own, without a dynamic_cast.
+inline const char kVerbsRegionTag = 'L';
+inline const char kVerbsRemoteRegionTag = 'R';
+
 class VerbsRegion final : public MemoryRegion, public std::enable_shared_from_this<VerbsRegion> {
  public:
   using Owned = std::unique_ptr<uint8_t, void (*)(void*)>;
   VerbsRegion(uint8_t* data, size_t length, MemoryKind kind, uint64_t id, uint64_t transport_id,
               uint32_t lkey, uint32_t rkey, std::weak_ptr<Core> core, Owned owned,
               std::string registration)
-      : MemoryRegion(data, length, kind, id),
+      : MemoryRegion(data, length, kind, id, &kVerbsRegionTag),
         transport_id_(transport_id),
         lkey_(lkey),
         core_(std::move(core)),
@@ -165,7 +170,9 @@ class VerbsRegion final : public MemoryRegion, public std::enable_shared_from_th
 class VerbsRemoteRegion final : public RemoteRegion {
  public:
   VerbsRemoteRegion(const RemoteKey& key, uint64_t connection_id)
-      : RemoteRegion(key.length, key.region_id), key_(key), connection_id_(connection_id) {}
+      : RemoteRegion(key.length, key.region_id, &kVerbsRemoteRegionTag),
+        key_(key),
+        connection_id_(connection_id) {}
   const RemoteKey& key() const { return key_; }
   uint64_t connection_id() const { return connection_id_; }
 
@@ -213,7 +220,8 @@ class VerbsConnection final : public Connection,
  public:
   VerbsConnection(std::weak_ptr<Core> core, SideChannel chan, bool outbound, std::string peer,
                   uint32_t sq_depth, SlotBudget* budget)
-      : core_(std::move(core)),
+      : Connection(&kVerbsRegionTag, &kVerbsRemoteRegionTag),
+        core_(std::move(core)),
         outbound_(outbound),
         peer_(std::move(peer)),
         chan_(std::move(chan)),
@@ -223,11 +231,13 @@ class VerbsConnection final : public Connection,
   std::string peer() const override { return peer_; }
   std::string write_path() const override { return "write-with-imm"; }
   Result<std::shared_ptr<RemoteRegion>> import_region(std::span<const uint8_t> key) override;
-  Status check_write(const WriteRequest& request) const override;
-  Status write(const WriteRequest& request, Completion done) override;
   Status send(std::span<const uint8_t> message, Completion done) override;
   void close() override;
   bool is_open() const override { return open_.load(); }
+
+ protected:
+  Status check_backend(const WriteRequest& request) const override;
+  Status start_write(const WriteRequest& request, Completion done) override;
 
  private:
   friend class Core;
@@ -287,7 +297,9 @@ class Core : public std::enable_shared_from_this<Core> {
 
   Result<std::shared_ptr<RemoteRegion>> import_region(VerbsConnection& c,
                                                       std::span<const uint8_t> key);
-  Status check_write(const VerbsConnection& c, const WriteRequest& req);
+  // The backend's checks of a write (Connection::check_backend); the request
+  // passed Connection::write's.
+  Status check_backend(const VerbsConnection& c, const WriteRequest& req);
   Status write(VerbsConnection& c, const WriteRequest& req, Completion done);
   Status send(VerbsConnection& c, std::span<const uint8_t> message, Completion done);
   void close(VerbsConnection& c);
@@ -363,7 +375,7 @@ class Core : public std::enable_shared_from_this<Core> {
   size_t pending_accepts_locked() const;
 
   // Data path (mu_ held).
-  Status check_write_locked(const VerbsConnection& c, const WriteRequest& req) const;
+  Status check_backend_locked(const VerbsConnection& c, const WriteRequest& req) const;
   void drain_locked(const ConnPtr& c, Events& events);
   void drain_all_locked(Events& events);
   void break_locked(const ConnPtr& c, const Status& why, bool local, Events& events);

@@ -15,29 +15,17 @@ namespace verbs {
 // ---------------------------------------------------------------------------
 // Data path
 
-Status Core::check_write_locked(const VerbsConnection& c, const WriteRequest& req) const {
+Status Core::check_backend_locked(const VerbsConnection& c, const WriteRequest& req) const {
   if (c.state_ == ConnState::kClosed) {
     return Unavailable(fmt::format("connection to {} is closed", c.peer_));
   }
   if (shut_.load()) return Unavailable("verbs transport is shut down");
-  const auto* local = dynamic_cast<const VerbsRegion*>(req.local);
-  if (local == nullptr || local->transport_id() != transport_id_) {
-    return InvalidArgument("write source is not a region registered with this transport");
+  // Connection::write proved both are this backend's (by their tags).
+  if (static_cast<const VerbsRegion*>(req.local)->transport_id() != transport_id_) {
+    return Connection::foreign_source();
   }
-  const auto* remote = dynamic_cast<const VerbsRemoteRegion*>(req.remote);
-  if (remote == nullptr || remote->connection_id() != c.id_) {
-    return InvalidArgument("write target was not imported on this connection");
-  }
-  if (req.local_offset > local->length() || req.length > local->length() - req.local_offset) {
-    return OutOfRange(
-        fmt::format("write of {} bytes at offset {} exceeds the {}-byte source region", req.length,
-                    req.local_offset, local->length()));
-  }
-  if (req.remote_offset > remote->length() || req.length > remote->length() - req.remote_offset) {
-    return OutOfRange(
-        fmt::format("write of {} bytes at offset {} exceeds the {}-byte remote region", req.length,
-                    req.remote_offset, remote->length()));
-  }
+  const auto* remote = static_cast<const VerbsRemoteRegion*>(req.remote);
+  if (remote->connection_id() != c.id_) return Connection::foreign_target();
   if (req.length > max_write_bytes_) {
     return OutOfRange(
         fmt::format("write of {} bytes exceeds the port's largest message ({} bytes); "
@@ -126,15 +114,15 @@ void Core::drain_all_locked(Events& events) {
   }
 }
 
-Status Core::check_write(const VerbsConnection& c, const WriteRequest& req) {
+Status Core::check_backend(const VerbsConnection& c, const WriteRequest& req) {
   std::lock_guard<std::mutex> lock(mu_);
-  return check_write_locked(c, req);
+  return check_backend_locked(c, req);
 }
 
 Status Core::write(VerbsConnection& c, const WriteRequest& req, Completion done) {
   Events events;
   std::lock_guard<std::mutex> lock(mu_);
-  PSLD_RETURN_IF_ERROR(check_write_locked(c, req));
+  PSLD_RETURN_IF_ERROR(check_backend_locked(c, req));
   if (c.sq_.backlog() >= c.sq_.max_backlog()) {
     return ResourceExhausted(
         fmt::format("{} operations already wait for send slots on {}; let progress() complete some",

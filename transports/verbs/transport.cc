@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "base/log.h"
+#include "transports/common/forwarding_transport.h"
 #include "transports/verbs/core.h"
 
 namespace psld::transport {
@@ -177,13 +178,13 @@ Result<std::shared_ptr<RemoteRegion>> VerbsConnection::import_region(std::span<c
   return core->import_region(*this, key);
 }
 
-Status VerbsConnection::check_write(const WriteRequest& request) const {
+Status VerbsConnection::check_backend(const WriteRequest& request) const {
   auto core = core_.lock();
   if (!core) return Unavailable("verbs transport is gone");
-  return core->check_write(*this, request);
+  return core->check_backend(*this, request);
 }
 
-Status VerbsConnection::write(const WriteRequest& request, Completion done) {
+Status VerbsConnection::start_write(const WriteRequest& request, Completion done) {
   auto core = core_.lock();
   if (!core) return Unavailable("verbs transport is gone");
   return core->write(*this, request, std::move(done));
@@ -202,34 +203,13 @@ void VerbsConnection::close() {
 
 // ---------------------------------------------------------------------------
 
-class VerbsTransport final : public Transport {
+class VerbsTransport final : public ForwardingTransport<std::shared_ptr<Core>> {
  public:
-  explicit VerbsTransport(std::shared_ptr<Core> core) : core_(std::move(core)) {}
+  explicit VerbsTransport(std::shared_ptr<Core> core)
+      : ForwardingTransport(nullptr, std::move(core)) {}
   ~VerbsTransport() override { shutdown(); }
 
   std::string_view name() const override { return "verbs"; }
-  MemorySupport memory_support(MemoryKind kind) const override {
-    return core_->memory_support(kind);
-  }
-  std::vector<uint8_t> address() const override { return core_->address(); }
-  Result<ConnectionPtr> connect(std::span<const uint8_t> peer_address) override {
-    return core_->connect(peer_address);
-  }
-  Result<std::shared_ptr<MemoryRegion>> register_memory(void* data, size_t length,
-                                                        MemoryKind kind) override {
-    return core_->register_memory(data, length, kind);
-  }
-  Result<std::shared_ptr<MemoryRegion>> allocate_memory(size_t length, MemoryKind kind) override {
-    return core_->allocate_memory(length, kind);
-  }
-  Status invalidate(void* data, size_t length) override { return core_->invalidate(data, length); }
-  size_t progress() override { return core_->progress(); }
-  void wait(std::chrono::milliseconds timeout) override { core_->wait(timeout); }
-  void wake() override { core_->wake(); }
-  void shutdown() override { core_->shutdown(); }
-
- private:
-  std::shared_ptr<Core> core_;
 };
 
 }  // namespace verbs
