@@ -105,7 +105,7 @@ void ServerService::process_push(Shard& shard, PushWork& w) {
     return;
   }
   {
-    std::lock_guard<std::mutex> lock(stats_mu_);
+    MutexLock lock(stats_mu_);
     ++stats_.pushes;
   }
   const bool then_pull = (meta.flags & protocol::kPushThenPull) != 0;
@@ -215,7 +215,7 @@ void ServerService::apply_round(Shard& shard, KeyState& k) {
   load_->record(k.arc, LoadMetric::kBusyNs, ns_since(start));
   load_->record(k.arc, LoadMetric::kRound, 1);
   {
-    std::lock_guard<std::mutex> lock(stats_mu_);
+    MutexLock lock(stats_mu_);
     ++stats_.rounds_applied;
   }
   // Serve the pulls this round satisfies.
@@ -261,7 +261,7 @@ void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
   uint64_t base = 0;  // of the tensor in `remote`
   ConnectionPtr conn;
   {
-    std::lock_guard<std::mutex> lock(conns_mu_);
+    MutexLock lock(conns_mu_);
     auto it = conns_.find(w.conn);
     if (it == conns_.end()) return;  // the worker is gone
     conn = it->second->conn;
@@ -299,7 +299,7 @@ void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
     return;
   }
   load_->record(k.arc, LoadMetric::kBytesOut, static_cast<double>(k.agg.bytes()));
-  std::lock_guard<std::mutex> lock(stats_mu_);
+  MutexLock lock(stats_mu_);
   ++stats_.pulls;
   stats_.bytes_out += k.agg.bytes();
 }

@@ -19,12 +19,12 @@ LoadRecorder::LoadRecorder(protocol::Role role, std::unique_ptr<LoadRing<StatSam
     : role_(role), ring_(std::move(ring)), queue_(*WindowStats::make()) {}
 
 void LoadRecorder::begin_service() {
-  std::lock_guard<std::mutex> lock(busy_mu_);
+  MutexLock lock(busy_mu_);
   if (in_service_++ == 0) busy_since_ = std::chrono::steady_clock::now();
 }
 
 void LoadRecorder::end_service() {
-  std::lock_guard<std::mutex> lock(busy_mu_);
+  MutexLock lock(busy_mu_);
   if (in_service_ == 0) return;
   if (--in_service_ == 0) {
     busy_ns_ += static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -80,7 +80,7 @@ std::vector<protocol::LoadReport> LoadRecorder::close_window(uint32_t rank, uint
   {
     // Occupied time of the window, including the part of a service period
     // still running (the rest goes to the next window).
-    std::lock_guard<std::mutex> lock(busy_mu_);
+    MutexLock lock(busy_mu_);
     const auto now = std::chrono::steady_clock::now();
     if (in_service_ > 0) {
       busy_ns_ += static_cast<uint64_t>(
