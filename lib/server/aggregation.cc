@@ -288,7 +288,7 @@ void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
   const uint64_t run = k.owned_from;
   load_->begin_service();  // until the write completed
   Status s = conn->write({k.out_region.get(), 0, remote.get(), offset, k.agg.bytes(), w.req.tag},
-                         [this, key, run](Status) {
+                         [this, key, run](const Status&) {
                            load_->end_service();
                            dispatch(key, PullDone{key, run});
                          });

@@ -233,7 +233,9 @@ void ServerService::on_write(const ConnectionPtr& conn, uint32_t tag, uint64_t l
     MutexLock s(stats_mu_);
     stats_.bytes_in += length;
   }
-  dispatch(work.meta.key, std::move(work));
+  // The key first: the order in which arguments are evaluated is unspecified.
+  const Key key = work.meta.key;
+  dispatch(key, std::move(work));
 }
 
 void ServerService::dispatch(Key key, Work work) {

@@ -157,7 +157,7 @@ void ServerService::ship_state(Shard& shard, KeyState& k, const StateWork& w) {
   const Key key = k.key;
   const uint64_t run = k.owned_from, round = w.req.switch_round;
   Status st = conn->write({region.get(), 0, target.get(), 0, bytes, w.req.tag},
-                          [this, region, target, key, run, round](Status s) {
+                          [this, region, target, key, run, round](const Status& s) {
                             if (!s.ok()) {
                               PSLD_LOG_ERROR("shipping the state of key {:#x} failed: {}", key,
                                              s.to_string());

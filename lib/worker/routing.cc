@@ -124,7 +124,7 @@ void WorkerService::pump(ServerConn& s) {
     }
     ChunkOp next = std::move(op);
     s.backlog.pop_front();
-    issue(s, std::move(next), slot);
+    issue(s, next, slot);
   }
 }
 
@@ -135,7 +135,7 @@ bool WorkerService::in_place(const ServerConn& s, const ChunkOp& op) const {
   return s.mapped.count(tensors_[op.tensor].id) != 0;
 }
 
-void WorkerService::issue(ServerConn& s, ChunkOp op, uint32_t slot) {
+void WorkerService::issue(ServerConn& s, const ChunkOp& op, uint32_t slot) {
   Tensor& t = tensors_[op.tensor];
   const ChunkSpan span = t.layout->chunk(op.chunk);
   auto tag = [&]() REQUIRES(mu_) {
@@ -190,7 +190,7 @@ void WorkerService::issue(ServerConn& s, ChunkOp op, uint32_t slot) {
   auto slots = s.slots;
   outbox_.push_back([this, conn, meta, wr, region, slots, rank = s.rank] {
     Status st = send(conn, meta);
-    auto done = [this, conn, rank, tag = meta.tag](Status ws) {
+    auto done = [this, conn, rank, tag = meta.tag](const Status& ws) {
       if (!ws.ok()) {
         {
           MutexLock lock(mu_);

@@ -349,7 +349,7 @@ void WorkerService::finish_tag(uint32_t tag, const Status& status) {
     const ChunkSpan span = t.layout->chunk(p.op.chunk);
     copier_->copy(
         DeviceCopier::Direction::kToDevice, t.data + span.offset, t.shadow.get() + span.offset,
-        span.bytes, [request = p.request, name = t.name, chunk = p.op.chunk](Status s) {
+        span.bytes, [request = p.request, name = t.name, chunk = p.op.chunk](const Status& s) {
           request->complete_part(
               s.ok() ? s : s.with_context(fmt::format("tensor '{}' chunk {}", name, chunk)));
         });
@@ -553,7 +553,7 @@ Result<std::shared_ptr<RequestState>> WorkerService::submit(uint32_t handle, Req
       copy_out.push_back([this, op, span, dst = t.shadow.get() + span.offset,
                           src = t.data + span.offset]() mutable {
         copier_->copy(DeviceCopier::Direction::kToHost, dst, src, span.bytes,
-                      [this, op](Status s) { on_staged(op, s); });
+                      [this, op](const Status& s) { on_staged(op, s); });
       });
     }
     for (auto& [r, s] : servers_)

@@ -170,7 +170,7 @@ class WorkerService final : public ProcessRuntime {
   // Issues as much of the server's backlog as its credits allow. mu_ held;
   // sends happen after it is released (see issue_later_).
   void pump(ServerConn& s) REQUIRES(mu_);
-  void issue(ServerConn& s, ChunkOp op, uint32_t slot) REQUIRES(mu_);
+  void issue(ServerConn& s, const ChunkOp& op, uint32_t slot) REQUIRES(mu_);
   void finish_tag(uint32_t tag, const Status& status) REQUIRES(mu_);
   void flush();
   void fail_everything(const Status& why) REQUIRES(mu_);

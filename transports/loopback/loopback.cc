@@ -219,7 +219,7 @@ class LbConnection final : public Connection, public std::enable_shared_from_thi
   // the connection.
   Result<Plan> draw();
   // Posts a delivery to the peer (twice when duplicated) and counts it.
-  Status deliver(const Plan& plan, std::function<void(LbConnection& peer_end)> at_peer,
+  Status deliver(const Plan& plan, const std::function<void(LbConnection& peer_end)>& at_peer,
                  uint64_t op_id);
 
   const uint64_t id_ = g_next_connection_id.fetch_add(1);
@@ -261,7 +261,7 @@ Result<LbConnection::Plan> LbConnection::draw() {
   return p;
 }
 
-Status LbConnection::deliver(const Plan& plan, std::function<void(LbConnection&)> at_peer,
+Status LbConnection::deliver(const Plan& plan, const std::function<void(LbConnection&)>& at_peer,
                              uint64_t op_id) {
   auto self = self_.lock();
   auto peer_node = peer_node_.lock();
@@ -352,7 +352,7 @@ Status LbConnection::write(const WriteRequest& req, Completion done) {
     auto node = end.self_.lock();
     if (node) node->handler->on_write(end.shared_from_this(), notify, len);
   };
-  Status s = deliver(plan, std::move(at_peer), op_id);
+  Status s = deliver(plan, at_peer, op_id);
   if (!s.ok()) {
     self->pending.take(op_id, s).run();  // fails the op here; report through done only
     return Status::Ok();
@@ -377,7 +377,7 @@ Status LbConnection::send(std::span<const uint8_t> message, Completion done) {
     auto node = end.self_.lock();
     if (node) node->handler->on_message(end.shared_from_this(), *bytes);
   };
-  Status s = deliver(plan, std::move(at_peer), op_id);
+  Status s = deliver(plan, at_peer, op_id);
   if (!s.ok()) self->pending.take(op_id, s).run();
   return Status::Ok();
 }
@@ -412,7 +412,9 @@ void LbConnection::break_connection(const Status& why, bool local) {
 class LoopbackTransport final : public Transport {
  public:
   explicit LoopbackTransport(std::shared_ptr<Node> node) : node_(std::move(node)) {}
-  ~LoopbackTransport() override { shutdown(); }
+  // shutdown() can throw only std::bad_alloc (its containers), which ends
+  // the process either way.
+  ~LoopbackTransport() override { shutdown(); }  // NOLINT(bugprone-exception-escape)
 
   std::string_view name() const override { return "loopback"; }
 
