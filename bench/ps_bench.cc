@@ -638,7 +638,7 @@ class Cluster {
       PSLD_ASSIGN_OR_RETURN(c->workers_[i - shape.servers], WorkerService::start(o));
       return Status::Ok();
     }));
-    if (c->coordinator_->placement() == nullptr) return Internal("the job has no placement");
+    if (!c->coordinator_->placement()) return Internal("the job has no placement");
     return c;
   }
 
@@ -667,7 +667,7 @@ class Cluster {
     // first registered, so the next id is known: a candidate whose chunks
     // would give a server more than its share is registered empty (0 bytes,
     // no chunks) to use up its id, and the next id is tried.
-    const Placement& placement = *coordinator_->placement();
+    const Placement placement = *coordinator_->placement();
     std::map<ServerId, uint64_t> load;
     std::vector<std::string> names;
     WorkerService& first = *workers_[0];

@@ -148,6 +148,8 @@ Result<int> CudaDriver::export_dmabuf(const Allocation& range) const {
         "this CUDA driver has no cuMemGetHandleForAddressRange (dma-buf export needs driver "
         ">= 515 / CUDA 11.7)");
   }
+  // A device address the driver gave as an integer; nothing dereferences it here.
+  // NOLINTNEXTLINE(performance-no-int-to-ptr)
   ContextScope scope(*this, reinterpret_cast<const void*>(static_cast<uintptr_t>(range.base)));
   PSLD_RETURN_IF_ERROR(scope.status());
   int fd = -1;

@@ -500,8 +500,8 @@ TEST_P(Runtime, ARequestForAKeyTheServerDoesNotOwnIsAnsweredMoved) {
   Cluster c(1, 2, nullptr, GetParam());
   ASSERT_TRUE(c.start().ok());
   ServerService& server = *c.servers[0];
-  const Placement* placement = c.coordinator->placement();
-  ASSERT_NE(placement, nullptr);
+  const std::optional<Placement> placement = c.coordinator->placement();
+  ASSERT_TRUE(placement.has_value());
   // A tensor id no worker registered; chunk `owned` is this server's, chunk
   // `other` the other server's.
   constexpr TensorId kTensor = 1000;

@@ -44,7 +44,9 @@ std::string arg_str(int argc, char** argv, const char* name, const char* fallbac
 
 }  // namespace
 
-int main(int argc, char** argv) {
+// psld returns errors as values; what could still leave main is
+// std::bad_alloc, and ending the demo then is right.
+int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape)
   const int rounds = arg_int(argc, argv, "--rounds", 600);
   const int batch = arg_int(argc, argv, "--batch", 64);
   const int hidden = arg_int(argc, argv, "--hidden", 512);

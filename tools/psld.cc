@@ -154,6 +154,7 @@ pid_t spawn(const std::vector<std::string>& argv, const std::map<std::string, st
     for (const auto& [k, v] : env)
       setenv(k.c_str(), v.c_str(), 1);
     std::vector<char*> args;
+    args.reserve(argv.size() + 1);
     for (const auto& a : argv)
       args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);
@@ -399,7 +400,9 @@ int cmd_launch(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+// psld returns errors as values; what could still leave main is
+// std::bad_alloc, and ending the tool then is right.
+int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape)
   if (argc < 2) {
     std::fputs(kUsage, stderr);
     return 2;

@@ -136,10 +136,13 @@ class [[nodiscard]] Result {
 
 #define PSLD_CONCAT_INNER_(a, b) a##b
 #define PSLD_CONCAT_(a, b) PSLD_CONCAT_INNER_(a, b)
+// NOLINTBEGIN(bugprone-macro-parentheses): tmp is a name being declared and
+// lhs may be a declaration (`auto x`); parentheses would not compile.
 #define PSLD_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \
   auto tmp = (expr);                                \
   if (!tmp.ok()) return tmp.status();               \
   lhs = std::move(tmp).value()
+// NOLINTEND(bugprone-macro-parentheses)
 
 // `PSLD_ASSIGN_OR_RETURN(auto x, make_x());` declares x from a Result or
 // returns its error.

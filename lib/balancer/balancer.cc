@@ -273,8 +273,9 @@ std::string Balancer::Decision::straggler_text() const {
   return out.empty() ? "none" : out;
 }
 
-Result<Plan> Balancer::Decision::finish_plan(std::string prefix, std::optional<PlanStep> step,
-                                             std::string hold) {
+Result<Plan> Balancer::Decision::finish_plan(const std::string& prefix,
+                                             std::optional<PlanStep> step,
+                                             const std::string& hold) {
   std::string line = fmt::format("decision {} epoch {}: ", balancer_.decision_, placement_.epoch());
   if (!prefix.empty()) line += prefix + "; ";
   if (step) {

@@ -137,7 +137,8 @@ class Balancer::Decision {
   std::string moves_text(const PlanStep& step) const;
   std::string cost_text(const PlanStep& step) const;
   std::string straggler_text() const;
-  Result<Plan> finish_plan(std::string prefix, std::optional<PlanStep> step, std::string hold);
+  Result<Plan> finish_plan(const std::string& prefix, std::optional<PlanStep> step,
+                           const std::string& hold);
 
   Balancer& balancer_;
   const BalancerOptions& options_;

@@ -103,7 +103,7 @@ std::optional<Value> from_toml(const FieldRef& r, const cpptoml::base& b) {
 
 class FileReader {
  public:
-  FileReader(std::string path, std::string text, Config& c, std::vector<std::string>& errors)
+  FileReader(std::string path, const std::string& text, Config& c, std::vector<std::string>& errors)
       : path_(std::move(path)), lines_(toml_lines(text)), config_(c), errors_(errors) {}
 
   void walk(const cpptoml::table& table, const std::string& prefix) {

@@ -23,12 +23,12 @@ Status CoordinatorService::propose(const PlacementDelta& delta) {
 }
 
 Placement CoordinatorService::current_placement() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return *placement_;
 }
 
 Status CoordinatorService::start_switch(const PlacementDelta& delta) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return start_switch_locked(delta);
 }
 
@@ -269,11 +269,14 @@ void CoordinatorService::publish_abort(uint32_t rank) {
   if (transfer_) {
     // The rest of the transfer goes on; old owners that lost only to the
     // lost server have nothing left to ship.
-    transfer_->waiting.clear();
+    // The lambda runs inside for_each_overlap, where the analysis does not
+    // see mu_ held: it gets the sets it needs by reference.
+    std::set<uint32_t>& waiting = transfer_->waiting;
+    const std::set<uint32_t>& reported = transfer_->reported;
+    waiting.clear();
     for_each_overlap(transfer_->before, *placement_,
                      [&](uint64_t, uint64_t, ServerId was, ServerId owner) {
-                       if (was != owner && !transfer_->reported.count(was))
-                         transfer_->waiting.insert(was);
+                       if (was != owner && !reported.count(was)) waiting.insert(was);
                      });
     finish_transfer_if_done();
   }

@@ -54,6 +54,7 @@ Result<std::unique_ptr<CoordinatorService>> CoordinatorService::start(
   PSLD_RETURN_IF_ERROR(c->ProcessRuntime::start(options.net));
   if (options.balancer_enabled) {
     PSLD_ASSIGN_OR_RETURN(auto b, Balancer::make(options.balancer));
+    MutexLock lock(c->mu_);
     c->balancer_.emplace(std::move(b));
   }
   PSLD_RETURN_IF_ERROR(
@@ -67,7 +68,7 @@ CoordinatorService::CoordinatorService(const RuntimeOptions& options) : options_
 
 CoordinatorService::~CoordinatorService() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     stopping_ = true;
   }
   cv_.notify_all();
@@ -76,7 +77,7 @@ CoordinatorService::~CoordinatorService() {
 }
 
 size_t CoordinatorService::num_members() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   size_t n = 0;
   for (const auto& [id, m] : members_)
     n += m.welcomed;
@@ -91,7 +92,7 @@ std::string CoordinatorService::describe(const Member& m) const {
 
 void CoordinatorService::on_accept(const ConnectionPtr& conn) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     Member m;
     m.conn = conn;
     m.nonce = random_u64();
@@ -124,10 +125,10 @@ const CoordinatorService::Member* CoordinatorService::find_member(uint64_t id) c
 void CoordinatorService::flush() {
   // One flusher at a time, so messages leave in the order they were posted
   // (a commit must not be overtaken by the next epoch's prepare).
-  std::lock_guard<std::mutex> order(flush_mu_);
+  MutexLock order(flush_mu_);
   std::vector<std::pair<ConnectionPtr, protocol::Message>> out;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     out.swap(outbox_);
   }
   for (auto& [conn, message] : out)
@@ -136,7 +137,7 @@ void CoordinatorService::flush() {
 
 void CoordinatorService::on_disconnect(const ConnectionPtr& conn, const Status& why) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto it = members_.find(conn->id());
     if (it == members_.end()) return;
     Member m = it->second;
@@ -161,7 +162,7 @@ void CoordinatorService::on_control(const ConnectionPtr& conn, protocol::Message
 }
 
 void CoordinatorService::handle_control(const ConnectionPtr& conn, protocol::Message&& message) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   auto it = members_.find(conn->id());
   if (it == members_.end()) return;
   Member& m = it->second;
@@ -219,9 +220,9 @@ void CoordinatorService::handle_control(const ConnectionPtr& conn, protocol::Mes
 }
 
 void CoordinatorService::handle_hello(Member& m, const protocol::Hello& hello) {
-  auto reject = [&](const std::string& reason) {
-    PSLD_LOG_WARN("coordinator rejected {} at {}: {}", role_name(hello.role), m.conn->peer(),
-                  reason);
+  auto reject = [&](const std::string& reason) REQUIRES(mu_) {
+    PSLD_LOG_WARN("coordinator rejected {} at {}: {}", role_name(hello.role),
+                  m.conn->peer(), reason);
     post(m.conn, protocol::Reject{reason});
   };
   if (m.welcomed) return reject("already admitted");
@@ -368,37 +369,37 @@ void CoordinatorService::handle_load_report(const Member& m, const protocol::Loa
 }
 
 uint64_t CoordinatorService::epoch() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return placement_ ? placement_->epoch() : 0;
 }
 
 bool CoordinatorService::switching() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return switch_.has_value() || transfer_.has_value();
 }
 
 bool CoordinatorService::transferring() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return transfer_.has_value();
 }
 
 uint64_t CoordinatorService::aborts() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return aborts_;
 }
 
 uint64_t CoordinatorService::switches() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return switches_;
 }
 
 uint64_t CoordinatorService::last_switch_round() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return last_switch_round_;
 }
 
 LoadHistory CoordinatorService::load_history() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return load_;
 }
 
@@ -425,9 +426,9 @@ void CoordinatorService::finish_job() {
 }
 
 void CoordinatorService::monitor() {
-  std::unique_lock<std::mutex> lock(mu_);
+  UniqueLock lock(mu_);
   while (!stopping_) {
-    cv_.wait_for(lock, options_.heartbeat_interval / 2);
+    cv_.wait_for(lock.native(), options_.heartbeat_interval / 2);
     if (stopping_ || job_over_) continue;
     const auto now = Clock::now();
     std::vector<ConnectionPtr> silent_servers;
@@ -466,8 +467,8 @@ void CoordinatorService::monitor() {
 }
 
 Status CoordinatorService::wait(std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(mu_);
-  if (!cv_.wait_for(lock, timeout, [&] { return job_over_; })) {
+  UniqueLock lock(mu_);
+  if (!cv_.wait_for(lock.native(), timeout, [&]() REQUIRES(mu_) { return job_over_; })) {
     return Timeout(fmt::format("the job did not end within {} ms", timeout.count()));
   }
   return job_status_;
@@ -475,7 +476,7 @@ Status CoordinatorService::wait(std::chrono::milliseconds timeout) {
 
 void CoordinatorService::shutdown() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (!job_over_) {
       job_over_ = true;
       job_status_ = Aborted("the coordinator was shut down");

@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/mutex.h"
 #include "lib/balancer/balancer.h"
 #include "lib/config/runtime_options.h"
 #include "lib/placement/placement.h"
@@ -63,7 +64,12 @@ class CoordinatorService final : public ProcessRuntime {
   uint64_t last_switch_round() const;
   // Transfers aborted because a server gaining keys died.
   uint64_t aborts() const;
-  const Placement* placement() const { return placement_ ? &*placement_ : nullptr; }
+  // A copy of the committed placement, nullopt before there is one. (A
+  // pointer into placement_ would race with the commit that replaces it.)
+  std::optional<Placement> placement() const EXCLUDES(mu_) {
+    MutexLock lock(mu_);
+    return placement_;
+  }
 
  private:
   explicit CoordinatorService(const RuntimeOptions& options);
@@ -96,60 +102,62 @@ class CoordinatorService final : public ProcessRuntime {
   // Messages are queued under mu_ and sent by flush() after it is released:
   // sending under our lock while the transport's thread waits for it in a
   // handler would deadlock.
-  void post(const transport::ConnectionPtr& conn, protocol::Message message);
+  void post(const transport::ConnectionPtr& conn, protocol::Message message) REQUIRES(mu_);
   // Posts `message` to each member of `ranks` (workers_ or servers_).
-  void post_all(const std::map<uint32_t, uint64_t>& ranks, const protocol::Message& message);
+  void post_all(const std::map<uint32_t, uint64_t>& ranks, const protocol::Message& message)
+      REQUIRES(mu_);
   // The member of connection `id`, or nullptr. workers_ and servers_ name
   // admitted members only, so a miss there is a broken invariant: logged,
   // never an exception.
-  const Member* find_member(uint64_t id) const;
-  void flush();
+  const Member* find_member(uint64_t id) const REQUIRES(mu_);
+  void flush() EXCLUDES(mu_);
 
   // All of these run with mu_ held.
-  void handle_hello(Member& m, const protocol::Hello& hello);
-  void handle_register(Member& m, const protocol::RegisterTensor& reg);
-  void handle_load_report(const Member& m, const protocol::LoadReport& report);
-  void handle_vote(const Member& m, const protocol::EpochVote& vote);
-  void handle_transfer_done(const Member& m, const protocol::TransferDone& done);
+  void handle_hello(Member& m, const protocol::Hello& hello) REQUIRES(mu_);
+  void handle_register(Member& m, const protocol::RegisterTensor& reg) REQUIRES(mu_);
+  void handle_load_report(const Member& m, const protocol::LoadReport& report) REQUIRES(mu_);
+  void handle_vote(const Member& m, const protocol::EpochVote& vote) REQUIRES(mu_);
+  void handle_transfer_done(const Member& m, const protocol::TransferDone& done) REQUIRES(mu_);
   // Sends the servers a LowWatermark when it moved (docs/migration.md,
   // "Freeing old runs").
-  void publish_watermark();
-  void send_prepare();
+  void publish_watermark() REQUIRES(mu_);
+  void send_prepare() REQUIRES(mu_);
   // Commits the switch once every live server voted yes.
-  void maybe_commit();
-  void commit_switch();
+  void maybe_commit() REQUIRES(mu_);
+  void commit_switch() REQUIRES(mu_);
   // Tracks the committed switch's transfer (from `before`) when it can be
   // aborted; final at once when nothing moves.
-  void begin_transfer(Placement before);
-  void finish_transfer_if_done();
+  void begin_transfer(Placement before) REQUIRES(mu_);
+  void finish_transfer_if_done() REQUIRES(mu_);
   // A server is gone (`what` says how). Fails the job when it held state;
   // else removes it and aborts its part of the transfer.
-  void server_lost(const Member& m, const std::string& what);
+  void server_lost(const Member& m, const std::string& what) REQUIRES(mu_);
   // Publishes the epoch that takes the lost server out (EpochStep::kAbort).
-  void publish_abort(uint32_t rank);
+  void publish_abort(uint32_t rank) REQUIRES(mu_);
   // One balancer decision over the load reported since the last (mu_ held).
-  void balance();
-  Status start_switch(const PlacementDelta& delta);
-  Status start_switch_locked(const PlacementDelta& delta);
-  void maybe_start_job();
-  void send_job_state(const Member& m);
-  void fail_job(const std::string& reason);
-  void finish_job();
-  std::string describe(const Member& m) const;
+  void balance() REQUIRES(mu_);
+  Status start_switch(const PlacementDelta& delta) EXCLUDES(mu_);
+  Status start_switch_locked(const PlacementDelta& delta) REQUIRES(mu_);
+  void maybe_start_job() REQUIRES(mu_);
+  void send_job_state(const Member& m) REQUIRES(mu_);
+  void fail_job(const std::string& reason) REQUIRES(mu_);
+  void finish_job() REQUIRES(mu_);
+  std::string describe(const Member& m) const REQUIRES(mu_);
 
   void monitor();
 
   const RuntimeOptions options_;
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   std::condition_variable cv_;
-  std::map<uint64_t, Member> members_;              // by connection id
-  std::map<uint32_t, uint64_t> workers_, servers_;  // rank -> connection id
-  std::set<uint32_t> finished_workers_;             // said goodbye, possibly gone already
-  std::map<std::string, TensorRecord> tensors_;
-  TensorId next_tensor_ = 1;
-  std::map<uint64_t, std::set<uint32_t>> barriers_;
-  std::optional<Placement> placement_;
-  LoadHistory load_;
+  std::map<uint64_t, Member> members_ GUARDED_BY(mu_);  // by connection id
+  std::map<uint32_t, uint64_t> workers_ GUARDED_BY(mu_), servers_
+      GUARDED_BY(mu_);                                   // rank -> connection id
+  std::set<uint32_t> finished_workers_ GUARDED_BY(mu_);  // said goodbye, possibly gone already
+  std::map<std::string, TensorRecord> tensors_ GUARDED_BY(mu_);
+  TensorId next_tensor_ GUARDED_BY(mu_) = 1;
+  std::map<uint64_t, std::set<uint32_t>> barriers_ GUARDED_BY(mu_);
+  std::optional<Placement> placement_ GUARDED_BY(mu_);
+  LoadHistory load_ GUARDED_BY(mu_);
   // The epoch switch in flight (docs/design.md §7).
   struct Switch {
     PlacementDelta delta;
@@ -159,7 +167,7 @@ class CoordinatorService final : public ProcessRuntime {
     uint64_t margin = 0;  // rounds ahead of the furthest round seen; doubles on a no
     std::set<uint32_t> yes;
   };
-  std::optional<Switch> switch_;
+  std::optional<Switch> switch_ GUARDED_BY(mu_);
   // The transfer of the last committed switch when a server that never
   // owned anything gains keys in it, until every old owner said TransferDone
   // and EpochFinal went out. No switch starts meanwhile, so an abort always
@@ -170,33 +178,34 @@ class CoordinatorService final : public ProcessRuntime {
     std::set<uint32_t> waiting;  // old owners that have not reported yet
     std::set<uint32_t> reported;
   };
-  std::optional<Transfer> transfer_;
-  std::set<uint32_t> lost_servers_;    // removed after they died; their ranks stay taken
-  std::set<uint32_t> pending_losses_;  // lost while a switch was being voted on
+  std::optional<Transfer> transfer_ GUARDED_BY(mu_);
+  std::set<uint32_t> lost_servers_
+      GUARDED_BY(mu_);  // removed after they died; their ranks stay taken
+  std::set<uint32_t> pending_losses_ GUARDED_BY(mu_);  // lost while a switch was being voted on
   // Servers that owned arcs in a placement that is final (every committed
   // one but that of an open transfer): they may hold parameters nobody else
   // has, so their death fails the job.
-  std::set<uint32_t> ever_owned_;
-  uint64_t aborts_ = 0;
-  uint64_t max_round_ = 0;  // the highest round any member reported
+  std::set<uint32_t> ever_owned_ GUARDED_BY(mu_);
+  uint64_t aborts_ GUARDED_BY(mu_) = 0;
+  uint64_t max_round_ GUARDED_BY(mu_) = 0;  // the highest round any member reported
   // Each worker's last WorkerProgress, and the last LowWatermark sent.
-  std::map<uint32_t, protocol::WorkerProgress> progress_;
-  std::optional<protocol::LowWatermark> watermark_;
+  std::map<uint32_t, protocol::WorkerProgress> progress_ GUARDED_BY(mu_);
+  std::optional<protocol::LowWatermark> watermark_ GUARDED_BY(mu_);
   // The balancer, when enabled, and what its last decision had seen.
-  std::optional<Balancer> balancer_;
-  transport::Clock::time_point last_decision_{};
-  uint64_t decision_round_ = 0;                   // max_round_ then
-  uint64_t decision_epoch_ = 0;                   // the committed epoch then
-  std::map<uint32_t, uint64_t> decision_window_;  // server -> last window seen
-  uint64_t last_switch_round_ = 0;
-  uint64_t switches_ = 0;
-  uint64_t bad_reports_ = 0;
-  bool job_started_ = false;
-  bool job_over_ = false;
-  Status job_status_;
-  bool stopping_ = false;
-  std::vector<std::pair<transport::ConnectionPtr, protocol::Message>> outbox_;
-  std::mutex flush_mu_;  // held while flushing: sends leave in posting order
+  std::optional<Balancer> balancer_ GUARDED_BY(mu_);
+  transport::Clock::time_point last_decision_ GUARDED_BY(mu_){};
+  uint64_t decision_round_ GUARDED_BY(mu_) = 0;                   // max_round_ then
+  uint64_t decision_epoch_ GUARDED_BY(mu_) = 0;                   // the committed epoch then
+  std::map<uint32_t, uint64_t> decision_window_ GUARDED_BY(mu_);  // server -> last window seen
+  uint64_t last_switch_round_ GUARDED_BY(mu_) = 0;
+  uint64_t switches_ GUARDED_BY(mu_) = 0;
+  uint64_t bad_reports_ GUARDED_BY(mu_) = 0;
+  bool job_started_ GUARDED_BY(mu_) = false;
+  bool job_over_ GUARDED_BY(mu_) = false;
+  Status job_status_ GUARDED_BY(mu_);
+  bool stopping_ GUARDED_BY(mu_) = false;
+  std::vector<std::pair<transport::ConnectionPtr, protocol::Message>> outbox_ GUARDED_BY(mu_);
+  Mutex flush_mu_;  // held while flushing: sends leave in posting order
   std::thread monitor_;
 };
 

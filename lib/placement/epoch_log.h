@@ -19,6 +19,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 
 #include "lib/placement/placement.h"
 
@@ -33,7 +34,9 @@ class EpochLog {
     uint64_t switch_round = 0;  // 0 for the first epoch
   };
 
-  explicit EpochLog(std::shared_ptr<const Placement> first) { entries_.push_back({first, 0}); }
+  explicit EpochLog(std::shared_ptr<const Placement> first) {
+    entries_.push_back({std::move(first), 0});
+  }
 
   const Placement& latest() const { return *entries_.back().placement; }
   std::shared_ptr<const Placement> latest_ptr() const { return entries_.back().placement; }

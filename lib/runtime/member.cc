@@ -25,7 +25,7 @@ MemberSession::MemberSession(ProcessRuntime& runtime, Role role, const RuntimeOp
 MemberSession::~MemberSession() {
   stop_reports();
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     goodbye_ = true;
   }
   cv_.notify_all();
@@ -38,7 +38,7 @@ Status MemberSession::join(std::vector<uint8_t> listen_address) {
         "no coordinator address: set PSLD_COORDINATOR (host:port) or run under psld launch");
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     listen_address_ = std::move(listen_address);
     last_heard_ = Clock::now();
     joining_ = true;
@@ -54,7 +54,7 @@ Status MemberSession::join(std::vector<uint8_t> listen_address) {
     if (conn.ok()) {
       std::vector<protocol::Message> early;
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         coordinator_ = *conn;
         early.swap(early_);
       }
@@ -63,9 +63,10 @@ Status MemberSession::join(std::vector<uint8_t> listen_address) {
       // The coordinator challenges every connection at once. A dial that
       // neither fails nor hears anything within a second is given up and
       // redialled (UCX does not always report a refused connection).
-      std::unique_lock<std::mutex> lock(mu_);
+      UniqueLock lock(mu_);
       const auto attempt_deadline = std::min(deadline, Clock::now() + std::chrono::seconds(1));
-      cv_.wait_until(lock, attempt_deadline, [&] { return heard_ || !dial_failure_.ok(); });
+      cv_.wait_until(lock.native(), attempt_deadline,
+                     [&]() REQUIRES(mu_) { return heard_ || !dial_failure_.ok(); });
       if (heard_) break;
       last = dial_failure_.ok() ? Unavailable("no answer") : dial_failure_;
       dial_failure_ = Status::Ok();
@@ -82,12 +83,13 @@ Status MemberSession::join(std::vector<uint8_t> listen_address) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
-  std::unique_lock<std::mutex> lock(mu_);
+  UniqueLock lock(mu_);
   // Admission first: from then on both sides watch each other's heartbeats,
   // also while waiting for the rest of the job (which may take longer than
   // the heartbeat timeout).
-  const bool admitted = cv_.wait_until(
-      lock, deadline, [&] { return !rejected_.empty() || !health_.ok() || welcomed_; });
+  const bool admitted = cv_.wait_until(lock.native(), deadline, [&]() REQUIRES(mu_) {
+    return !rejected_.empty() || !health_.ok() || welcomed_;
+  });
   if (!rejected_.empty()) {
     return FailedPrecondition("the coordinator refused this " + std::string(role_name(role_)) +
                               ": " + rejected_);
@@ -100,8 +102,9 @@ Status MemberSession::join(std::vector<uint8_t> listen_address) {
   }
   last_heard_ = Clock::now();
   PSLD_RETURN_IF_ERROR(start_thread(heartbeat_, "heartbeat", [this] { heartbeat_loop(); }));
-  const bool started = cv_.wait_until(
-      lock, deadline, [&] { return !health_.ok() || (have_servers_ && placement_); });
+  const bool started = cv_.wait_until(lock.native(), deadline, [&]() REQUIRES(mu_) {
+    return !health_.ok() || (have_servers_ && placement_);
+  });
   if (!health_.ok()) return health_;
   if (!started) {
     return Timeout(fmt::format(
@@ -114,7 +117,7 @@ Status MemberSession::join(std::vector<uint8_t> listen_address) {
 
 bool MemberSession::handle(const ConnectionPtr& conn, protocol::Message& message) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (!coordinator_) {
       // The coordinator's first message can beat connect()'s return. Until
       // join() has stored the connection, the only peer that can talk to
@@ -135,7 +138,7 @@ bool MemberSession::handle(const ConnectionPtr& conn, protocol::Message& message
     hello.rank_hint = options_.rank;
     hello.proof = protocol::secret_proof(options_.secret, c->nonce);
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       hello.address = listen_address_;
     }
     hello.pid = static_cast<uint32_t>(getpid());
@@ -146,7 +149,7 @@ bool MemberSession::handle(const ConnectionPtr& conn, protocol::Message& message
   if (auto* e = std::get_if<protocol::EpochChange>(&message)) {
     EpochFn fn;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       fn = on_epoch_;
     }
     if (fn) {
@@ -159,7 +162,7 @@ bool MemberSession::handle(const ConnectionPtr& conn, protocol::Message& message
   if (auto* f = std::get_if<protocol::EpochFinal>(&message)) {
     FinalFn fn;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       fn = on_final_;
     }
     if (fn) fn(*f);
@@ -168,13 +171,13 @@ bool MemberSession::handle(const ConnectionPtr& conn, protocol::Message& message
   if (auto* w = std::get_if<protocol::LowWatermark>(&message)) {
     WatermarkFn fn;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       fn = on_watermark_;
     }
     if (fn) fn(*w);
     return true;
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (auto* w = std::get_if<protocol::Welcome>(&message)) {
     welcome_ = *w;
     welcomed_ = true;
@@ -225,7 +228,7 @@ bool MemberSession::handle(const ConnectionPtr& conn, protocol::Message& message
 }
 
 bool MemberSession::on_disconnect(const ConnectionPtr& conn, const Status& why) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (!coordinator_ || conn->id() != coordinator_->id()) return false;
   if (joining_ && !heard_) {
     dial_failure_ = why.ok() ? Unavailable("connection closed") : why;
@@ -243,30 +246,31 @@ void MemberSession::fail(const std::string& reason) {
 }
 
 Status MemberSession::health() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return health_;
 }
 
 bool MemberSession::shutdown_requested() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return shutdown_;
 }
 
 Status MemberSession::wait_for_shutdown(std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(mu_);
-  if (!cv_.wait_for(lock, timeout, [&] { return shutdown_ || !health_.ok(); })) {
+  UniqueLock lock(mu_);
+  if (!cv_.wait_for(lock.native(), timeout,
+                    [&]() REQUIRES(mu_) { return shutdown_ || !health_.ok(); })) {
     return Timeout("the job did not end in time");
   }
   return shutdown_ ? Status::Ok() : health_;
 }
 
 std::vector<protocol::ServerEntry> MemberSession::servers() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return servers_;
 }
 
 std::shared_ptr<const Placement> MemberSession::placement() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return placement_;
 }
 
@@ -275,15 +279,16 @@ Result<protocol::TensorInfo> MemberSession::register_tensor(const protocol::Regi
   protocol::RegisterTensor r = request;
   ConnectionPtr conn;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     PSLD_RETURN_IF_ERROR(health_);
     r.request = next_request_++;
     conn = coordinator_;
   }
   PSLD_RETURN_IF_ERROR(runtime_.send(conn, r));
-  std::unique_lock<std::mutex> lock(mu_);
-  if (!cv_.wait_for(lock, timeout,
-                    [&] { return registrations_.count(r.request) || !health_.ok(); })) {
+  UniqueLock lock(mu_);
+  if (!cv_.wait_for(lock.native(), timeout, [&]() REQUIRES(mu_) {
+        return registrations_.count(r.request) || !health_.ok();
+      })) {
     return Timeout(fmt::format("registering tensor '{}': no answer from the coordinator in {} ms",
                                r.name, timeout.count()));
   }
@@ -298,14 +303,16 @@ Status MemberSession::barrier(std::chrono::milliseconds timeout) {
   uint64_t id = 0;
   ConnectionPtr conn;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     PSLD_RETURN_IF_ERROR(health_);
     id = next_barrier_++;
     conn = coordinator_;
   }
   PSLD_RETURN_IF_ERROR(runtime_.send(conn, protocol::BarrierEnter{id}));
-  std::unique_lock<std::mutex> lock(mu_);
-  if (!cv_.wait_for(lock, timeout, [&] { return released_barriers_.count(id) || !health_.ok(); })) {
+  UniqueLock lock(mu_);
+  if (!cv_.wait_for(lock.native(), timeout, [&]() REQUIRES(mu_) {
+        return released_barriers_.count(id) || !health_.ok();
+      })) {
     return Timeout(
         fmt::format("barrier {}: not every worker arrived within {} ms", id, timeout.count()));
   }
@@ -317,7 +324,7 @@ Status MemberSession::barrier(std::chrono::milliseconds timeout) {
 void MemberSession::goodbye() {
   ConnectionPtr conn;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (goodbye_) return;
     goodbye_ = true;
     if (welcomed_) conn = coordinator_;
@@ -327,16 +334,16 @@ void MemberSession::goodbye() {
   if (conn && conn->is_open() && runtime_.send(conn, protocol::Shutdown{}).ok()) {
     // Wait for the coordinator's acknowledgement before the caller closes the
     // transport: a close that overtook the goodbye would look like a crash.
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait_for(lock, options_.heartbeat_timeout,
-                 [&] { return shutdown_ || !health_.ok() || !conn->is_open(); });
+    UniqueLock lock(mu_);
+    cv_.wait_for(lock.native(), options_.heartbeat_timeout,
+                 [&]() REQUIRES(mu_) { return shutdown_ || !health_.ok() || !conn->is_open(); });
   }
 }
 
 Status MemberSession::send_to_coordinator(const protocol::Message& message) {
   ConnectionPtr conn;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     conn = coordinator_;
   }
   if (!conn) return Unavailable("not connected to the coordinator");
@@ -344,7 +351,7 @@ Status MemberSession::send_to_coordinator(const protocol::Message& message) {
 }
 
 Status MemberSession::start_reports(std::chrono::milliseconds interval, ReportFn make) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (reporter_.joinable() || interval.count() <= 0) return Status::Ok();
   reports_stop_ = false;
   return start_thread(reporter_, "load report",
@@ -353,7 +360,7 @@ Status MemberSession::start_reports(std::chrono::milliseconds interval, ReportFn
 
 void MemberSession::stop_reports() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     reports_stop_ = true;
   }
   cv_.notify_all();
@@ -362,9 +369,9 @@ void MemberSession::stop_reports() {
 
 void MemberSession::report_loop(std::chrono::milliseconds interval, const ReportFn& make) {
   auto window_start = Clock::now();
-  std::unique_lock<std::mutex> lock(mu_);
+  UniqueLock lock(mu_);
   while (true) {
-    cv_.wait_for(lock, interval, [&] { return reports_stop_; });
+    cv_.wait_for(lock.native(), interval, [&]() REQUIRES(mu_) { return reports_stop_; });
     const bool last = reports_stop_;
     ConnectionPtr conn = welcomed_ && health_.ok() ? coordinator_ : nullptr;
     lock.unlock();
@@ -385,22 +392,22 @@ void MemberSession::report_loop(std::chrono::milliseconds interval, const Report
 void MemberSession::report_failure(const std::string& reason) {
   ConnectionPtr conn;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     conn = coordinator_;
   }
   if (conn) (void)runtime_.send(conn, protocol::JobFailed{reason});
 }
 
 void MemberSession::on_tick(TickFn fn) {
-  std::lock_guard<std::mutex> lock(tick_mu_);
+  MutexLock lock(tick_mu_);
   tick_ = std::move(fn);
 }
 
 void MemberSession::heartbeat_loop() {
   uint64_t seq = 0;
-  std::unique_lock<std::mutex> lock(mu_);
+  UniqueLock lock(mu_);
   while (!goodbye_) {
-    cv_.wait_for(lock, options_.heartbeat_interval);
+    cv_.wait_for(lock.native(), options_.heartbeat_interval);
     if (goodbye_) break;
     if (health_.ok() && !shutdown_ && Clock::now() - last_heard_ > options_.heartbeat_timeout) {
       fail(fmt::format("the coordinator at {} sent nothing for {} ms", options_.coordinator_address,
@@ -410,7 +417,7 @@ void MemberSession::heartbeat_loop() {
     lock.unlock();
     if (conn && conn->is_open()) (void)runtime_.send(conn, protocol::Heartbeat{++seq});
     {
-      std::lock_guard<std::mutex> tick(tick_mu_);
+      MutexLock tick(tick_mu_);
       if (tick_) tick_();
     }
     lock.lock();

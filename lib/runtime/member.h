@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/mutex.h"
 #include "lib/config/runtime_options.h"
 #include "lib/placement/placement.h"
 #include "lib/protocol/protocol.h"
@@ -69,19 +70,19 @@ class MemberSession {
   // transport's thread). Set before join().
   using EpochFn = std::function<void(const protocol::EpochChange&)>;
   void on_epoch(EpochFn fn) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     on_epoch_ = std::move(fn);
   }
   // The end of a transfer (EpochFinal, servers) goes to `fn`, like on_epoch.
   using FinalFn = std::function<void(const protocol::EpochFinal&)>;
   void on_final(FinalFn fn) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     on_final_ = std::move(fn);
   }
   // A LowWatermark from the coordinator (servers) goes to `fn`, like on_epoch.
   using WatermarkFn = std::function<void(const protocol::LowWatermark&)>;
   void on_watermark(WatermarkFn fn) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     on_watermark_ = std::move(fn);
   }
   // `fn` runs on the heartbeat thread once per heartbeat interval, from
@@ -99,45 +100,45 @@ class MemberSession {
  private:
   void heartbeat_loop();
   void report_loop(std::chrono::milliseconds interval, const ReportFn& make);
-  void fail(const std::string& reason);
+  void fail(const std::string& reason) REQUIRES(mu_);
 
   ProcessRuntime& runtime_;
   const Role role_;
   const RuntimeOptions options_;
   transport::ConnectionPtr coordinator_;
-  bool joining_ = false;                  // guarded by mu_
-  bool heard_ = false;                    // the coordinator said something; guarded by mu_
-  Status dial_failure_;                   // the connection failed before that; guarded by mu_
-  std::vector<protocol::Message> early_;  // guarded by mu_
+  bool joining_ GUARDED_BY(mu_) = false;
+  bool heard_ GUARDED_BY(mu_) = false;   // the coordinator said something
+  Status dial_failure_ GUARDED_BY(mu_);  // the connection failed before that
+  std::vector<protocol::Message> early_ GUARDED_BY(mu_);
 
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   std::condition_variable cv_;
-  bool welcomed_ = false;
-  std::string rejected_;
-  protocol::Welcome welcome_;
-  std::optional<uint64_t> nonce_;
-  std::vector<uint8_t> listen_address_;
-  std::vector<protocol::ServerEntry> servers_;
-  bool have_servers_ = false;
-  std::map<uint32_t, std::vector<uint8_t>> placement_pieces_;
-  uint32_t placement_count_ = 0;
-  std::shared_ptr<const Placement> placement_;
-  std::map<uint64_t, Result<protocol::TensorInfo>> registrations_;
-  uint64_t next_request_ = 1;
-  std::set<uint64_t> released_barriers_;
-  uint64_t next_barrier_ = 1;
-  Status health_;
-  bool shutdown_ = false;
-  bool goodbye_ = false;
-  transport::Clock::time_point last_heard_;
+  bool welcomed_ GUARDED_BY(mu_) = false;
+  std::string rejected_ GUARDED_BY(mu_);
+  protocol::Welcome welcome_ GUARDED_BY(mu_);
+  std::optional<uint64_t> nonce_ GUARDED_BY(mu_);
+  std::vector<uint8_t> listen_address_ GUARDED_BY(mu_);
+  std::vector<protocol::ServerEntry> servers_ GUARDED_BY(mu_);
+  bool have_servers_ GUARDED_BY(mu_) = false;
+  std::map<uint32_t, std::vector<uint8_t>> placement_pieces_ GUARDED_BY(mu_);
+  uint32_t placement_count_ GUARDED_BY(mu_) = 0;
+  std::shared_ptr<const Placement> placement_ GUARDED_BY(mu_);
+  std::map<uint64_t, Result<protocol::TensorInfo>> registrations_ GUARDED_BY(mu_);
+  uint64_t next_request_ GUARDED_BY(mu_) = 1;
+  std::set<uint64_t> released_barriers_ GUARDED_BY(mu_);
+  uint64_t next_barrier_ GUARDED_BY(mu_) = 1;
+  Status health_ GUARDED_BY(mu_);
+  bool shutdown_ GUARDED_BY(mu_) = false;
+  bool goodbye_ GUARDED_BY(mu_) = false;
+  transport::Clock::time_point last_heard_ GUARDED_BY(mu_);
   std::thread heartbeat_;
   std::thread reporter_;
-  EpochFn on_epoch_;           // guarded by mu_
-  FinalFn on_final_;           // guarded by mu_
-  WatermarkFn on_watermark_;   // guarded by mu_
-  std::mutex tick_mu_;         // held while tick_ runs
-  TickFn tick_;                // guarded by tick_mu_
-  bool reports_stop_ = false;  // guarded by mu_
+  EpochFn on_epoch_ GUARDED_BY(mu_);
+  FinalFn on_final_ GUARDED_BY(mu_);
+  WatermarkFn on_watermark_ GUARDED_BY(mu_);
+  Mutex tick_mu_;  // held while tick_ runs
+  TickFn tick_ GUARDED_BY(tick_mu_);
+  bool reports_stop_ GUARDED_BY(mu_) = false;
 };
 
 }  // namespace psld

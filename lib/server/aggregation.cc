@@ -102,7 +102,7 @@ void ServerService::process_push(Shard& shard, PushWork& w) {
     return;
   }
   {
-    std::lock_guard<std::mutex> lock(stats_mu_);
+    MutexLock lock(stats_mu_);
     ++stats_.pushes;
   }
   const bool then_pull = (meta.flags & protocol::kPushThenPull) != 0;
@@ -212,7 +212,7 @@ void ServerService::apply_round(Shard& shard, KeyState& k) {
   load_->record(k.arc, LoadMetric::kBusyNs, ns_since(start));
   load_->record(k.arc, LoadMetric::kRound, 1);
   {
-    std::lock_guard<std::mutex> lock(stats_mu_);
+    MutexLock lock(stats_mu_);
     ++stats_.rounds_applied;
   }
   // Serve the pulls this round satisfies.
@@ -258,7 +258,7 @@ void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
   uint64_t base = 0;  // of the tensor in `remote`
   ConnectionPtr conn;
   {
-    std::lock_guard<std::mutex> lock(conns_mu_);
+    MutexLock lock(conns_mu_);
     auto it = conns_.find(w.conn);
     if (it == conns_.end()) return;  // the worker is gone
     conn = it->second->conn;
@@ -285,7 +285,7 @@ void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
   const uint64_t run = k.owned_from;
   load_->begin_service();  // until the write completed
   Status s = conn->write({k.out_region.get(), 0, remote.get(), offset, k.agg.bytes(), w.req.tag},
-                         [this, key, run](Status) {
+                         [this, key, run](const Status&) {
                            load_->end_service();
                            dispatch(key, PullDone{key, run});
                          });
@@ -296,7 +296,7 @@ void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
     return;
   }
   load_->record(k.arc, LoadMetric::kBytesOut, static_cast<double>(k.agg.bytes()));
-  std::lock_guard<std::mutex> lock(stats_mu_);
+  MutexLock lock(stats_mu_);
   ++stats_.pulls;
   stats_.bytes_out += k.agg.bytes();
 }

@@ -19,7 +19,7 @@ using transport::ConnectionPtr;
 void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::Message& message) {
   std::shared_ptr<WorkerConn> w;
   {
-    std::lock_guard<std::mutex> lock(conns_mu_);
+    MutexLock lock(conns_mu_);
     auto it = conns_.find(conn->id());
     if (it == conns_.end()) return;
     w = it->second;
@@ -50,7 +50,7 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
             rank(), st.to_string());
       }
     }
-    std::lock_guard<std::mutex> lock(conns_mu_);
+    MutexLock lock(conns_mu_);
     w->hello = true;
     w->rank = hello->worker_rank;
     w->pinned = std::move(pinned);  // first: a second hello unpins the old slots before they go
@@ -86,7 +86,7 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
     dispatch(offer->key, Offered{*offer});
     return;
   }
-  std::unique_lock<std::mutex> lock(conns_mu_);
+  UniqueLock lock(conns_mu_);
   if (!w->hello) {
     lock.unlock();
     send_error(conn->id(), 0, FailedPrecondition("WorkerHello must come first"));
@@ -132,7 +132,7 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
                   t->second.remote, w->rank, transport::Clock::now()};
     lock.unlock();
     {
-      std::lock_guard<std::mutex> stats(stats_mu_);
+      MutexLock stats(stats_mu_);
       ++stats_.pushes_in_place;
       stats_.bytes_in += work.meta.bytes;
     }
@@ -189,7 +189,7 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
 
 void ServerService::on_write(const ConnectionPtr& conn, uint32_t tag, uint64_t length) {
   {
-    std::unique_lock<std::mutex> lock(peers_mu_);
+    UniqueLock lock(peers_mu_);
     auto it = incoming_.find({conn->id(), tag});
     if (it != incoming_.end()) {
       const auto [key, run] = it->second;
@@ -199,7 +199,7 @@ void ServerService::on_write(const ConnectionPtr& conn, uint32_t tag, uint64_t l
       return;
     }
   }
-  std::unique_lock<std::mutex> lock(conns_mu_);
+  UniqueLock lock(conns_mu_);
   auto it = conns_.find(conn->id());
   if (it == conns_.end()) return;
   WorkerConn& w = *it->second;
@@ -227,10 +227,12 @@ void ServerService::on_write(const ConnectionPtr& conn, uint32_t tag, uint64_t l
     return;
   }
   {
-    std::lock_guard<std::mutex> s(stats_mu_);
+    MutexLock s(stats_mu_);
     stats_.bytes_in += length;
   }
-  dispatch(work.meta.key, std::move(work));
+  // The key first: the order in which arguments are evaluated is unspecified.
+  const Key key = work.meta.key;
+  dispatch(key, std::move(work));
 }
 
 void ServerService::dispatch(Key key, Work work) {
@@ -258,7 +260,7 @@ void ServerService::dispatch_all(const Work& work) {
 void ServerService::free_slot(Shard& shard, uint64_t conn, uint32_t slot) {
   if (slot == protocol::kNoSlot) return;  // read in place: it took no slot
   {
-    std::lock_guard<std::mutex> lock(conns_mu_);
+    MutexLock lock(conns_mu_);
     auto it = conns_.find(conn);
     if (it != conns_.end() && slot < it->second->slot_busy.size()) it->second->slot_busy[slot] = 0;
   }

@@ -17,7 +17,7 @@ namespace psld {
 using transport::ConnectionPtr;
 
 ConnectionPtr ServerService::peer(ServerId id) {
-  std::lock_guard<std::mutex> lock(peers_mu_);
+  MutexLock lock(peers_mu_);
   auto it = peers_.find(id);
   if (it != peers_.end() && it->second->is_open()) return it->second;
   for (const auto& entry : session_.servers()) {
@@ -54,13 +54,13 @@ void ServerService::request_state(KeyState& k, uint64_t switch_round, ServerId f
       k.agg.bytes(),
       std::vector<uint8_t>(k.incoming->remote_key().begin(), k.incoming->remote_key().end())};
   {
-    std::lock_guard<std::mutex> lock(peers_mu_);
+    MutexLock lock(peers_mu_);
     req.tag = next_state_tag_++;
     if (req.tag == 0) req.tag = next_state_tag_++;
     incoming_[{conn->id(), req.tag}] = {k.key, k.owned_from};
   }
   {
-    std::lock_guard<std::mutex> lock(stats_mu_);
+    MutexLock lock(stats_mu_);
     ++stats_.states_requested;
   }
   PSLD_LOG_DEBUG("server {}: key {:#x} moves here at round {}; asking server {} for it", rank(),
@@ -87,7 +87,7 @@ void ServerService::install_state(Shard& shard, KeyState& k) {
     return;
   }
   {
-    std::lock_guard<std::mutex> lock(stats_mu_);
+    MutexLock lock(stats_mu_);
     ++stats_.states_in;
   }
   PSLD_LOG_DEBUG("server {}: key {:#x} arrived as of round {}", rank(), k.key, k.agg.version());
@@ -154,7 +154,7 @@ void ServerService::ship_state(Shard& shard, KeyState& k, const StateWork& w) {
   const Key key = k.key;
   const uint64_t run = k.owned_from, round = w.req.switch_round;
   Status st = conn->write({region.get(), 0, target.get(), 0, bytes, w.req.tag},
-                          [this, region, target, key, run, round](Status s) {
+                          [this, region, target, key, run, round](const Status& s) {
                             if (!s.ok()) {
                               PSLD_LOG_ERROR("shipping the state of key {:#x} failed: {}", key,
                                              s.to_string());
@@ -174,7 +174,7 @@ void ServerService::on_epoch_change(const protocol::EpochChange& change) {
   Dial dial;  // the servers this switch brings keys from
   std::vector<std::tuple<uint64_t, Key, Work>> wake;
   {
-    std::lock_guard<std::mutex> lock(epoch_mu_);
+    MutexLock lock(epoch_mu_);
     const ServerId me = rank();
     if (change.step == EpochStep::kPrepare) {
       auto next = epochs_->follow(change.epoch, change.delta);
@@ -274,7 +274,7 @@ void ServerService::on_epoch_change(const protocol::EpochChange& change) {
 
 void ServerService::on_final(const protocol::EpochFinal& final) {
   {
-    std::lock_guard<std::mutex> lock(epoch_mu_);
+    MutexLock lock(epoch_mu_);
     if (gate_final_ || gate_round_ != final.switch_round) return;
     gate_final_ = true;
     owned_ever_ = true;
@@ -285,12 +285,12 @@ void ServerService::on_final(const protocol::EpochFinal& final) {
 }
 
 bool ServerService::hold_until_final(uint64_t run) const {
-  std::lock_guard<std::mutex> lock(epoch_mu_);
+  MutexLock lock(epoch_mu_);
   return run != 0 && run == gate_round_ && !gate_final_;
 }
 
 bool ServerService::wait_for_epoch(uint64_t epoch, Key key, Work work) {
-  std::lock_guard<std::mutex> lock(epoch_mu_);
+  MutexLock lock(epoch_mu_);
   const uint64_t newest = prepared_ ? prepared_->epoch : epochs_->latest().epoch();
   if (epoch <= newest || waiting_for_epoch_.size() >= kMaxWaitingForEpoch) return false;
   std::visit(
@@ -305,7 +305,7 @@ bool ServerService::wait_for_epoch(uint64_t epoch, Key key, Work work) {
 void ServerService::forget_peer(ServerId id) {
   ConnectionPtr conn;
   {
-    std::lock_guard<std::mutex> lock(peers_mu_);
+    MutexLock lock(peers_mu_);
     auto it = peers_.find(id);
     if (it == peers_.end()) return;
     conn = it->second;
@@ -320,7 +320,7 @@ void ServerService::forget_peer(ServerId id) {
 void ServerService::on_tick() {
   std::optional<protocol::TransferDone> report;
   {
-    std::lock_guard<std::mutex> lock(epoch_mu_);
+    MutexLock lock(epoch_mu_);
     Transfer& t = transfer_;
     if (t.switch_round == 0 || !t.losing || t.reported) return;
     const auto now = transport::Clock::now();
@@ -354,7 +354,7 @@ void ServerService::on_tick() {
 void ServerService::note_outgoing(const Shard& shard) {
   std::optional<protocol::TransferDone> report;
   {
-    std::lock_guard<std::mutex> lock(epoch_mu_);
+    MutexLock lock(epoch_mu_);
     Transfer& t = transfer_;
     if (t.reported || shard.out_round != t.switch_round) return;
     t.pending[shard.index] = static_cast<int64_t>(shard.outgoing.size());
@@ -464,7 +464,7 @@ void ServerService::free_runs(Shard& shard, Key key) {
 void ServerService::note_freed(uint64_t freed) {
   if (freed == 0) return;
   PSLD_LOG_DEBUG("server {}: freed {} runs of ownership", rank(), freed);
-  std::lock_guard<std::mutex> lock(stats_mu_);
+  MutexLock lock(stats_mu_);
   stats_.runs -= freed;
   stats_.runs_freed += freed;
 }

@@ -60,7 +60,7 @@ Result<std::unique_ptr<ServerService>> ServerService::start(const RuntimeOptions
   s->session_.on_tick([srv = s.get()] { srv->on_tick(); });
   PSLD_RETURN_IF_ERROR(s->session_.join(s->transport().address()));
   {
-    std::lock_guard<std::mutex> lock(s->epoch_mu_);
+    MutexLock lock(s->epoch_mu_);
     s->epochs_.emplace(s->session_.placement());
     s->owned_ever_ = !s->epochs_->latest().arcs_of(s->rank()).empty();
   }
@@ -91,7 +91,7 @@ void ServerService::pace_compute(uint64_t bytes) {
   {
     const double rate = compute_rate_.load(std::memory_order_relaxed);
     if (rate <= 0) return;
-    std::lock_guard<std::mutex> lock(compute_mu_);
+    MutexLock lock(compute_mu_);
     const auto now = transport::Clock::now();
     const auto cost = std::chrono::duration_cast<transport::Clock::duration>(
         std::chrono::duration<double>(static_cast<double>(bytes) / rate));
@@ -124,12 +124,12 @@ void ServerService::shutdown() {
     if (shard->thread.joinable()) shard->thread.join();
   }
   stop();  // no more handler calls after this
-  std::lock_guard<std::mutex> lock(conns_mu_);
+  MutexLock lock(conns_mu_);
   conns_.clear();
 }
 
 ServerStats ServerService::stats() const {
-  std::lock_guard<std::mutex> lock(stats_mu_);
+  MutexLock lock(stats_mu_);
   return stats_;
 }
 
@@ -139,13 +139,13 @@ ServerStats ServerService::stats() const {
 void ServerService::on_accept(const ConnectionPtr& conn) {
   auto w = std::make_shared<WorkerConn>();
   w->conn = conn;
-  std::lock_guard<std::mutex> lock(conns_mu_);
+  MutexLock lock(conns_mu_);
   conns_[conn->id()] = w;
 }
 
 void ServerService::on_disconnect(const ConnectionPtr& conn, const Status& why) {
   if (session_.on_disconnect(conn, why)) return;
-  std::lock_guard<std::mutex> lock(conns_mu_);
+  MutexLock lock(conns_mu_);
   conns_.erase(conn->id());
 }
 
@@ -157,13 +157,13 @@ void ServerService::on_control(const ConnectionPtr& conn, protocol::Message&& me
 // ---- Who owns what, and answers to workers: called from every thread.
 
 uint64_t ServerService::arc_of(Key key) const {
-  std::lock_guard<std::mutex> lock(epoch_mu_);
+  MutexLock lock(epoch_mu_);
   const Placement& p = epochs_->latest();
   return p.arc(p.arc_index_of_hash(hash_key(key))).lo;
 }
 
 ServerId ServerService::owner_for(Key key, uint64_t round) const {
-  std::lock_guard<std::mutex> lock(epoch_mu_);
+  MutexLock lock(epoch_mu_);
   if (prepared_ && round >= prepared_->switch_round) {
     return prepared_->placement->owner_of_key(key);
   }
@@ -171,7 +171,7 @@ ServerId ServerService::owner_for(Key key, uint64_t round) const {
 }
 
 uint64_t ServerService::newest_epoch() const {
-  std::lock_guard<std::mutex> lock(epoch_mu_);
+  MutexLock lock(epoch_mu_);
   return prepared_ ? prepared_->epoch : epochs_->latest().epoch();
 }
 
@@ -183,14 +183,14 @@ std::optional<std::pair<uint64_t, ServerId>> ServerService::gained(Key key, uint
   // got its keys back continues its run.
   // Runs on every request: no allocation, and nothing to walk before the
   // first switch.
-  std::lock_guard<std::mutex> lock(epoch_mu_);
+  MutexLock lock(epoch_mu_);
   const size_t committed = epochs_->size();
   const size_t total = committed + (prepared_ ? 1 : 0);
   if (total == 1) return std::nullopt;
-  auto switch_round = [&](size_t i) {
+  auto switch_round = [&](size_t i) REQUIRES(epoch_mu_) {
     return i < committed ? epochs_->entry(i).switch_round : prepared_->switch_round;
   };
-  auto owner = [&](size_t i) {
+  auto owner = [&](size_t i) REQUIRES(epoch_mu_) {
     const Placement& p = i < committed ? *epochs_->entry(i).placement : *prepared_->placement;
     return p.owner_of_key(key);
   };
@@ -214,14 +214,14 @@ std::optional<std::pair<uint64_t, ServerId>> ServerService::gained(Key key, uint
 }
 
 ConnectionPtr ServerService::worker_connection(uint64_t conn_id) const {
-  std::lock_guard<std::mutex> lock(conns_mu_);
+  MutexLock lock(conns_mu_);
   auto it = conns_.find(conn_id);
   return it == conns_.end() ? nullptr : it->second->conn;
 }
 
 void ServerService::send_moved(uint64_t conn_id, uint32_t tag, Key key) {
   {
-    std::lock_guard<std::mutex> lock(stats_mu_);
+    MutexLock lock(stats_mu_);
     ++stats_.rejected;
   }
   if (ConnectionPtr conn = worker_connection(conn_id)) {
@@ -233,7 +233,7 @@ void ServerService::send_error(uint64_t conn_id, uint32_t tag, const Status& sta
   ConnectionPtr conn = worker_connection(conn_id);
   if (!conn) return;
   {
-    std::lock_guard<std::mutex> lock(stats_mu_);
+    MutexLock lock(stats_mu_);
     ++stats_.rejected;
   }
   PSLD_LOG_WARN("server {}: rejected a request from {}: {}", rank(), conn->peer(),

@@ -21,6 +21,7 @@
 #include <tuple>
 #include <vector>
 
+#include "base/mutex.h"
 #include "lib/placement/epoch_log.h"
 #include "lib/runtime/member.h"
 #include "lib/server/server_device.h"
@@ -230,17 +231,17 @@ class ServerService final : public ProcessRuntime {
 
   const RuntimeOptions options_;
   MemberSession session_;
-  // Epochs: the committed log and a prepared one (guarded by epoch_mu_).
-  mutable std::mutex epoch_mu_;
-  std::optional<EpochLog> epochs_;
+  // Epochs: the committed log and a prepared one.
+  mutable Mutex epoch_mu_;
+  std::optional<EpochLog> epochs_ GUARDED_BY(epoch_mu_);
   struct Prepared {
     uint64_t epoch = 0;
     uint64_t switch_round = 0;
     std::shared_ptr<const Placement> placement;
   };
-  std::optional<Prepared> prepared_;
+  std::optional<Prepared> prepared_ GUARDED_BY(epoch_mu_);
   // The transfer of the newest switch this server loses keys in: it reports
-  // TransferDone once every shard shipped what it must (guarded by epoch_mu_).
+  // TransferDone once every shard shipped what it must.
   struct Transfer {
     uint64_t epoch = 0;
     uint64_t switch_round = 0;  // 0: none
@@ -249,25 +250,25 @@ class ServerService final : public ProcessRuntime {
     std::vector<int64_t> pending;            // per shard: keys to ship; -1: not scanned yet
     transport::Clock::time_point reached{};  // when round switch_round - 1 was first seen
   };
-  Transfer transfer_;
+  Transfer transfer_ GUARDED_BY(epoch_mu_);
   // This server gained keys at gate_round_ and had never owned any before:
   // their runs wait for EpochFinal, so that the coordinator can still give
-  // them back if this server dies (guarded by epoch_mu_).
-  uint64_t gate_round_ = 0;
-  bool gate_final_ = true;
+  // them back if this server dies.
+  uint64_t gate_round_ GUARDED_BY(epoch_mu_) = 0;
+  bool gate_final_ GUARDED_BY(epoch_mu_) = true;
   // This server owned keys in a placement that is final: it is never such a
-  // server again (guarded by epoch_mu_).
-  bool owned_ever_ = false;
+  // server again.
+  bool owned_ever_ GUARDED_BY(epoch_mu_) = false;
   // Requests that name an epoch newer than this server's, with that epoch.
   static constexpr size_t kMaxWaitingForEpoch = 4096;
-  std::vector<std::tuple<uint64_t, Key, Work>> waiting_for_epoch_;  // guarded by epoch_mu_
+  std::vector<std::tuple<uint64_t, Key, Work>> waiting_for_epoch_ GUARDED_BY(epoch_mu_);
   std::atomic<uint64_t> max_round_seen_{0};
   // Connections this server dialled to other servers (migration), by id.
-  std::mutex peers_mu_;
-  std::map<ServerId, transport::ConnectionPtr> peers_;
+  Mutex peers_mu_;
+  std::map<ServerId, transport::ConnectionPtr> peers_ GUARDED_BY(peers_mu_);
   // State requests in flight: (connection, tag) -> (key, run).
-  std::map<std::pair<uint64_t, uint32_t>, std::pair<Key, uint64_t>> incoming_;  // peers_mu_
-  uint32_t next_state_tag_ = 1;  // guarded by peers_mu_
+  std::map<std::pair<uint64_t, uint32_t>, std::pair<Key, uint64_t>> incoming_ GUARDED_BY(peers_mu_);
+  uint32_t next_state_tag_ GUARDED_BY(peers_mu_) = 1;
 
   // server.device = cuda: where keys live and kernels run (lane i: shard
   // i); null: host memory and the CPU kernels. Declared before conns_ and
@@ -275,21 +276,21 @@ class ServerService final : public ProcessRuntime {
   // back before the device goes.
   std::unique_ptr<ServerDevice> device_;
   std::atomic<bool> pin_warned_{false};  // said once that slots could not be pinned
-  mutable std::mutex conns_mu_;
-  std::map<uint64_t, std::shared_ptr<WorkerConn>> conns_;
+  mutable Mutex conns_mu_;
+  std::map<uint64_t, std::shared_ptr<WorkerConn>> conns_ GUARDED_BY(conns_mu_);
 
   std::vector<std::unique_ptr<Shard>> shards_;
   std::atomic<bool> stopping_{false};
 
-  mutable std::mutex stats_mu_;
-  ServerStats stats_;
+  mutable Mutex stats_mu_;
+  ServerStats stats_ GUARDED_BY(stats_mu_);
   // Emulated compute: reduces are serialised through one virtual processor
   // that frees up at compute_free_ (shared by every shard).
   // The rate is atomic so that a server without emulation (rate 0, every
   // real job) checks it on each reduce without taking the mutex.
   std::atomic<double> compute_rate_{0};
-  std::mutex compute_mu_;
-  transport::Clock::time_point compute_free_{};
+  Mutex compute_mu_;
+  transport::Clock::time_point compute_free_ GUARDED_BY(compute_mu_){};
   std::unique_ptr<LoadRecorder> load_;
 };
 

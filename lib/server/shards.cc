@@ -108,7 +108,7 @@ void ServerService::handle(Shard& shard, const TransferScan& w) {
 void ServerService::handle(Shard& shard, const ShipDone& w) {
   if (!w.ok) return;  // logged where it failed; the key stays to ship
   {
-    std::lock_guard<std::mutex> lock(stats_mu_);
+    MutexLock lock(stats_mu_);
     ++stats_.states_out;
   }
   KeyState* k = find_run(shard, w.key, w.run);
@@ -165,7 +165,7 @@ ServerService::KeyState& ServerService::key_state(Shard& shard, Key key, DType d
                              [](uint64_t v, const auto& r) { return v < r->owned_from; });
   it = runs.insert(it, std::make_unique<KeyState>());
   {
-    std::lock_guard<std::mutex> lock(stats_mu_);
+    MutexLock lock(stats_mu_);
     ++stats_.runs;
   }
   KeyState& k = **it;

@@ -22,12 +22,12 @@ LoadRecorder::LoadRecorder(Role role, std::unique_ptr<LoadRing<StatSample>> ring
     : role_(role), time_(time), ring_(std::move(ring)), queue_(*WindowStats::make()) {}
 
 void LoadRecorder::begin_service() {
-  std::lock_guard<std::mutex> lock(busy_mu_);
+  MutexLock lock(busy_mu_);
   if (in_service_++ == 0) busy_since_ = time_.now();
 }
 
 void LoadRecorder::end_service() {
-  std::lock_guard<std::mutex> lock(busy_mu_);
+  MutexLock lock(busy_mu_);
   if (in_service_ == 0) return;
   if (--in_service_ == 0) {
     busy_ns_ += static_cast<uint64_t>(
@@ -82,7 +82,7 @@ std::vector<protocol::LoadReport> LoadRecorder::close_window(uint32_t rank, uint
   {
     // Occupied time of the window, including the part of a service period
     // still running (the rest goes to the next window).
-    std::lock_guard<std::mutex> lock(busy_mu_);
+    MutexLock lock(busy_mu_);
     const auto now = time_.now();
     if (in_service_ > 0) {
       busy_ns_ += static_cast<uint64_t>(

@@ -13,10 +13,10 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <vector>
 
 #include "base/clock.h"
+#include "base/mutex.h"
 #include "lib/protocol/protocol.h"
 #include "lib/stats/load_ring.h"
 
@@ -77,10 +77,10 @@ class LoadRecorder {
   const Role role_;
   const TimeSource time_;
   std::unique_ptr<LoadRing<StatSample>> ring_;
-  std::mutex busy_mu_;
-  uint64_t in_service_ = 0;                           // guarded by busy_mu_
-  std::chrono::steady_clock::time_point busy_since_;  // guarded by busy_mu_
-  uint64_t busy_ns_ = 0;                              // guarded by busy_mu_
+  Mutex busy_mu_;
+  uint64_t in_service_ GUARDED_BY(busy_mu_) = 0;
+  std::chrono::steady_clock::time_point busy_since_ GUARDED_BY(busy_mu_);
+  uint64_t busy_ns_ GUARDED_BY(busy_mu_) = 0;
   uint64_t window_ = 0;
   uint64_t lost_seen_ = 0;
   WindowStats queue_;

@@ -67,7 +67,7 @@ void WorkerService::on_moved(ServerConn& s, const protocol::Moved& m) {
 void WorkerService::on_epoch_change(const protocol::EpochChange& change) {
   if (change.step == protocol::EpochStep::kPrepare) return;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (!epochs_) {
       early_epochs_.push_back(change);
       return;
@@ -123,7 +123,7 @@ void WorkerService::pump(ServerConn& s) {
     }
     ChunkOp next = std::move(op);
     s.backlog.pop_front();
-    issue(s, std::move(next), slot);
+    issue(s, next, slot);
   }
 }
 
@@ -134,10 +134,10 @@ bool WorkerService::in_place(const ServerConn& s, const ChunkOp& op) const {
   return s.mapped.count(tensors_[op.tensor].id) != 0;
 }
 
-void WorkerService::issue(ServerConn& s, ChunkOp op, uint32_t slot) {
+void WorkerService::issue(ServerConn& s, const ChunkOp& op, uint32_t slot) {
   Tensor& t = tensors_[op.tensor];
   const ChunkSpan span = t.layout->chunk(op.chunk);
-  auto tag = [&] {
+  auto tag = [&]() REQUIRES(mu_) {
     uint32_t v = next_tag_++;
     if (v == 0) v = next_tag_++;
     return v;
@@ -152,7 +152,7 @@ void WorkerService::issue(ServerConn& s, ChunkOp op, uint32_t slot) {
       Status st = send(conn, pr);
       if (!st.ok()) {
         {
-          std::lock_guard<std::mutex> lock(mu_);
+          MutexLock lock(mu_);
           op_failed(rank, conn, pr.tag, st);
         }
         flush();
@@ -189,10 +189,10 @@ void WorkerService::issue(ServerConn& s, ChunkOp op, uint32_t slot) {
   auto slots = s.slots;
   outbox_.push_back([this, conn, meta, wr, region, slots, rank = s.rank] {
     Status st = send(conn, meta);
-    auto done = [this, conn, rank, tag = meta.tag](Status ws) {
+    auto done = [this, conn, rank, tag = meta.tag](const Status& ws) {
       if (!ws.ok()) {
         {
-          std::lock_guard<std::mutex> lock(mu_);
+          MutexLock lock(mu_);
           op_failed(rank, conn, tag, ws);
         }
         flush();
@@ -205,7 +205,7 @@ void WorkerService::issue(ServerConn& s, ChunkOp op, uint32_t slot) {
 }
 
 protocol::WorkerProgress WorkerService::progress() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   // Per tensor id: a pull names the tensor's current round and a push the
   // next one, so no new request goes below the current round; what is in
   // flight (waiting for credit, an answer, an epoch or a lost server's
@@ -217,7 +217,7 @@ protocol::WorkerProgress WorkerService::progress() {
   std::vector<uint64_t> low(last, 0);
   for (const auto& t : tensors_)
     low[t.id - 1] = t.push_round;
-  auto at = [&](const ChunkOp& op) {
+  auto at = [&](const ChunkOp& op) REQUIRES(mu_) {
     uint64_t& r = low[tensors_[op.tensor].id - 1];
     r = std::min(r, op.round);
   };

@@ -18,7 +18,7 @@ using transport::ConnectionPtr;
 
 void RequestState::complete_part(const Status& status) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (done_) return;
     if (!status.ok() && status_.ok()) status_ = status;
     if (--remaining_ == 0 || !status.ok()) done_ = true;
@@ -27,8 +27,8 @@ void RequestState::complete_part(const Status& status) {
 }
 
 Status RequestState::wait(std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(mu_);
-  if (!cv_.wait_for(lock, timeout, [&] { return done_; })) {
+  UniqueLock lock(mu_);
+  if (!cv_.wait_for(lock.native(), timeout, [&]() REQUIRES(mu_) { return done_; })) {
     return Timeout(fmt::format("request not complete after {} ms ({} chunk operations pending)",
                                timeout.count(), remaining_));
   }
@@ -36,12 +36,12 @@ Status RequestState::wait(std::chrono::milliseconds timeout) {
 }
 
 bool RequestState::test() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return done_;
 }
 
 Status RequestState::status() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return status_;
 }
 
@@ -60,7 +60,7 @@ Result<std::unique_ptr<WorkerService>> WorkerService::start(const RuntimeOptions
   PSLD_RETURN_IF_ERROR(w->session_.join({}));
   std::vector<protocol::EpochChange> early;
   {
-    std::lock_guard<std::mutex> lock(w->mu_);
+    MutexLock lock(w->mu_);
     w->epochs_.emplace(w->session_.placement());
     early.swap(w->early_epochs_);
   }
@@ -72,7 +72,7 @@ Result<std::unique_ptr<WorkerService>> WorkerService::start(const RuntimeOptions
         std::vector<protocol::Message> out;
         uint64_t epoch = 0;
         {
-          std::lock_guard<std::mutex> lock(wk->mu_);
+          MutexLock lock(wk->mu_);
           epoch = wk->epochs_->latest().epoch();
         }
         for (auto& r : wk->load_->close_window(wk->rank(), epoch, window_ns)) {
@@ -84,8 +84,13 @@ Result<std::unique_ptr<WorkerService>> WorkerService::start(const RuntimeOptions
       });
   PSLD_RETURN_IF_ERROR(reports);
   w->gpu_path_text_ = describe_gpu_path(options.gpu_path, w->transport());
+  size_t num_servers = 0;
+  {
+    MutexLock lock(w->mu_);
+    num_servers = w->servers_.size();
+  }
   PSLD_LOG_INFO("worker {} of {} joined; {} servers; CUDA tensors: {}", w->rank(), w->num_workers(),
-                w->servers_.size(), w->gpu_path_text_);
+                num_servers, w->gpu_path_text_);
   return w;
 }
 
@@ -106,7 +111,7 @@ Status WorkerService::connect_servers() {
           fmt::format("connecting to server {} at {}", entry.rank, address));
     }
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       ServerConn& s = servers_[entry.rank];
       s.rank = entry.rank;
       s.conn = *conn;
@@ -114,8 +119,8 @@ Status WorkerService::connect_servers() {
     PSLD_RETURN_IF_ERROR(
         send(*conn, protocol::WorkerHello{rank, protocol::secret_proof(options_.secret, rank)}));
   }
-  std::unique_lock<std::mutex> lock(mu_);
-  const bool ok = cv_.wait_for(lock, options_.connect_timeout, [&] {
+  UniqueLock lock(mu_);
+  const bool ok = cv_.wait_for(lock.native(), options_.connect_timeout, [&]() REQUIRES(mu_) {
     if (!session_.health().ok()) return true;
     for (const auto& [r, s] : servers_) {
       if (!s.granted) return false;
@@ -139,14 +144,14 @@ void WorkerService::on_control(const ConnectionPtr& conn, protocol::Message&& me
     // A failed job fails every outstanding request at once.
     Status h = session_.health();
     if (!h.ok()) {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       fail_everything(h);
       cv_.notify_all();
     }
     return;
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     ServerConn* s = server_of(conn);
     if (s == nullptr) return;
     if (auto* g = std::get_if<protocol::Grant>(&message)) {
@@ -198,19 +203,19 @@ void WorkerService::on_control(const ConnectionPtr& conn, protocol::Message&& me
 void WorkerService::on_write(const ConnectionPtr& conn, uint32_t tag, uint64_t length) {
   (void)conn;
   (void)length;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   finish_tag(tag, Status::Ok());
 }
 
 void WorkerService::on_disconnect(const ConnectionPtr& conn, const Status& why) {
   if (session_.on_disconnect(conn, why)) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (!stopped_) fail_everything(session_.health());
     cv_.notify_all();
     return;
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     ServerConn* s = server_of(conn);
     if (s == nullptr || stopped_) return;
     // Not a failure yet: a server that held nothing but keys in transfer
@@ -286,7 +291,7 @@ void WorkerService::op_failed(uint32_t rank, const ConnectionPtr& conn, uint32_t
 }
 
 void WorkerService::on_tick() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (stopped_ || orphans_.empty()) return;
   const auto now = Clock::now();
   std::vector<Orphan> still;
@@ -343,7 +348,7 @@ void WorkerService::finish_tag(uint32_t tag, const Status& status) {
     const ChunkSpan span = t.layout->chunk(p.op.chunk);
     copier_->copy(
         DeviceCopier::Direction::kToDevice, t.data + span.offset, t.shadow.get() + span.offset,
-        span.bytes, [request = p.request, name = t.name, chunk = p.op.chunk](Status s) {
+        span.bytes, [request = p.request, name = t.name, chunk = p.op.chunk](const Status& s) {
           request->complete_part(
               s.ok() ? s : s.with_context(fmt::format("tensor '{}' chunk {}", name, chunk)));
         });
@@ -353,7 +358,7 @@ void WorkerService::finish_tag(uint32_t tag, const Status& status) {
 }
 
 std::vector<ServerLoadStats> WorkerService::server_loads() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   std::vector<ServerLoadStats> out;
   for (const auto& [rank, s] : servers_) {
     ServerLoadStats l = loads_[rank];
@@ -366,7 +371,7 @@ std::vector<ServerLoadStats> WorkerService::server_loads() {
 void WorkerService::flush() {
   std::vector<std::function<void()>> out;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     out.swap(outbox_);
   }
   for (auto& fn : out)
@@ -387,7 +392,7 @@ Result<uint32_t> WorkerService::register_tensor(const std::string& name, DType d
                                        name, bytes, protocol::dtype_name(dtype)));
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto it = tensor_by_name_.find(name);
     if (it != tensor_by_name_.end()) {
       const Tensor& t = tensors_[it->second];
@@ -428,7 +433,7 @@ Result<uint32_t> WorkerService::register_tensor(const std::string& name, DType d
     // Inside a block from allocate(): that block's region, already mappable
     // by local servers. Anything else is registered as it is.
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       auto it = allocations_.upper_bound(t.data);
       if (it != allocations_.begin()) {
         --it;
@@ -459,7 +464,7 @@ Result<uint32_t> WorkerService::register_tensor(const std::string& name, DType d
     std::vector<ConnectionPtr> conns;
     uint64_t request = 0;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       request = next_request_++;
       ack_tensor_[request] = t.id;
       auto& want = acks_wanted_[request];
@@ -475,8 +480,8 @@ Result<uint32_t> WorkerService::register_tensor(const std::string& name, DType d
         t.region_offset};
     for (auto& c : conns)
       PSLD_RETURN_IF_ERROR(send(c, key));
-    std::unique_lock<std::mutex> lock(mu_);
-    const bool acked = cv_.wait_for(lock, options_.connect_timeout, [&] {
+    UniqueLock lock(mu_);
+    const bool acked = cv_.wait_for(lock.native(), options_.connect_timeout, [&]() REQUIRES(mu_) {
       return acks_wanted_[request].empty() || !session_.health().ok();
     });
     acks_wanted_.erase(request);
@@ -485,15 +490,17 @@ Result<uint32_t> WorkerService::register_tensor(const std::string& name, DType d
     if (!acked) return Timeout(fmt::format("tensor '{}': not every server confirmed it", name));
   }
   uint32_t handle = 0;
+  // Read before t moves into tensors_, which other threads may grow meanwhile.
+  const bool on_device = t.kind == MemoryKind::kCuda;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     handle = static_cast<uint32_t>(tensors_.size());
     tensors_.push_back(std::move(t));
     tensor_by_name_[name] = handle;
   }
   // Worker 0 sets the initial value; the others get it with their first pull.
   if (init != nullptr && rank() == 0 && bytes > 0) {
-    if (init != data && tensors_[handle].kind == MemoryKind::kCuda) {
+    if (init != data && on_device) {
       PSLD_ASSIGN_OR_RETURN(DeviceCopier * c, copier());
       PSLD_RETURN_IF_ERROR(c->copy_and_wait(DeviceCopier::Direction::kToDevice, data, init, bytes)
                                .with_context("initial value of '" + name + "'"));
@@ -511,7 +518,7 @@ Result<std::shared_ptr<RequestState>> WorkerService::submit(uint32_t handle, Req
   std::shared_ptr<RequestState> req;
   std::vector<std::function<void()>> copy_out;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (stopped_) return FailedPrecondition("the worker was shut down");
     // Under mu_: a job that fails sets the session's health, then fails
     // everything in flight under mu_. A request that sees the failure here
@@ -543,7 +550,7 @@ Result<std::shared_ptr<RequestState>> WorkerService::submit(uint32_t handle, Req
       copy_out.push_back([this, op, span, dst = t.shadow.get() + span.offset,
                           src = t.data + span.offset]() mutable {
         copier_->copy(DeviceCopier::Direction::kToHost, dst, src, span.bytes,
-                      [this, op](Status s) { on_staged(op, s); });
+                      [this, op](const Status& s) { on_staged(op, s); });
       });
     }
     for (auto& [r, s] : servers_)
@@ -558,15 +565,16 @@ Result<std::shared_ptr<RequestState>> WorkerService::submit(uint32_t handle, Req
 
 Result<void*> WorkerService::allocate(size_t bytes) {
   if (bytes == 0) return InvalidArgument("allocate: 0 bytes");
-  PSLD_ASSIGN_OR_RETURN(auto region, transport().allocate_memory(bytes, MemoryKind::kHost));
-  std::lock_guard<std::mutex> lock(mu_);
+  PSLD_ASSIGN_OR_RETURN(auto region,
+                        transport().allocate_memory(bytes, MemoryKind::kHost));
+  MutexLock lock(mu_);
   if (stopped_) return FailedPrecondition("the worker was shut down");
   allocations_[region->data()] = region;
   return static_cast<void*>(region->data());
 }
 
 Result<DeviceCopier*> WorkerService::copier() {
-  std::lock_guard<std::mutex> lock(device_mu_);
+  MutexLock lock(device_mu_);
   if (copier_) return copier_.get();
   auto engine = options_.copy_engine ? options_.copy_engine() : create_cuda_copy_engine(2);
   if (!engine.ok()) return engine.status().with_context("starting the CUDA copy engine");
@@ -595,7 +603,7 @@ Status WorkerService::stage_tensor(Tensor& t) {
 
 void WorkerService::on_staged(ChunkOp op, const Status& copied) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto it = staging_.find({op.tensor, op.round});
     if (it != staging_.end() && --it->second == 0) staging_.erase(it);
     Status fail = copied.with_context(
@@ -614,17 +622,17 @@ void WorkerService::on_staged(ChunkOp op, const Status& copied) {
 }
 
 uint64_t WorkerService::staged_bytes_to_host() {
-  std::lock_guard<std::mutex> lock(device_mu_);
+  MutexLock lock(device_mu_);
   return copier_ ? copier_->bytes_to_host() : 0;
 }
 
 uint64_t WorkerService::staged_bytes_to_device() {
-  std::lock_guard<std::mutex> lock(device_mu_);
+  MutexLock lock(device_mu_);
   return copier_ ? copier_->bytes_to_device() : 0;
 }
 
 std::string WorkerService::describe_in_flight() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   std::string out = fmt::format("worker {} (epoch {}):", rank(), epochs_->latest().epoch());
   for (const auto& [r, s] : servers_) {
     out += fmt::format(" server {}: {} free slots, {} waiting for credit;", r, s.free_slots.size(),
@@ -644,7 +652,7 @@ std::string WorkerService::describe_in_flight() {
 }
 
 size_t WorkerService::operations_in_flight() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   size_t n = moved_.size() + orphans_.size();
   for (const auto& [tensor_round, chunks] : staging_)
     n += chunks;
@@ -658,7 +666,7 @@ size_t WorkerService::operations_in_flight() {
 Status WorkerService::shutdown() {
   session_.on_tick(nullptr);  // the tick reads what is torn down below
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (stopped_) return Status::Ok();
     stopped_ = true;
   }
@@ -666,16 +674,16 @@ Status WorkerService::shutdown() {
   session_.goodbye();
   stop();  // closing flushes: the goodbye reaches the coordinator first
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     fail_everything(Aborted("the worker was shut down"));
   }
   // The copies still running finish (the GPU may be writing a shadow), then
   // the shadows go: nothing reads or writes them any more.
   {
-    std::lock_guard<std::mutex> lock(device_mu_);
+    MutexLock lock(device_mu_);
     if (copier_) copier_->stop();
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   for (Tensor& t : tensors_) {
     if (!t.shadow) continue;
     t.region.reset();

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "base/mutex.h"
 #include "lib/placement/epoch_log.h"
 #include "lib/runtime/member.h"
 #include "lib/stats/load_stats.h"
@@ -36,11 +37,11 @@ class RequestState {
   Status status() const;
 
  private:
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   std::condition_variable cv_;
-  uint64_t remaining_;
-  bool done_;
-  Status status_;
+  uint64_t remaining_ GUARDED_BY(mu_);
+  bool done_ GUARDED_BY(mu_);
+  Status status_ GUARDED_BY(mu_);
 };
 
 enum class RequestKind : uint8_t { kPush, kPull, kPushPull, kInit };
@@ -165,28 +166,29 @@ class WorkerService final : public ProcessRuntime {
   void on_control(const transport::ConnectionPtr& conn, protocol::Message&& message) override;
 
   Status connect_servers();
-  ServerConn* server_of(const transport::ConnectionPtr& conn);  // mu_ held
+  ServerConn* server_of(const transport::ConnectionPtr& conn) REQUIRES(mu_);
   // Issues as much of the server's backlog as its credits allow. mu_ held;
   // sends happen after it is released (see issue_later_).
-  void pump(ServerConn& s);
-  void issue(ServerConn& s, ChunkOp op, uint32_t slot);  // mu_ held
-  void finish_tag(uint32_t tag, const Status& status);   // mu_ held
+  void pump(ServerConn& s) REQUIRES(mu_);
+  void issue(ServerConn& s, const ChunkOp& op, uint32_t slot) REQUIRES(mu_);
+  void finish_tag(uint32_t tag, const Status& status) REQUIRES(mu_);
   void flush();
-  void fail_everything(const Status& why);  // mu_ held
+  void fail_everything(const Status& why) REQUIRES(mu_);
   void on_epoch_change(const protocol::EpochChange& change);
-  void on_moved(ServerConn& s, const protocol::Moved& moved);  // mu_ held
+  void on_moved(ServerConn& s, const protocol::Moved& moved) REQUIRES(mu_);
   // Queues the op on the server that serves its round, or with the orphans
   // when that server is lost (keeping `deadline` when it already waited).
   // mu_ held.
-  void route(ChunkOp op, std::optional<transport::Clock::time_point> deadline = std::nullopt);
+  void route(ChunkOp op, std::optional<transport::Clock::time_point> deadline = std::nullopt)
+      REQUIRES(mu_);
   // The server's connection is gone or the coordinator removed it: what it
   // did not answer waits for the coordinator's decision. mu_ held.
-  void server_lost(ServerConn& s, const Status& why);
+  void server_lost(ServerConn& s, const Status& why) REQUIRES(mu_);
   // A send or write to server `rank` on `conn` failed: a sign that the
   // server is going away (its connection closes, or its memory was already
   // deregistered), so the operation waits with the lost server's. mu_ held.
   void op_failed(uint32_t rank, const transport::ConnectionPtr& conn, uint32_t tag,
-                 const Status& why);
+                 const Status& why) REQUIRES(mu_);
   // The heartbeat thread's clock: orphans past their deadline fail.
   void on_tick();
   // The lowest round this worker may still send a request for, over every
@@ -201,37 +203,40 @@ class WorkerService final : public ProcessRuntime {
   MemberSession session_;
   std::string gpu_path_text_;  // fixed at start
   // allocate()d blocks by address. Declared before the tensors carved from them.
-  std::map<const uint8_t*, std::shared_ptr<transport::MemoryRegion>> allocations_;  // mu_
-  std::mutex device_mu_;
+  std::map<const uint8_t*, std::shared_ptr<transport::MemoryRegion>> allocations_ GUARDED_BY(mu_);
+  Mutex device_mu_;
   // Declared before tensors_: the shadows it allocated go first.
+  // Set once under device_mu_, before the first staged tensor exists; read
+  // without it by whoever reached a staged tensor through mu_.
   std::unique_ptr<DeviceCopier> copier_;
-  std::optional<EpochLog> epochs_;                   // guarded by mu_
-  std::vector<protocol::EpochChange> early_epochs_;  // arrived before join finished; mu_
-  std::vector<MovedOp> moved_;                       // guarded by mu_
-  std::vector<Orphan> orphans_;                      // guarded by mu_
+  std::optional<EpochLog> epochs_ GUARDED_BY(mu_);
+  std::vector<protocol::EpochChange> early_epochs_ GUARDED_BY(mu_);  // arrived before join finished
+  std::vector<MovedOp> moved_ GUARDED_BY(mu_);
+  std::vector<Orphan> orphans_ GUARDED_BY(mu_);
   // Staged pushes whose chunks the copier is still copying out of the GPU:
-  // (tensor, round) -> chunks. Guarded by mu_.
-  std::map<std::pair<uint32_t, uint64_t>, uint64_t> staging_;
+  // (tensor, round) -> chunks.
+  std::map<std::pair<uint32_t, uint64_t>, uint64_t> staging_ GUARDED_BY(mu_);
   std::atomic<uint64_t> max_round_{0};  // highest round pushed, for reports
 
-  std::mutex mu_;
+  Mutex mu_;
   std::condition_variable cv_;
-  std::map<uint32_t, ServerConn> servers_;     // by server rank
-  std::map<uint32_t, ServerLoadStats> loads_;  // by server rank
-  std::unique_ptr<LoadRecorder> load_;         // the windows sent to the coordinator
-  std::vector<Tensor> tensors_;
-  std::map<std::string, uint32_t> tensor_by_name_;
-  std::map<uint32_t, Pending> pending_;
-  std::map<uint64_t, std::set<uint32_t>> acks_wanted_;  // TensorKey request -> servers to ack
-  std::map<uint64_t, TensorId> ack_tensor_;             // TensorKey request -> its tensor
+  std::map<uint32_t, ServerConn> servers_ GUARDED_BY(mu_);     // by server rank
+  std::map<uint32_t, ServerLoadStats> loads_ GUARDED_BY(mu_);  // by server rank
+  std::unique_ptr<LoadRecorder> load_;  // the windows sent to the coordinator
+  std::vector<Tensor> tensors_ GUARDED_BY(mu_);
+  std::map<std::string, uint32_t> tensor_by_name_ GUARDED_BY(mu_);
+  std::map<uint32_t, Pending> pending_ GUARDED_BY(mu_);
+  std::map<uint64_t, std::set<uint32_t>> acks_wanted_
+      GUARDED_BY(mu_);                                       // TensorKey request -> servers to ack
+  std::map<uint64_t, TensorId> ack_tensor_ GUARDED_BY(mu_);  // TensorKey request -> its tensor
   // Whether server `s` reads op's push in place (protocol::kPushMapped). mu_ held.
-  bool in_place(const ServerConn& s, const ChunkOp& op) const;
-  uint64_t next_request_ = 1;
-  uint32_t next_tag_ = 1;
+  bool in_place(const ServerConn& s, const ChunkOp& op) const REQUIRES(mu_);
+  uint64_t next_request_ GUARDED_BY(mu_) = 1;
+  uint32_t next_tag_ GUARDED_BY(mu_) = 1;
   // Control messages and writes are issued outside mu_: the transport may be
   // calling one of our handlers, which takes mu_, on its progress thread.
-  std::vector<std::function<void()>> outbox_;
-  bool stopped_ = false;
+  std::vector<std::function<void()>> outbox_ GUARDED_BY(mu_);
+  bool stopped_ GUARDED_BY(mu_) = false;
 };
 
 }  // namespace psld

@@ -10,6 +10,7 @@
 #include <functional>
 #include <random>
 
+#include "base/mutex.h"
 #include "base/random.h"
 #include "base/wire.h"
 #include "transports/common/pending_ops.h"
@@ -36,15 +37,15 @@ const char kLbRemoteRegionTag = 'R';
 // Fabric
 
 struct LoopbackFabric::Impl {
-  std::mutex mu;
+  Mutex mu;
   const uint64_t token = random_u64();
-  uint64_t next_node = 1;
-  uint64_t next_connection_seq = 0;
-  std::map<std::string, std::weak_ptr<void>> listeners;  // address -> Node
-  std::map<std::string, FaultPlan> plans;                // "" = default
-  Counters counters;
+  uint64_t next_node GUARDED_BY(mu) = 1;
+  uint64_t next_connection_seq GUARDED_BY(mu) = 0;
+  std::map<std::string, std::weak_ptr<void>> listeners GUARDED_BY(mu);  // address -> Node
+  std::map<std::string, FaultPlan> plans GUARDED_BY(mu);                // "" = default
+  Counters counters GUARDED_BY(mu);
 
-  FaultPlan plan_for(const std::string& from) {
+  FaultPlan plan_for(const std::string& from) REQUIRES(mu) {
     auto it = plans.find(from);
     if (it != plans.end()) return it->second;
     it = plans.find("");
@@ -55,12 +56,12 @@ struct LoopbackFabric::Impl {
 LoopbackFabric::LoopbackFabric() : impl_(std::make_shared<Impl>()) {}
 
 void LoopbackFabric::set_faults(const FaultPlan& plan, const std::string& from) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(impl_->mu);
   impl_->plans[from] = plan;
 }
 
 LoopbackFabric::Counters LoopbackFabric::counters() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(impl_->mu);
   return impl_->counters;
 }
 
@@ -127,24 +128,24 @@ struct Node : std::enable_shared_from_this<Node> {
   std::string address;
   bool listening = false;
 
-  std::mutex mu;  // inbox, exported, connections, shut
+  Mutex mu;
   std::condition_variable cv;
   // Ordered by due time, then by posting order.
-  std::map<std::pair<Clock::time_point, uint64_t>, std::function<void()>> inbox;
-  uint64_t next_event = 0;
-  std::map<uint64_t, std::weak_ptr<LbRegion>> exported;
-  std::map<uint64_t, std::weak_ptr<LbConnection>> connections;
-  bool shut = false;
+  std::map<std::pair<Clock::time_point, uint64_t>, std::function<void()>> inbox GUARDED_BY(mu);
+  uint64_t next_event GUARDED_BY(mu) = 0;
+  std::map<uint64_t, std::weak_ptr<LbRegion>> exported GUARDED_BY(mu);
+  std::map<uint64_t, std::weak_ptr<LbConnection>> connections GUARDED_BY(mu);
+  bool shut GUARDED_BY(mu) = false;
 
   std::atomic<uint64_t> next_region{1};
   RegistrationCache<LbRegion> cache;
   PendingOps pending;
-  std::mutex progress_mu;  // one progress() at a time
+  Mutex progress_mu;  // one progress() at a time
 
   // Queues fn to run in this node's progress() at `due`. False after shutdown.
   bool post(Clock::time_point due, std::function<void()> fn) {
     {
-      std::lock_guard<std::mutex> lock(mu);
+      MutexLock lock(mu);
       if (shut) return false;
       inbox.emplace(std::make_pair(due, next_event++), std::move(fn));
     }
@@ -153,7 +154,7 @@ struct Node : std::enable_shared_from_this<Node> {
   }
 
   std::shared_ptr<LbRegion> exported_region(uint64_t region_id) {
-    std::lock_guard<std::mutex> lock(mu);
+    MutexLock lock(mu);
     auto it = exported.find(region_id);
     return it == exported.end() ? nullptr : it->second.lock();
   }
@@ -228,7 +229,7 @@ class LbConnection final : public Connection, public std::enable_shared_from_thi
   // the connection.
   Result<Plan> draw();
   // Posts a delivery to the peer (twice when duplicated) and counts it.
-  Status deliver(const Plan& plan, std::function<void(LbConnection& peer_end)> at_peer,
+  Status deliver(const Plan& plan, const std::function<void(LbConnection& peer_end)>& at_peer,
                  uint64_t op_id);
 
   const uint64_t id_ = g_next_connection_id.fetch_add(1);
@@ -239,17 +240,17 @@ class LbConnection final : public Connection, public std::enable_shared_from_thi
   std::weak_ptr<LbConnection> peer_;
   std::atomic<bool> open_{true};
 
-  std::mutex mu_;  // rng_, ops_
+  Mutex mu_;
   FaultPlan plan_;
-  std::mt19937_64 rng_;
-  uint64_t ops_ = 0;
+  std::mt19937_64 rng_ GUARDED_BY(mu_);
+  uint64_t ops_ GUARDED_BY(mu_) = 0;
 };
 
 Result<LbConnection::Plan> LbConnection::draw() {
   Plan p;
   bool disconnect = false;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     ++ops_;
     if (ops_ > plan_.disconnect_after) disconnect = true;
     std::uniform_real_distribution<double> u(0.0, 1.0);
@@ -261,7 +262,7 @@ Result<LbConnection::Plan> LbConnection::draw() {
   }
   if (disconnect) {
     if (auto self = self_.lock()) {
-      std::lock_guard<std::mutex> lock(self->fabric->mu);
+      MutexLock lock(self->fabric->mu);
       ++self->fabric->counters.disconnected;
     }
     break_connection(Unavailable("injected fault: the link went down"), false);
@@ -270,13 +271,13 @@ Result<LbConnection::Plan> LbConnection::draw() {
   return p;
 }
 
-Status LbConnection::deliver(const Plan& plan, std::function<void(LbConnection&)> at_peer,
+Status LbConnection::deliver(const Plan& plan, const std::function<void(LbConnection&)>& at_peer,
                              uint64_t op_id) {
   auto self = self_.lock();
   auto peer_node = peer_node_.lock();
   if (!self || !peer_node) return Unavailable("peer transport is gone");
   {
-    std::lock_guard<std::mutex> lock(self->fabric->mu);
+    MutexLock lock(self->fabric->mu);
     auto& c = self->fabric->counters;
     if (plan.drop) ++c.dropped;
     if (plan.duplicate) ++c.duplicated;
@@ -347,7 +348,7 @@ Status LbConnection::start_write(const WriteRequest& req, Completion done) {
     auto node = end.self_.lock();
     if (node) node->handler->on_write(end.shared_from_this(), notify, len);
   };
-  Status s = deliver(plan, std::move(at_peer), op_id);
+  Status s = deliver(plan, at_peer, op_id);
   if (!s.ok()) {
     self->pending.take(op_id, s).run();  // fails the op here; report through done only
     return Status::Ok();
@@ -372,7 +373,7 @@ Status LbConnection::send(std::span<const uint8_t> message, Completion done) {
     auto node = end.self_.lock();
     if (node) node->handler->on_message(end.shared_from_this(), *bytes);
   };
-  Status s = deliver(plan, std::move(at_peer), op_id);
+  Status s = deliver(plan, at_peer, op_id);
   if (!s.ok()) self->pending.take(op_id, s).run();
   return Status::Ok();
 }
@@ -407,7 +408,9 @@ void LbConnection::break_connection(const Status& why, bool local) {
 class LoopbackTransport final : public Transport {
  public:
   explicit LoopbackTransport(std::shared_ptr<Node> node) : node_(std::move(node)) {}
-  ~LoopbackTransport() override { shutdown(); }
+  // shutdown() can throw only std::bad_alloc (its containers), which ends
+  // the process either way.
+  ~LoopbackTransport() override { shutdown(); }  // NOLINT(bugprone-exception-escape)
 
   std::string_view name() const override { return "loopback"; }
 
@@ -452,14 +455,14 @@ class LoopbackTransport final : public Transport {
     auto region = node_->cache.find(data, length, MemoryKind::kHost);
     PSLD_RETURN_IF_ERROR(node_->cache.invalidate(data, length));
     if (region) {
-      std::lock_guard<std::mutex> lock(node_->mu);
+      MutexLock lock(node_->mu);
       node_->exported.erase(region->id());  // peers can no longer write here
     }
     return Status::Ok();
   }
 
   size_t progress() override {
-    std::lock_guard<std::mutex> progress_lock(node_->progress_mu);
+    MutexLock progress_lock(node_->progress_mu);
     size_t n = 0;
     for (auto& r : node_->pending.expire(Clock::now())) {
       r.run();
@@ -469,7 +472,7 @@ class LoopbackTransport final : public Transport {
     // so one progress() cannot spin forever on a chatty peer.
     std::vector<std::function<void()>> due;
     {
-      std::lock_guard<std::mutex> lock(node_->mu);
+      MutexLock lock(node_->mu);
       const auto now = Clock::now();
       while (!node_->inbox.empty() && node_->inbox.begin()->first.first <= now) {
         due.push_back(std::move(node_->inbox.begin()->second));
@@ -482,10 +485,10 @@ class LoopbackTransport final : public Transport {
   }
 
   void wait(std::chrono::milliseconds timeout) override {
-    std::unique_lock<std::mutex> lock(node_->mu);
+    UniqueLock lock(node_->mu);
     auto until = std::min(Clock::now() + timeout, node_->pending.next_deadline());
     if (!node_->inbox.empty()) until = std::min(until, node_->inbox.begin()->first.first);
-    node_->cv.wait_until(lock, until, [&] {
+    node_->cv.wait_until(lock.native(), until, [&]() REQUIRES(node_->mu) {
       return node_->shut || woken_ ||
              (!node_->inbox.empty() && node_->inbox.begin()->first.first <= Clock::now());
     });
@@ -494,7 +497,7 @@ class LoopbackTransport final : public Transport {
 
   void wake() override {
     {
-      std::lock_guard<std::mutex> lock(node_->mu);
+      MutexLock lock(node_->mu);
       woken_ = true;
     }
     node_->cv.notify_all();
@@ -502,7 +505,7 @@ class LoopbackTransport final : public Transport {
 
   void shutdown() override {
     {
-      std::lock_guard<std::mutex> lock(node_->fabric->mu);
+      MutexLock lock(node_->fabric->mu);
       node_->fabric->listeners.erase(node_->address);
     }
     std::vector<std::shared_ptr<LbConnection>> conns;
@@ -510,7 +513,7 @@ class LoopbackTransport final : public Transport {
     // operations they would have completed are still pending and fail below.
     std::map<std::pair<Clock::time_point, uint64_t>, std::function<void()>> dropped;
     {
-      std::lock_guard<std::mutex> lock(node_->mu);
+      MutexLock lock(node_->mu);
       if (node_->shut) return;
       node_->shut = true;
       for (auto& [id, weak] : node_->connections) {
@@ -541,18 +544,18 @@ class LoopbackTransport final : public Transport {
         new LbRegion(data, length, kind, id, node_->id, node_->fabric->token, std::move(owned));
     std::shared_ptr<LbRegion> region(raw, [weak, id](LbRegion* r) {
       if (auto n = weak.lock()) {
-        std::lock_guard<std::mutex> lock(n->mu);
+        MutexLock lock(n->mu);
         n->exported.erase(id);
       }
       delete r;
     });
-    std::lock_guard<std::mutex> lock(node_->mu);
+    MutexLock lock(node_->mu);
     node_->exported[id] = region;
     return region;
   }
 
   std::shared_ptr<Node> node_;
-  bool woken_ = false;  // guarded by node_->mu
+  bool woken_ GUARDED_BY(node_->mu) = false;
 };
 
 Result<ConnectionPtr> connect_nodes(const std::shared_ptr<Node>& self, const std::string& address) {
@@ -560,7 +563,7 @@ Result<ConnectionPtr> connect_nodes(const std::shared_ptr<Node>& self, const std
   FaultPlan plan;
   uint64_t seq = 0;
   {
-    std::lock_guard<std::mutex> lock(self->fabric->mu);
+    MutexLock lock(self->fabric->mu);
     auto it = self->fabric->listeners.find(address);
     if (it != self->fabric->listeners.end())
       target = std::static_pointer_cast<Node>(it->second.lock());
@@ -574,12 +577,12 @@ Result<ConnectionPtr> connect_nodes(const std::shared_ptr<Node>& self, const std
   mine->set_peer(theirs);
   theirs->set_peer(mine);
   {
-    std::lock_guard<std::mutex> lock(self->mu);
+    MutexLock lock(self->mu);
     if (self->shut) return Unavailable("transport is shut down");
     self->connections[mine->id()] = mine;
   }
   {
-    std::lock_guard<std::mutex> lock(target->mu);
+    MutexLock lock(target->mu);
     target->connections[theirs->id()] = theirs;
   }
   std::weak_ptr<Node> tw = target;
@@ -612,7 +615,7 @@ Result<std::unique_ptr<Transport>> create_loopback_transport(const TransportOpti
   node->handler = handler;
   node->common = options.common;
   {
-    std::lock_guard<std::mutex> lock(node->fabric->mu);
+    MutexLock lock(node->fabric->mu);
     node->id = node->fabric->next_node++;
     node->address = fmt::format("{}{}", kAddressPrefix, node->id);
     node->listening = !options.common.listen_address.empty();

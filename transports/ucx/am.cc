@@ -22,7 +22,7 @@ Status UcxCore::send(UcxConnection& conn, std::span<const uint8_t> message, Comp
   }
   if (!conn.is_open()) return Unavailable("connection to " + conn.peer() + " is closed");
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (worker_ == nullptr || conn.state_ == UcxConnection::State::kClosed) {
       return Unavailable("connection to " + conn.peer() + " is closed");
     }
@@ -53,7 +53,7 @@ void UcxCore::start_send(UcxConnection& conn, UserOp u, std::span<const uint8_t>
   p.flags = UCP_AM_SEND_FLAG_REPLY;
   // Numbered like notifications, so a message never overtakes a write
   // notified through the ring before it.
-  std::lock_guard<std::mutex> tx(conn.tx_mu_);
+  MutexLock tx(conn.tx_mu_);
   store_le(op->header, conn.tx_seq_++, kSeqHeaderBytes);
   ucs_status_ptr_t r = ucp_am_send_nbx(conn.ep_, kAmMessage, op->header, kSeqHeaderBytes,
                                        op->bytes.data(), op->bytes.size(), &p);
@@ -87,7 +87,7 @@ bool UcxCore::send_control(UcxConnection& conn, unsigned id, std::vector<uint8_t
 bool UcxCore::validate_target(const WriteHeader& h, std::shared_ptr<UcxRegion>* region) {
   std::shared_ptr<UcxRegion> r;
   {
-    std::lock_guard<std::mutex> lock(export_mu_);
+    MutexLock lock(export_mu_);
     auto it = exported_.find(h.region);
     if (it != exported_.end()) r = it->second.lock();
   }
@@ -112,6 +112,7 @@ void UcxCore::reject_write(const UcxConnection* conn, const std::string& why) {
 
 ucs_status_t UcxCore::on_am(unsigned id, const void* header, size_t header_length, void* data,
                             size_t length, const ucp_am_recv_param_t* param) {
+  mu_.assert_held();
   ConnPtr conn;
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0) {
     auto it = by_ep_.find(param->reply_ep);

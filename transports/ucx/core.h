@@ -54,6 +54,7 @@
 #include <vector>
 
 #include "base/hash.h"
+#include "base/mutex.h"
 #include "base/random.h"
 #include "base/wire.h"
 #include "transports/common/pending_ops.h"
@@ -545,9 +546,9 @@ class UcxConnection final : public Connection, public std::enable_shared_from_th
   // taken until its record is published or its active message is handed to
   // UCX, so numbers are visible to the peer in order; after mu_ when both are
   // held.
-  std::mutex tx_mu_;
-  uint64_t tx_seq_ = 0;
-  std::unique_ptr<TxRing> tx_ring_;
+  Mutex tx_mu_;
+  uint64_t tx_seq_ GUARDED_BY(tx_mu_) = 0;
+  std::unique_ptr<TxRing> tx_ring_ GUARDED_BY(tx_mu_);
   // Set once the peer's ring is mapped: write() skips tx_mu_ when false.
   std::atomic<bool> tx_ring_mapped_{false};
   // Records published in the peer's ring, and writes done by
@@ -626,7 +627,9 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
     if (wake_fd_ >= 0) ::close(wake_fd_);
   }
 
-  Status init(const sockaddr_storage* listen, socklen_t listen_len);
+  // Runs before the core is shared with any other thread, so it sets up the
+  // worker and listener without mu_: no analysis.
+  Status init(const sockaddr_storage* listen, socklen_t listen_len) NO_THREAD_SAFETY_ANALYSIS;
   void detect_cuda_support();
 
   // Transport
@@ -651,7 +654,7 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
     uint64_t ring_records = retired_ring_records_.load();
     uint64_t ring_writes = retired_ring_writes_.load();
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       for (const auto& [id, conn] : conns_) {
         ring_records += conn->ring_records_.load(std::memory_order_relaxed);
         ring_writes += conn->ring_writes_.load(std::memory_order_relaxed);
@@ -679,11 +682,15 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   void close_connection(UcxConnection& conn);
   void release_rkey(UcxRemoteRegion* remote);
 
-  // UCX callbacks (mu_ held).
+  // UCX callbacks: mu_ is held (UCX calls back only from inside a ucp_* call
+  // made under it), which each says to the analysis with mu_.assert_held().
   void on_request_done(OpCtx* op, ucs_status_t status);
   ucs_status_t on_am(unsigned id, const void* header, size_t header_length, void* data,
                      size_t length, const ucp_am_recv_param_t* param);
-  void on_conn_request(ucp_conn_request_h request) { accepts_.push_back(request); }
+  void on_conn_request(ucp_conn_request_h request) {
+    mu_.assert_held();
+    accepts_.push_back(request);
+  }
   void on_ep_error(ucp_ep_h ep, ucs_status_t status);
 
  private:
@@ -694,13 +701,13 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
     if (sleepers_.load() > 0) wake();
   }
 
-  OpCtx* new_op(OpCtx::Kind kind);
+  OpCtx* new_op(OpCtx::Kind kind) REQUIRES(mu_);
   // Unlinks a finished request's context and keeps it for reuse.
-  void unlink_op(OpCtx* op);
+  void unlink_op(OpCtx* op) REQUIRES(mu_);
   // Like finish_request, for a request that carries a user operation.
   void finish_user(UserOp& u, OpCtx* op, ucs_status_ptr_t r, uint64_t conn_id,
-                   std::string_view what);
-  void complete_user(UserOp& u, Status status) {
+                   std::string_view what) REQUIRES(mu_);
+  void complete_user(UserOp& u, Status status) REQUIRES(mu_) {
     if (u.op_id != 0) {
       complete(u.op_id, std::move(status));
     } else if (u.done) {
@@ -709,18 +716,18 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   }
   // Hands a ucp_*_nbx result to its OpCtx: completes it now, fails it now, or
   // leaves it to the callback.
-  void finish_request(OpCtx* op, ucs_status_ptr_t r);
-  void complete(uint64_t op_id, Status status) {
+  void finish_request(OpCtx* op, ucs_status_ptr_t r) REQUIRES(mu_);
+  void complete(uint64_t op_id, Status status) REQUIRES(mu_) {
     PendingOps::Ready r = pending_.take(op_id, std::move(status));
     if (r.done) push_completion(std::move(r));
   }
-  void push_completion(PendingOps::Ready r) {
+  void push_completion(PendingOps::Ready r) REQUIRES(mu_) {
     Event e;
     e.kind = Event::kCompletion;
     e.ready = std::move(r);
     queue_event(std::move(e));
   }
-  void push_event(Event::Kind kind, const ConnPtr& conn) {
+  void push_event(Event::Kind kind, const ConnPtr& conn) REQUIRES(mu_) {
     Event e;
     e.kind = kind;
     e.conn = conn;
@@ -732,20 +739,21 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   // this, a completion waited for the end of the UCX poll period (up to
   // kUcxPollPeriodMax), and a window of writes refilled by their completions
   // ran at half speed.
-  void queue_event(Event e) {
+  void queue_event(Event e) REQUIRES(mu_) {
     events_.push_back(std::move(e));
     ucx_idle_.store(false, std::memory_order_relaxed);
   }
 
   void start_write(UcxConnection& conn, UserOp u, const std::shared_ptr<UcxRegion>& src,
                    const std::shared_ptr<UcxRemoteRegion>& remote, uint64_t local_offset,
-                   uint64_t remote_offset, uint64_t length, uint32_t notify);
-  void start_flush(UcxConnection& conn);
+                   uint64_t remote_offset, uint64_t length, uint32_t notify) REQUIRES(mu_);
+  void start_flush(UcxConnection& conn) REQUIRES(mu_);
   void on_flushed(const ConnPtr& conn, std::vector<UcxConnection::Unflushed> batch,
-                  ucs_status_t status);
+                  ucs_status_t status) REQUIRES(mu_);
   // Sends the notifications of writes whose bytes are visible at the peer and
   // completes them.
-  void announce(UcxConnection& conn, const UcxConnection::Unflushed* writes, size_t n);
+  void announce(UcxConnection& conn, const UcxConnection::Unflushed* writes, size_t n)
+      REQUIRES(mu_);
   // Whether a write to `remote` is a memcpy into the peer's mapped memory.
   // Never from device memory: the CPU cannot read it.
   bool copies_into_mapping(const UcxConnection& conn, const UcxRegion& src,
@@ -753,10 +761,11 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
     return forced_ != WritePath::kAm && conn.path_.load() == WritePath::kPut && remote.mapped() &&
            src.kind() == MemoryKind::kHost;
   }
-  void start_send(UcxConnection& conn, UserOp u, std::span<const uint8_t> message);
+  void start_send(UcxConnection& conn, UserOp u, std::span<const uint8_t> message) REQUIRES(mu_);
   // The notification of one write whose bytes are already in place, as an
   // active message.
-  PSLD_UCX_HIDDEN inline void notify_one(UcxConnection& conn, UserOp u, WriteHeader h);
+  PSLD_UCX_HIDDEN inline void notify_one(UcxConnection& conn, UserOp u, WriteHeader h)
+      REQUIRES(mu_);
 
   // Notification ring (see the comment at kRingMagic).
   // A zeroed ring for a new connection, or null (off, or no memory for it).
@@ -766,7 +775,7 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
                        std::span<const uint8_t>* packed);
   // Maps the peer's offered ring where it is on this host (mu_ held).
   void map_peer_ring(UcxConnection& conn, uint32_t slots, uint64_t base,
-                     std::span<const uint8_t> packed);
+                     std::span<const uint8_t> packed) REQUIRES(mu_);
   enum class RingResult : uint8_t { kUnavailable, kFull, kPublished, kPublishedPeerAsleep };
   // Publishes a notification in the peer's ring; takes conn.tx_mu_, not mu_.
   PSLD_UCX_HIDDEN inline RingResult ring_notify(UcxConnection& conn, WriteHeader h);
@@ -774,7 +783,8 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   // owner's `consumed` when the cached copy says so), and publishing a record
   // in it (never kFull: ask ring_full first).
   static bool ring_full(TxRing& r);
-  PSLD_UCX_HIDDEN inline RingResult ring_publish(UcxConnection& conn, TxRing& r, WriteHeader h);
+  PSLD_UCX_HIDDEN inline RingResult ring_publish(UcxConnection& conn, TxRing& r, WriteHeader h)
+      REQUIRES(conn.tx_mu_);
 
  public:
   // Connection::write's fast path (see the definition); false, having done
@@ -786,14 +796,14 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   // in wait(), if the worker and the connection are still up; the _locked
   // one with mu_ held.
   void wake_ring_owner(UcxConnection& conn);
-  void wake_ring_owner_locked(UcxConnection& conn);
+  void wake_ring_owner_locked(UcxConnection& conn) REQUIRES(mu_);
   // Delivers the records of conn's ring in sequence order: those numbered
   // below `below`, and, when `stop_at_gap`, only while each is the next
   // number (a gap is an active message still on its way). mu_ held.
-  void drain_ring(const ConnPtr& conn, uint64_t below, bool stop_at_gap);
+  void drain_ring(const ConnPtr& conn, uint64_t below, bool stop_at_gap) REQUIRES(mu_);
   // An active message numbered `seq` arrived: ring records before it go
   // first.
-  void arrived_in_order(const ConnPtr& conn, uint64_t seq) {
+  void arrived_in_order(const ConnPtr& conn, uint64_t seq) REQUIRES(mu_) {
     drain_ring(conn, seq, false);
     if (conn->rx_next_seq_.load(std::memory_order_relaxed) <= seq) {
       conn->rx_next_seq_.store(seq + 1, std::memory_order_relaxed);
@@ -805,26 +815,28 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   size_t read_ring(UcxConnection& conn, RxRing& r, uint64_t below, bool stop_at_gap,
                    Deliver&& deliver);
   // progress()'s fast path: rings only, without mu_, handlers called at once.
-  size_t poll_rings_unlocked();
+  size_t poll_rings_unlocked() REQUIRES(progress_mu_);
   // Whether a sleeping owner would miss a deliverable record.
   bool ring_has_next(const UcxConnection& conn) const;
-  void set_rings_sleeping(bool sleeping);
-  void release_rings(UcxConnection& conn);
+  void set_rings_sleeping(bool sleeping) REQUIRES(mu_);
+  void release_rings(UcxConnection& conn) REQUIRES(mu_);
   // Validates one notification and queues its on_write.
-  PSLD_UCX_HIDDEN void deliver_notification(const ConnPtr& conn, const WriteHeader& h);
+  PSLD_UCX_HIDDEN void deliver_notification(const ConnPtr& conn, const WriteHeader& h)
+      REQUIRES(mu_);
   // Queues on_write(conn, notify, length) for the next delivery. mu_ held.
-  void queue_write(ConnectionPtr conn, uint32_t notify, uint64_t length);
+  void queue_write(ConnectionPtr conn, uint32_t notify, uint64_t length) REQUIRES(mu_);
   bool send_control(UcxConnection& conn, unsigned id, std::vector<uint8_t> payload,
-                    OpCtx::Kind kind);
+                    OpCtx::Kind kind) REQUIRES(mu_);
   void handle_control(const ConnPtr& conn, unsigned id, uint64_t seq,
-                      std::span<const uint8_t> payload);
-  void handle_hello(const ConnPtr& conn, std::span<const uint8_t> payload);
-  bool hold_early(UcxConnection& conn, unsigned id, uint64_t seq, std::span<const uint8_t> payload);
-  void handle_hello_ack(const ConnPtr& conn, std::span<const uint8_t> payload);
-  void dispatch_queued(UcxConnection& conn);
+                      std::span<const uint8_t> payload) REQUIRES(mu_);
+  void handle_hello(const ConnPtr& conn, std::span<const uint8_t> payload) REQUIRES(mu_);
+  bool hold_early(UcxConnection& conn, unsigned id, uint64_t seq, std::span<const uint8_t> payload)
+      REQUIRES(mu_);
+  void handle_hello_ack(const ConnPtr& conn, std::span<const uint8_t> payload) REQUIRES(mu_);
+  void dispatch_queued(UcxConnection& conn) REQUIRES(mu_);
   static Status foreign_key(const UcxConnection& conn);
-  void handle_notify(const ConnPtr& conn, std::span<const uint8_t> payload);
-  void connection_ready(UcxConnection& conn);
+  void handle_notify(const ConnPtr& conn, std::span<const uint8_t> payload) REQUIRES(mu_);
+  void connection_ready(UcxConnection& conn) REQUIRES(mu_);
   std::vector<uint8_t> hello_payload(const UcxConnection& conn) const;
   PSLD_UCX_HIDDEN bool validate_target(const WriteHeader& h, std::shared_ptr<UcxRegion>* region);
   struct ValidTarget;
@@ -832,15 +844,16 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   PSLD_UCX_HIDDEN inline bool validate_target_cached(const WriteHeader& h, ValidTarget* last);
   void reject_write(const UcxConnection* conn, const std::string& why);
   ucs_status_t on_am_write(const ConnPtr& conn, const void* header, size_t header_length,
-                           void* data, size_t length, const ucp_am_recv_param_t* param);
+                           void* data, size_t length, const ucp_am_recv_param_t* param)
+      REQUIRES(mu_);
 
-  void accept(ucp_conn_request_h request);
+  void accept(ucp_conn_request_h request) REQUIRES(mu_);
   // Marks `conn` closed, fails its operations with `why`, queues its
   // on_disconnect, and closes its endpoint (after a bye, if `send_bye`).
-  void close_locked(UcxConnection& conn, const Status& why, bool send_bye);
-  void force_close_ep(UcxConnection& conn);
-  void run_deferred();
-  void check_deadlines(Clock::time_point now);
+  void close_locked(UcxConnection& conn, const Status& why, bool send_bye) REQUIRES(mu_);
+  void force_close_ep(UcxConnection& conn) REQUIRES(mu_);
+  void run_deferred() REQUIRES(mu_);
+  void check_deadlines(Clock::time_point now) REQUIRES(mu_);
   void drain_graveyard();
   void deliver(Event& e);
   Result<std::shared_ptr<UcxRegion>> make_region(uint8_t* data, size_t length, MemoryKind kind,
@@ -862,47 +875,48 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   std::vector<uint8_t> address_;
   std::string listen_text_;
 
-  std::mutex progress_mu_;  // one progress() at a time: handlers run in order
-  mutable std::mutex mu_;   // the worker and everything below
-  ucp_worker_h worker_ = nullptr;
-  ucp_listener_h listener_ = nullptr;
+  Mutex progress_mu_;  // one progress() at a time: handlers run in order
+  mutable Mutex mu_;   // the worker and everything below
+  ucp_worker_h worker_ GUARDED_BY(mu_) = nullptr;
+  ucp_listener_h listener_ GUARDED_BY(mu_) = nullptr;
   std::atomic<bool> shut_{false};
-  std::map<uint64_t, ConnPtr> conns_;
-  std::unordered_map<ucp_ep_h, ConnPtr> by_ep_;
-  std::vector<Event> events_;
-  std::vector<Event> delivering_;  // guarded by progress_mu_
-  int64_t last_deadline_tick_ = 0;
-  OpCtx* live_ops_ = nullptr;
-  size_t live_count_ = 0;
-  std::vector<OpCtx*> free_ops_;
-  size_t handshaking_ = 0;  // connections with a handshake deadline
+  std::map<uint64_t, ConnPtr> conns_ GUARDED_BY(mu_);
+  std::unordered_map<ucp_ep_h, ConnPtr> by_ep_ GUARDED_BY(mu_);
+  std::vector<Event> events_ GUARDED_BY(mu_);
+  std::vector<Event> delivering_ GUARDED_BY(progress_mu_);
+  int64_t last_deadline_tick_ GUARDED_BY(mu_) = 0;
+  OpCtx* live_ops_ GUARDED_BY(mu_) = nullptr;
+  size_t live_count_ GUARDED_BY(mu_) = 0;
+  std::vector<OpCtx*> free_ops_ GUARDED_BY(mu_);
+  size_t handshaking_ GUARDED_BY(mu_) = 0;  // connections with a handshake deadline
   // Deferred work (see the comment at the top of the file).
-  std::vector<ucp_conn_request_h> accepts_;
+  std::vector<ucp_conn_request_h> accepts_ GUARDED_BY(mu_);
   struct Flushed {
     ConnPtr conn;
     std::vector<UcxConnection::Unflushed> batch;
     ucs_status_t status;
   };
-  std::vector<Flushed> flushed_;
-  std::vector<ConnPtr> acks_;   // accepted: the hello answer is still to send
-  std::vector<ConnPtr> ready_;  // connected: the queued operations are still to send
-  std::vector<std::pair<ConnPtr, Status>> failed_;
-  std::vector<ConnPtr> to_close_;
+  std::vector<Flushed> flushed_ GUARDED_BY(mu_);
+  std::vector<ConnPtr> acks_ GUARDED_BY(mu_);  // accepted: the hello answer is still to send
+  std::vector<ConnPtr> ready_
+      GUARDED_BY(mu_);  // connected: the queued operations are still to send
+  std::vector<std::pair<ConnPtr, Status>> failed_ GUARDED_BY(mu_);
+  std::vector<ConnPtr> to_close_ GUARDED_BY(mu_);
   // Rings of closed connections, unmapped by run_deferred (not inside a UCX
   // callback).
-  std::vector<std::shared_ptr<RxRing>> dead_rings_;
+  std::vector<std::shared_ptr<RxRing>> dead_rings_ GUARDED_BY(mu_);
 
   std::atomic<int> sleepers_{0};
-  // Connections whose ring progress() polls (ready, with a ring); mu_.
-  std::vector<ConnPtr> rx_conns_;
+  // Connections whose ring progress() polls (ready, with a ring).
+  std::vector<ConnPtr> rx_conns_ GUARDED_BY(mu_);
   // Set by progress() when UCX had nothing to do while a peer writes into one
   // of our rings; then progress() may poll only the rings for up to
   // ucx_poll_period_ after last_ucx_progress_. Any thread clears it to have UCX
   // progressed at once.
   std::atomic<bool> ucx_idle_{false};
-  uint64_t last_ucx_progress_ = 0;             // poll_clock(); progress_mu_
-  uint64_t ucx_poll_period_ = kUcxPollPeriod;  // progress_mu_
-  bool rings_attached_ = false;                // a peer writes into one of our rings; mu_
+  uint64_t last_ucx_progress_ GUARDED_BY(progress_mu_) = 0;  // poll_clock()
+  uint64_t ucx_poll_period_ GUARDED_BY(progress_mu_) = kUcxPollPeriod;
+  bool rings_attached_ GUARDED_BY(mu_) = false;  // a peer writes into one of our rings
   // Bumped (under mu_) whenever rx_conns_ changes; progress() then copies it.
   std::atomic<uint64_t> rx_version_{0};
   // The last target a ring's records named, as validate_target found it:
@@ -912,30 +926,30 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
     uint64_t unexported = ~uint64_t{0};  // unexported_ when validated
     uint64_t region = 0, secret = 0, length = 0;
   };
-  // progress()'s own copy of rx_conns_, for the fast path; progress_mu_.
+  // progress()'s own copy of rx_conns_, for the fast path.
   struct Polled {
     ConnectionPtr conn;
     UcxConnection* ucx;
     std::shared_ptr<RxRing> ring;  // keeps it mapped while polled, even once closed
     ValidTarget last;
   };
-  std::vector<Polled> polled_;
-  uint64_t polled_version_ = 0;
-  int ring_sleepers_ = 0;  // threads in wait() that advertised it; mu_
+  std::vector<Polled> polled_ GUARDED_BY(progress_mu_);
+  uint64_t polled_version_ GUARDED_BY(progress_mu_) = 0;
+  int ring_sleepers_ GUARDED_BY(mu_) = 0;  // threads in wait() that advertised it
   PendingOps pending_;
   RegistrationCache<UcxRegion> cache_;
   std::atomic<uint64_t> next_region_{1};
-  std::mutex export_mu_;
-  std::unordered_map<uint64_t, std::weak_ptr<UcxRegion>> exported_;
+  Mutex export_mu_;
+  std::unordered_map<uint64_t, std::weak_ptr<UcxRegion>> exported_ GUARDED_BY(export_mu_);
   // Bumped (under export_mu_) whenever a region leaves exported_: a target
   // validated while it had some value is still exported while it has it.
   std::atomic<uint64_t> unexported_{0};
   // Held shared while copying into a peer's mapped memory, exclusively while
   // shutdown unmaps it; never held while taking mu_.
-  std::shared_mutex mapping_mu_;
-  std::mutex rkey_mu_;  // after mu_ when both are held
-  std::set<UcxRemoteRegion*> live_remotes_;
-  std::vector<ucp_rkey_h> graveyard_;
+  SharedMutex mapping_mu_;
+  Mutex rkey_mu_ ACQUIRED_AFTER(mu_);
+  std::set<UcxRemoteRegion*> live_remotes_ GUARDED_BY(rkey_mu_);
+  std::vector<ucp_rkey_h> graveyard_ GUARDED_BY(rkey_mu_);
   std::atomic<bool> graveyard_nonempty_{false};
 
   std::atomic<uint64_t> writes_put_{0}, writes_am_{0}, flushes_{0}, rejected_writes_{0},

@@ -135,13 +135,13 @@ Result<std::shared_ptr<UcxRegion>> UcxCore::make_region(uint8_t* data, size_t le
   // The deleter unexports the region, so a peer's later write is rejected.
   std::shared_ptr<UcxRegion> region(raw, [weak, id](UcxRegion* p) {
     if (auto core = weak.lock()) {
-      std::lock_guard<std::mutex> lock(core->export_mu_);
+      MutexLock lock(core->export_mu_);
       core->exported_.erase(id);
       core->unexported_.fetch_add(1, std::memory_order_release);
     }
     delete p;
   });
-  std::lock_guard<std::mutex> lock(export_mu_);
+  MutexLock lock(export_mu_);
   exported_[id] = region;
   return region;
 }
@@ -154,7 +154,7 @@ Status UcxCore::invalidate(void* data, size_t length) {
   PSLD_RETURN_IF_ERROR(cache_.invalidate(data, length));
   // Peers' writes to these regions are rejected from now on; the memory stays
   // registered until the last holder lets go.
-  std::lock_guard<std::mutex> lock(export_mu_);
+  MutexLock lock(export_mu_);
   for (auto& r : regions)
     exported_.erase(r->id());
   unexported_.fetch_add(1, std::memory_order_release);

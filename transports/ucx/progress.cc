@@ -77,6 +77,7 @@ void UcxCore::finish_request(OpCtx* op, ucs_status_ptr_t r) {
 }
 
 void UcxCore::on_request_done(OpCtx* op, ucs_status_t status) {
+  mu_.assert_held();
   switch (op->kind) {
     case OpCtx::kPut:
       // Local completion only; the flush that covers it completes the write.
@@ -124,6 +125,7 @@ void UcxCore::on_request_done(OpCtx* op, ucs_status_t status) {
 // Closing
 
 void UcxCore::on_ep_error(ucp_ep_h ep, ucs_status_t status) {
+  mu_.assert_held();
   auto it = by_ep_.find(ep);
   if (it == by_ep_.end()) return;
   ConnPtr conn = it->second;
@@ -134,7 +136,7 @@ void UcxCore::on_ep_error(ucp_ep_h ep, ucs_status_t status) {
 
 void UcxCore::close_connection(UcxConnection& conn) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (conn.state_ == UcxConnection::State::kClosed) return;
     close_locked(conn, Aborted("connection closed locally"), true);
     run_deferred();
@@ -289,7 +291,7 @@ void UcxCore::check_deadlines(Clock::time_point now) {
 // Progress
 
 size_t UcxCore::progress() {
-  std::lock_guard<std::mutex> progress_lock(progress_mu_);
+  MutexLock progress_lock(progress_mu_);
   // The fast path, while UCX is idle and peers write into our rings: no
   // worker lock, no worker progress, just the rings (see kUcxPollPeriod and
   // kRingPollsPerCall).
@@ -303,7 +305,7 @@ size_t UcxCore::progress() {
   }
   size_t work = 0;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (worker_ == nullptr) return 0;
     drain_graveyard();
     work = ucp_worker_progress(worker_);
@@ -376,12 +378,12 @@ void UcxCore::deliver(Event& e) {
 void UcxCore::wait(std::chrono::milliseconds timeout) {
   auto until = Clock::now() + timeout;
   bool advertised = false;
-  auto stop_advertising = [&] {
+  auto stop_advertising = [&]() REQUIRES(mu_) {
     if (advertised && --ring_sleepers_ == 0) set_rings_sleeping(false);
     advertised = false;
   };
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (worker_ == nullptr) return;
     if (!events_.empty()) return;
     ucx_idle_.store(false,
@@ -420,7 +422,7 @@ void UcxCore::wait(std::chrono::milliseconds timeout) {
     [[maybe_unused]] ssize_t n = ::read(wake_fd_, &v, sizeof(v));
   }
   if (advertised) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     stop_advertising();
   }
   sleepers_.fetch_sub(1);

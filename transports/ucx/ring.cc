@@ -96,7 +96,7 @@ void UcxCore::map_peer_ring(UcxConnection& conn, uint32_t slots, uint64_t base,
   // Tells the owner a writer is there, so its progress() may poll UCX less.
   ring_word(p, kRingAttachedAt).store(1, std::memory_order_release);
   {
-    std::lock_guard<std::mutex> tx(conn.tx_mu_);
+    MutexLock tx(conn.tx_mu_);
     conn.tx_ring_ = std::make_unique<TxRing>();
     conn.tx_ring_->rkey = rkey;
     conn.tx_ring_->base = p;
@@ -136,6 +136,7 @@ void UcxCore::drain_ring(const ConnPtr& conn, uint64_t below, bool stop_at_gap) 
   RxRing* r = conn->rx_ring_.get();
   if (r == nullptr || conn->state_ != UcxConnection::State::kReady) return;
   read_ring(*conn, *r, below, stop_at_gap, [&](const WriteHeader& h) {
+    mu_.assert_held();  // read_ring calls back before it returns, here under mu_
     deliver_notification(conn, h);
     return true;
   });
@@ -144,7 +145,7 @@ void UcxCore::drain_ring(const ConnPtr& conn, uint64_t below, bool stop_at_gap) 
 bool UcxCore::validate_target_cached(const WriteHeader& h, ValidTarget* last) {
   if (h.region != last->region || h.secret != last->secret ||
       last->unexported != unexported_.load(std::memory_order_acquire)) {
-    std::lock_guard<std::mutex> lock(export_mu_);
+    MutexLock lock(export_mu_);
     auto it = exported_.find(h.region);
     std::shared_ptr<UcxRegion> r = it != exported_.end() ? it->second.lock() : nullptr;
     if (!r || r->secret() != h.secret) return false;
@@ -206,7 +207,7 @@ void UcxCore::release_rings(UcxConnection& conn) {
   }
   std::unique_ptr<TxRing> tx;
   {
-    std::lock_guard<std::mutex> lock(conn.tx_mu_);
+    MutexLock lock(conn.tx_mu_);
     tx = std::move(conn.tx_ring_);
     conn.tx_ring_mapped_.store(false, std::memory_order_relaxed);
     // Without the ring nothing counts these any more; counters() reads
@@ -217,7 +218,7 @@ void UcxCore::release_rings(UcxConnection& conn) {
   if (tx) {
     // The owner's progress() goes back to polling UCX on every call.
     ring_word(tx->base, kRingAttachedAt).store(0, std::memory_order_relaxed);
-    std::lock_guard<std::mutex> lock(rkey_mu_);
+    MutexLock lock(rkey_mu_);
     graveyard_.push_back(tx->rkey);  // destroyed outside any UCX callback
     graveyard_nonempty_ = true;
   }

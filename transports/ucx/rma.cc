@@ -42,7 +42,7 @@ Status UcxCore::write(UcxConnection& conn, const WriteRequest& req, Completion d
     // large copy does not stall the thread progressing the worker; the
     // notification goes out after it, so the peer cannot see it early.
     {
-      std::shared_lock<std::shared_mutex> map(mapping_mu_);
+      ReaderLock map(mapping_mu_);
       if (remote->mapped_base_ == nullptr) return Unavailable("UCX transport is shut down");
       if (req.length > 0) {
         std::memcpy(remote->mapped_base_ + req.remote_offset, src->data() + req.local_offset,
@@ -60,7 +60,7 @@ Status UcxCore::write(UcxConnection& conn, const WriteRequest& req, Completion d
       return Status::Ok();
     }
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       if (ring == RingResult::kPublished || ring == RingResult::kPublishedPeerAsleep) {
         // Shut down meanwhile: its completions were run; this one cannot be.
         if (worker_ == nullptr) return Unavailable("UCX transport is shut down");
@@ -84,7 +84,7 @@ Status UcxCore::write(UcxConnection& conn, const WriteRequest& req, Completion d
   auto remote = remote_region->weak_from_this().lock();
   if (!src || !remote) return InvalidArgument("write region is being destroyed");
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (worker_ == nullptr || conn.state_ == UcxConnection::State::kClosed) {
       return Unavailable("connection to " + conn.peer() + " is closed");
     }
@@ -125,7 +125,7 @@ Status UcxCore::write(UcxConnection& conn, const WriteRequest& req, Completion d
 //   parallel.
 // Writes with a completion take write(): their completion is queued under mu_.
 bool UcxCore::write_through_ring(UcxConnection& conn, const WriteRequest& req, Status* status) {
-  std::unique_lock<std::mutex> tx(conn.tx_mu_);
+  UniqueLock tx(conn.tx_mu_);
   TxRing* r = conn.tx_ring_.get();
   if (r == nullptr) return false;
   UcxCore& core = *conn.core_raw_;
@@ -154,7 +154,7 @@ bool UcxCore::write_through_ring(UcxConnection& conn, const WriteRequest& req, S
 
 void UcxCore::wake_ring_owner(UcxConnection& conn) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     wake_ring_owner_locked(conn);
     run_deferred();
   }
@@ -230,7 +230,7 @@ void UcxCore::start_write(UcxConnection& conn, UserOp u, const std::shared_ptr<U
   OpCtx* op = new_op(OpCtx::kAmWrite);
   op->deadline = deadline();
   op->region = src;
-  std::lock_guard<std::mutex> tx(conn.tx_mu_);
+  MutexLock tx(conn.tx_mu_);
   h.seq = conn.tx_seq_++;
   encode_header(h, op->header);
   ucp_request_param_t p{};
@@ -261,7 +261,7 @@ void UcxCore::notify_one(UcxConnection& conn, UserOp u, WriteHeader h) {
   op->deadline = deadline();
   op->bytes.resize(4 + kWriteHeaderBytes);
   store_le(op->bytes.data(), 1, 4);
-  std::lock_guard<std::mutex> tx(conn.tx_mu_);
+  MutexLock tx(conn.tx_mu_);
   h.seq = conn.tx_seq_++;
   encode_header(h, op->bytes.data() + 4);
   ucp_request_param_t p{};
@@ -318,8 +318,8 @@ void UcxCore::announce(UcxConnection& conn, const UcxConnection::Unflushed* writ
   std::vector<uint8_t> payload;
   size_t k = 0;
   // Numbers are taken as the batch is encoded; held until it is sent.
-  std::lock_guard<std::mutex> tx(conn.tx_mu_);
-  auto send_batch = [&] {
+  MutexLock tx(conn.tx_mu_);
+  auto send_batch = [&]() REQUIRES(mu_, conn.tx_mu_) {
     if (k == 0) return;
     store_le(payload.data(), k, 4);
     const bool sent = send_control(conn, kAmNotify, std::move(payload), OpCtx::kControl);
@@ -349,7 +349,7 @@ void UcxCore::announce(UcxConnection& conn, const UcxConnection::Unflushed* writ
 // The writer's side of the notification ring (see kRingMagic)
 
 UcxCore::RingResult UcxCore::ring_notify(UcxConnection& conn, WriteHeader h) {
-  std::lock_guard<std::mutex> tx(conn.tx_mu_);
+  MutexLock tx(conn.tx_mu_);
   TxRing* r = conn.tx_ring_.get();
   if (r == nullptr) return RingResult::kUnavailable;
   if (ring_full(*r)) {

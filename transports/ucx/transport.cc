@@ -21,7 +21,7 @@ std::atomic<uint64_t> g_next_connection_id{1};
 void UcxCore::shutdown() {
   std::vector<Event> events;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     shut_ = true;
     if (worker_ != nullptr) {
       if (listener_ != nullptr) {
@@ -61,8 +61,8 @@ void UcxCore::shutdown() {
       }
       {
         // Waits for copies into mapped memory still running in write().
-        std::unique_lock<std::shared_mutex> map(mapping_mu_);
-        std::lock_guard<std::mutex> rlock(rkey_mu_);
+        WriterLock map(mapping_mu_);
+        MutexLock rlock(rkey_mu_);
         for (UcxRemoteRegion* remote : live_remotes_) {
           if (remote->rkey_ != nullptr) ucp_rkey_destroy(remote->rkey_);
           remote->rkey_ = nullptr;
@@ -104,7 +104,7 @@ void UcxCore::shutdown() {
   for (auto& r : pending_.fail_all(Aborted("transport shut down")))
     r.run();
   cache_.clear();
-  std::lock_guard<std::mutex> lock(export_mu_);
+  MutexLock lock(export_mu_);
   exported_.clear();
   unexported_.fetch_add(1, std::memory_order_release);
 }

@@ -31,7 +31,7 @@ Result<ConnectionPtr> UcxCore::connect(std::span<const uint8_t> peer_address) {
 
   ConnPtr conn;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (worker_ == nullptr || shut_) return Unavailable("UCX transport is shut down");
     conn =
         std::make_shared<UcxConnection>(this, weak_from_this(), true, fmt::format("ucx {}", where));
@@ -262,7 +262,7 @@ Result<std::shared_ptr<RemoteRegion>> UcxCore::import_region(UcxConnection& conn
   std::vector<uint8_t> padded(packed.size() + kRkeyPad, 0);
   std::memcpy(padded.data(), packed.data(), packed.size());
 
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (worker_ == nullptr || conn.state_ == UcxConnection::State::kClosed || conn.ep_ == nullptr) {
     return Unavailable("connection to " + conn.peer() + " is closed");
   }
@@ -286,14 +286,14 @@ Result<std::shared_ptr<RemoteRegion>> UcxCore::import_region(UcxConnection& conn
       length, region, remote_kind, conn.id(), owner, base, secret,
       mapped ? static_cast<uint8_t*>(mapped_at) : nullptr, rkey, weak_from_this());
   {
-    std::lock_guard<std::mutex> rlock(rkey_mu_);
+    MutexLock rlock(rkey_mu_);
     live_remotes_.insert(remote.get());
   }
   return std::shared_ptr<RemoteRegion>(remote);
 }
 
 void UcxCore::release_rkey(UcxRemoteRegion* remote) {
-  std::lock_guard<std::mutex> lock(rkey_mu_);
+  MutexLock lock(rkey_mu_);
   live_remotes_.erase(remote);
   if (remote->rkey_ != nullptr) {
     graveyard_.push_back(remote->rkey_);
@@ -306,7 +306,7 @@ void UcxCore::drain_graveyard() {
   if (!graveyard_nonempty_.load()) return;
   std::vector<ucp_rkey_h> dead;
   {
-    std::lock_guard<std::mutex> lock(rkey_mu_);
+    MutexLock lock(rkey_mu_);
     dead.swap(graveyard_);
     graveyard_nonempty_ = false;
   }

@@ -36,6 +36,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "base/mutex.h"
 #include "base/random.h"
 #include "psld/status.h"
 #include "transports/common/pending_ops.h"
@@ -358,46 +359,50 @@ class Core : public std::enable_shared_from_this<Core> {
                                                    VerbsRegion::Owned owned);
   // Registers GPU memory (pd_mu_ held shared); *how names the call that did.
   Result<ibv_mr*> register_device_memory_locked(uint8_t* data, size_t length, int access,
-                                                std::string* how);
+                                                std::string* how) REQUIRES_SHARED(pd_mu_);
   void detect_cuda_support();
 
   // Connection setup (mu_ held).
-  ConnPtr make_connection_locked(SideChannel chan, bool outbound, std::string peer);
-  Status register_connection_locked(const ConnPtr& c);
-  Status create_qp_locked(VerbsConnection& c);
-  Hello make_hello_locked(const VerbsConnection& c, uint32_t psn, uint64_t nonce) const;
-  Status to_rtr_locked(VerbsConnection& c, const Hello& peer);
-  Status to_rts_locked(VerbsConnection& c);
-  Status side_send_locked(VerbsConnection& c, std::span<const uint8_t> bytes);
-  Status accept_hello_locked(const ConnPtr& c, const Hello& peer);
-  Status complete_client_locked(const ConnPtr& c, const Hello& reply, Events& events);
-  void promote_locked(const ConnPtr& c, Events& events);
-  size_t pending_accepts_locked() const;
+  ConnPtr make_connection_locked(SideChannel chan, bool outbound, std::string peer) REQUIRES(mu_);
+  Status register_connection_locked(const ConnPtr& c) REQUIRES(mu_);
+  Status create_qp_locked(VerbsConnection& c) REQUIRES(mu_);
+  Hello make_hello_locked(const VerbsConnection& c, uint32_t psn, uint64_t nonce) const
+      REQUIRES(mu_);
+  Status to_rtr_locked(VerbsConnection& c, const Hello& peer) REQUIRES(mu_);
+  Status to_rts_locked(VerbsConnection& c) REQUIRES(mu_);
+  Status side_send_locked(VerbsConnection& c, std::span<const uint8_t> bytes) REQUIRES(mu_);
+  Status accept_hello_locked(const ConnPtr& c, const Hello& peer) REQUIRES(mu_);
+  Status complete_client_locked(const ConnPtr& c, const Hello& reply, Events& events) REQUIRES(mu_);
+  void promote_locked(const ConnPtr& c, Events& events) REQUIRES(mu_);
+  size_t pending_accepts_locked() const REQUIRES(mu_);
 
   // Data path (mu_ held).
-  Status check_backend_locked(const VerbsConnection& c, const WriteRequest& req) const;
-  void drain_locked(const ConnPtr& c, Events& events);
-  void drain_all_locked(Events& events);
-  void break_locked(const ConnPtr& c, const Status& why, bool local, Events& events);
-  void fail_device_locked(const Status& why, Events& events);
-  void destroy_qp_locked(VerbsConnection& c);
-  void reap_closed_locked(Events& events, std::vector<uint32_t>& reposts, Clock::time_point now);
+  Status check_backend_locked(const VerbsConnection& c, const WriteRequest& req) const REQUIRES(mu_);
+  void drain_locked(const ConnPtr& c, Events& events) REQUIRES(mu_);
+  void drain_all_locked(Events& events) REQUIRES(mu_);
+  void break_locked(const ConnPtr& c, const Status& why, bool local, Events& events) REQUIRES(mu_);
+  void fail_device_locked(const Status& why, Events& events) REQUIRES(mu_);
+  void destroy_qp_locked(VerbsConnection& c) REQUIRES(mu_);
+  void reap_closed_locked(Events& events, std::vector<uint32_t>& reposts, Clock::time_point now)
+      REQUIRES(mu_);
 
   // Completions and events (mu_ held).
-  size_t poll_send_cq_locked(Events& events);
-  size_t poll_recv_cq_locked(Events& events, std::vector<uint32_t>& reposts);
-  void on_send_completion_locked(const ibv_wc& wc, Events& events);
-  void on_recv_completion_locked(const ibv_wc& wc, Events& events, std::vector<uint32_t>& reposts);
-  bool peek_cqs_locked();
-  void arm_cqs_locked();
-  void post_receives_locked(const std::vector<uint32_t>& buffers);
-  void slow_path_locked(Events& events, std::vector<uint32_t>& reposts, Clock::time_point now);
-  void drain_cq_events_locked();
-  void drain_async_events_locked(Events& events);
-  void accept_all_locked(Events& events);
-  void handle_side_channel_locked(const ConnPtr& c, uint32_t revents, Events& events);
-  void process_side_input_locked(const ConnPtr& c, Events& events);
-  ConnPtr find_qp_locked(uint32_t qp_num) const {
+  size_t poll_send_cq_locked(Events& events) REQUIRES(mu_);
+  size_t poll_recv_cq_locked(Events& events, std::vector<uint32_t>& reposts) REQUIRES(mu_);
+  void on_send_completion_locked(const ibv_wc& wc, Events& events) REQUIRES(mu_);
+  void on_recv_completion_locked(const ibv_wc& wc, Events& events, std::vector<uint32_t>& reposts)
+      REQUIRES(mu_);
+  bool peek_cqs_locked() REQUIRES(mu_);
+  void arm_cqs_locked() REQUIRES(mu_);
+  void post_receives_locked(const std::vector<uint32_t>& buffers) REQUIRES(mu_);
+  void slow_path_locked(Events& events, std::vector<uint32_t>& reposts, Clock::time_point now)
+      REQUIRES(mu_);
+  void drain_cq_events_locked() REQUIRES(mu_);
+  void drain_async_events_locked(Events& events) REQUIRES(mu_);
+  void accept_all_locked(Events& events) REQUIRES(mu_);
+  void handle_side_channel_locked(const ConnPtr& c, uint32_t revents, Events& events) REQUIRES(mu_);
+  void process_side_input_locked(const ConnPtr& c, Events& events) REQUIRES(mu_);
+  ConnPtr find_qp_locked(uint32_t qp_num) const REQUIRES(mu_) {
     auto it = by_qp_.find(qp_num);
     return it == by_qp_.end() ? nullptr : it->second;
   }
@@ -438,31 +443,31 @@ class Core : public std::enable_shared_from_this<Core> {
   int listen_fd_ = -1;
   std::string address_;
 
-  std::mutex progress_mu_;
+  Mutex progress_mu_;
   std::atomic<std::thread::id> progress_owner_{};
   std::atomic<bool> teardown_deferred_{false};
 
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   std::atomic<bool> shut_{false};
-  bool torn_down_ = false;
-  bool device_failed_ = false;
-  SlotBudget cq_budget_{0};
-  std::map<uint64_t, ConnPtr> conns_;
-  std::unordered_map<uint32_t, ConnPtr> by_qp_;
-  Events deferred_;                 // from calls outside progress(); run by the next one
-  std::vector<ibv_wc> send_stash_;  // polled by wait(), handled by progress()
-  std::vector<ibv_wc> recv_stash_;
-  bool send_armed_ = false;
-  bool recv_armed_ = false;
-  bool slow_path_due_ = true;
-  Clock::time_point last_slow_path_{};
-  uint64_t next_wr_id_ = 1;
-  uint64_t drain_cursor_ = 0;  // connection id drain_all_locked() served last
+  bool torn_down_ GUARDED_BY(mu_) = false;
+  bool device_failed_ GUARDED_BY(mu_) = false;
+  SlotBudget cq_budget_ GUARDED_BY(mu_){0};
+  std::map<uint64_t, ConnPtr> conns_ GUARDED_BY(mu_);
+  std::unordered_map<uint32_t, ConnPtr> by_qp_ GUARDED_BY(mu_);
+  Events deferred_ GUARDED_BY(mu_);  // from calls outside progress(); run by the next one
+  std::vector<ibv_wc> send_stash_ GUARDED_BY(mu_);  // polled by wait(), handled by progress()
+  std::vector<ibv_wc> recv_stash_ GUARDED_BY(mu_);
+  bool send_armed_ GUARDED_BY(mu_) = false;
+  bool recv_armed_ GUARDED_BY(mu_) = false;
+  bool slow_path_due_ GUARDED_BY(mu_) = true;
+  Clock::time_point last_slow_path_ GUARDED_BY(mu_){};
+  uint64_t next_wr_id_ GUARDED_BY(mu_) = 1;
+  uint64_t drain_cursor_ GUARDED_BY(mu_) = 0;  // connection id drain_all_locked() served last
   AdaptiveSpin spin_{kMaxSpin};
 
-  std::shared_mutex pd_mu_;
-  std::mutex regions_mu_;
-  std::map<uint64_t, ibv_mr*> mrs_;
+  SharedMutex pd_mu_;
+  Mutex regions_mu_;
+  std::map<uint64_t, ibv_mr*> mrs_ GUARDED_BY(regions_mu_);
   std::atomic<uint64_t> next_region_{1};
 
   PendingOps pending_;

@@ -23,7 +23,7 @@ VerbsRegion::~VerbsRegion() {
 
 Result<std::shared_ptr<VerbsRegion>> Core::make_region(uint8_t* data, size_t length,
                                                        MemoryKind kind, VerbsRegion::Owned owned) {
-  std::shared_lock<std::shared_mutex> pd_lock(pd_mu_);
+  ReaderLock pd_lock(pd_mu_);
   if (pd_ == nullptr) return Unavailable("verbs transport is shut down");
   // REMOTE_WRITE on every region: any registered region may be the target of
   // a peer's write once its remote_key() was handed out (landing slots and
@@ -50,7 +50,7 @@ Result<std::shared_ptr<VerbsRegion>> Core::make_region(uint8_t* data, size_t len
   }
   const uint64_t id = next_region_.fetch_add(1);
   {
-    std::lock_guard<std::mutex> lock(regions_mu_);
+    MutexLock lock(regions_mu_);
     mrs_[id] = mr;
   }
   return std::make_shared<VerbsRegion>(data, length, kind, id, transport_id_, mr->lkey, mr->rkey,
@@ -132,10 +132,10 @@ Result<ibv_mr*> Core::register_device_memory_locked(uint8_t* data, size_t length
 }
 
 void Core::deregister(uint64_t region_id) {
-  std::shared_lock<std::shared_mutex> pd_lock(pd_mu_);
+  ReaderLock pd_lock(pd_mu_);
   ibv_mr* mr = nullptr;
   {
-    std::lock_guard<std::mutex> lock(regions_mu_);
+    MutexLock lock(regions_mu_);
     auto it = mrs_.find(region_id);
     if (it == mrs_.end()) return;
     mr = it->second;

@@ -307,12 +307,12 @@ size_t Core::run_event(Event& e) {
 }
 
 size_t Core::progress() {
-  std::lock_guard<std::mutex> progress_lock(progress_mu_);
+  MutexLock progress_lock(progress_mu_);
   progress_owner_.store(std::this_thread::get_id());
   Events events;
   std::vector<uint32_t> reposts;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (!torn_down_) {
       events.swap(deferred_);
       const size_t work = poll_send_cq_locked(events) + poll_recv_cq_locked(events, reposts);
@@ -332,7 +332,7 @@ size_t Core::progress() {
   }
   events.clear();  // drops connection references before teardown may run
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (!torn_down_ && !reposts.empty()) post_receives_locked(reposts);
   }
   progress_owner_.store(std::thread::id());
@@ -346,7 +346,7 @@ void Core::wait(std::chrono::milliseconds timeout) {
   Clock::time_point timer = Clock::time_point::max();
   AdaptiveSpin::Micros spin_budget{0};
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (!torn_down_) {
       if (!deferred_.empty() || !send_stash_.empty() || !recv_stash_.empty() || slow_path_due_) {
         return;
@@ -360,7 +360,7 @@ void Core::wait(std::chrono::milliseconds timeout) {
   bool spun = false;
   while (Clock::now() < spin_until) {
     spun = true;
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (torn_down_) break;
     if (peek_cqs_locked() || !deferred_.empty()) {
       spin_.found_work();
@@ -368,7 +368,7 @@ void Core::wait(std::chrono::milliseconds timeout) {
     }
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (!torn_down_) {
       if (spun) spin_.found_nothing();
       // Arm, then look once more: a completion that arrived between the last
@@ -403,7 +403,7 @@ void Core::wait(std::chrono::milliseconds timeout) {
       (evs[i].data.u64 == kTagChannel ? completion : other) = true;
     }
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (completion || other) slow_path_due_ = true;
   // Woken by a completion soon after going to sleep: a spin would have
   // caught it for less.

@@ -42,6 +42,7 @@ void Core::drain_locked(const ConnPtr& c, Events& events) {
   if (c->state_ != ConnState::kReady || c->sq_.backlog() == 0) return;
   Status failure;
   c->sq_.drain([&](SendItem& item) -> PostResult {
+    mu_.assert_held();  // drain() calls back before it returns, here under mu_
     // An operation that timed out while it waited here is not sent at all:
     // its caller was told Timeout and may already reuse the source.
     if (!pending_.contains(item.op_id)) return PostResult::kDropped;
@@ -115,13 +116,13 @@ void Core::drain_all_locked(Events& events) {
 }
 
 Status Core::check_backend(const VerbsConnection& c, const WriteRequest& req) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return check_backend_locked(c, req);
 }
 
 Status Core::write(VerbsConnection& c, const WriteRequest& req, Completion done) {
   Events events;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   PSLD_RETURN_IF_ERROR(check_backend_locked(c, req));
   if (c.sq_.backlog() >= c.sq_.max_backlog()) {
     return ResourceExhausted(
@@ -159,7 +160,7 @@ Status Core::send(VerbsConnection& c, std::span<const uint8_t> message, Completi
                                        message.size(), kMaxMessageBytes));
   }
   Events events;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (c.state_ == ConnState::kClosed || shut_.load()) {
     return Unavailable(fmt::format("connection to {} is closed", c.peer_));
   }
@@ -185,7 +186,7 @@ Status Core::send(VerbsConnection& c, std::span<const uint8_t> message, Completi
 Result<std::shared_ptr<RemoteRegion>> Core::import_region(VerbsConnection& c,
                                                           std::span<const uint8_t> key) {
   PSLD_ASSIGN_OR_RETURN(RemoteKey k, decode_remote_key(key));
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (c.peer_transport_id_ != 0 && k.transport_id != c.peer_transport_id_) {
     return InvalidArgument(
         fmt::format("remote key belongs to transport {:#x}, not to this connection's peer {:#x}",
@@ -196,7 +197,7 @@ Result<std::shared_ptr<RemoteRegion>> Core::import_region(VerbsConnection& c,
 
 void Core::close(VerbsConnection& c) {
   Events events;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (c.state_ == ConnState::kClosed) return;
   break_locked(c.shared_from_this(), Aborted("connection closed locally"), true, events);
   for (Event& e : events) {

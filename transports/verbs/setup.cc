@@ -236,7 +236,7 @@ Status Core::create_queues() {
   recv_cq_ =
       ibv_create_cq(ctx_, std::min(static_cast<int>(2 * srq_depth), max_cqe), nullptr, channel_, 0);
   if (send_cq_ == nullptr || recv_cq_ == nullptr) return device_error("ibv_create_cq", errno);
-  cq_budget_ = SlotBudget(static_cast<uint32_t>(send_cq_->cqe));
+  const auto cq_slots = static_cast<uint32_t>(send_cq_->cqe);
   ibv_srq_init_attr sa{};
   sa.attr.max_wr = srq_depth;
   sa.attr.max_sge = 1;
@@ -254,12 +254,13 @@ Status Core::create_queues() {
   }
   recv_pool_.free.clear();  // the receive pool is "free" when posted
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
+    cq_budget_ = SlotBudget(cq_slots);
     post_receives_locked(all);
   }
   sq_depth_ = std::min<uint32_t>(opts_.verbs.max_inflight,
                                  static_cast<uint32_t>(std::max(dev_attr_.max_qp_wr, 1)));
-  sq_depth_ = std::min(sq_depth_, cq_budget_.capacity());
+  sq_depth_ = std::min(sq_depth_, cq_slots);
   // wc.byte_len is 32 bits; a port reporting 0 gets the common 1 GiB.
   max_write_bytes_ = port_attr_.max_msg_sz != 0 ? port_attr_.max_msg_sz : (1u << 30);
   max_rd_atomic_ = static_cast<uint8_t>(std::min(1, dev_attr_.max_qp_init_rd_atom));

@@ -19,7 +19,7 @@ namespace verbs {
 void Core::shutdown() {
   Events failed;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (shut_.exchange(true)) return;
     if (listen_fd_ >= 0) {
       epoll_del(listen_fd_);
@@ -54,7 +54,7 @@ void Core::shutdown() {
   if (progress_owner_.load() == std::this_thread::get_id()) {
     teardown_deferred_ = true;  // a handler inside progress(): it tears down on return
   } else {
-    std::lock_guard<std::mutex> progress_lock(progress_mu_);
+    MutexLock progress_lock(progress_mu_);
     teardown();
   }
   wake();
@@ -67,7 +67,7 @@ void Core::teardown() {
   // Regions released here must not be destroyed under pd_mu_ (their
   // destructor takes it shared): they die with this vector, after the locks.
   std::vector<std::shared_ptr<const VerbsRegion>> released;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (torn_down_) return;
   torn_down_ = true;
   shut_ = true;
@@ -75,7 +75,7 @@ void Core::teardown() {
   // Collect the flushed completions of posted sends (every QP is in ERR
   // already), so bounce buffers and source regions are released in order.
   const auto deadline = Clock::now() + kTeardownDrain;
-  auto busy = [&] {
+  auto busy = [&]() REQUIRES(mu_) {
     for (auto& [id, c] : conns_) {
       if (!c->inflight_.empty()) return true;
     }
@@ -132,7 +132,7 @@ void Core::teardown() {
     channel_ = nullptr;
   }
   {
-    std::unique_lock<std::shared_mutex> pd_lock(pd_mu_);
+    WriterLock pd_lock(pd_mu_);
     for (BufferPool* pool : {&recv_pool_, &send_pool_}) {
       if (pool->mr != nullptr) ibv_dereg_mr(pool->mr);
       pool->mr = nullptr;
@@ -141,7 +141,7 @@ void Core::teardown() {
       pool->free.clear();
     }
     {
-      std::lock_guard<std::mutex> regions_lock(regions_mu_);
+      MutexLock regions_lock(regions_mu_);
       for (auto& [id, mr] : mrs_) {
         if (const int rc = ibv_dereg_mr(mr); rc != 0) {
           PSLD_LOG_WARN("verbs: ibv_dereg_mr of region {}: {}", id, errno_text(rc));

@@ -172,7 +172,7 @@ Result<ConnectionPtr> Core::connect(std::span<const uint8_t> peer_address) {
   const std::string peer =
       fmt::format("verbs {}", peer_addr.ok() ? format_host_port(*peer_addr) : text);
 
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (shut_.load() || torn_down_) return Unavailable("verbs transport is shut down");
   if (device_failed_) return Unavailable(fmt::format("RDMA device {} failed", device_name_));
   ConnPtr c = make_connection_locked(std::move(chan), /*outbound=*/true, peer);
