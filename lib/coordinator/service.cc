@@ -221,8 +221,8 @@ void CoordinatorService::handle_control(const ConnectionPtr& conn, protocol::Mes
 
 void CoordinatorService::handle_hello(Member& m, const protocol::Hello& hello) {
   auto reject = [&](const std::string& reason) REQUIRES(mu_) {
-    PSLD_LOG_WARN("coordinator rejected {} at {}: {}", role_name(hello.role),
-                  m.conn->peer(), reason);
+    PSLD_LOG_WARN("coordinator rejected {} at {}: {}", role_name(hello.role), m.conn->peer(),
+                  reason);
     post(m.conn, protocol::Reject{reason});
   };
   if (m.welcomed) return reject("already admitted");

@@ -17,8 +17,7 @@ Result<std::unique_ptr<LoadRecorder>> LoadRecorder::make(Role role, size_t capac
   return std::unique_ptr<LoadRecorder>(new LoadRecorder(role, std::move(ring), time));
 }
 
-LoadRecorder::LoadRecorder(Role role, std::unique_ptr<LoadRing<StatSample>> ring,
-                           TimeSource time)
+LoadRecorder::LoadRecorder(Role role, std::unique_ptr<LoadRing<StatSample>> ring, TimeSource time)
     : role_(role), time_(time), ring_(std::move(ring)), queue_(*WindowStats::make()) {}
 
 void LoadRecorder::begin_service() {

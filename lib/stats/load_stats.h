@@ -47,8 +47,7 @@ class LoadRecorder {
   static constexpr size_t kDefaultCapacity = size_t{1} << 16;
 
   // `time` measures occupancy (a ManualClock in tests).
-  static Result<std::unique_ptr<LoadRecorder>> make(Role role,
-                                                    size_t capacity = kDefaultCapacity,
+  static Result<std::unique_ptr<LoadRecorder>> make(Role role, size_t capacity = kDefaultCapacity,
                                                     TimeSource time = {});
 
   // Any thread, wait-free.

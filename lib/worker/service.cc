@@ -565,8 +565,7 @@ Result<std::shared_ptr<RequestState>> WorkerService::submit(uint32_t handle, Req
 
 Result<void*> WorkerService::allocate(size_t bytes) {
   if (bytes == 0) return InvalidArgument("allocate: 0 bytes");
-  PSLD_ASSIGN_OR_RETURN(auto region,
-                        transport().allocate_memory(bytes, MemoryKind::kHost));
+  PSLD_ASSIGN_OR_RETURN(auto region, transport().allocate_memory(bytes, MemoryKind::kHost));
   MutexLock lock(mu_);
   if (stopped_) return FailedPrecondition("the worker was shut down");
   allocations_[region->data()] = region;

@@ -377,7 +377,8 @@ class Core : public std::enable_shared_from_this<Core> {
   size_t pending_accepts_locked() const REQUIRES(mu_);
 
   // Data path (mu_ held).
-  Status check_backend_locked(const VerbsConnection& c, const WriteRequest& req) const REQUIRES(mu_);
+  Status check_backend_locked(const VerbsConnection& c, const WriteRequest& req) const
+      REQUIRES(mu_);
   void drain_locked(const ConnPtr& c, Events& events) REQUIRES(mu_);
   void drain_all_locked(Events& events) REQUIRES(mu_);
   void break_locked(const ConnPtr& c, const Status& why, bool local, Events& events) REQUIRES(mu_);
