@@ -10,6 +10,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "psld/version.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -36,6 +38,10 @@ enum psld_dtype { PSLD_FLOAT32 = 1, PSLD_FLOAT16 = 2, PSLD_BFLOAT16 = 3 };
 
 typedef struct psld_worker psld_worker;
 typedef struct psld_request psld_request;
+
+/* The linked library's version, "MAJOR.MINOR.PATCH"; PSLD_VERSION_STRING
+ * (psld/version.h) is that of the headers compiled against. */
+const char* psld_version(void);
 
 /* The message of the last failed call on this thread ("" if none). */
 const char* psld_last_error(void);

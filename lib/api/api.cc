@@ -8,9 +8,14 @@
 #include "lib/worker/service.h"
 #include "psld/coordinator.h"
 #include "psld/server.h"
+#include "psld/version.h"
 #include "psld/worker.h"
 
 namespace psld {
+
+const char* version() {
+  return PSLD_VERSION_STRING;
+}
 
 namespace {
 Status check_config(const Config& config) {

@@ -85,6 +85,10 @@ static_assert(PSLD_BFLOAT16 == static_cast<int>(psld::DType::kBFloat16));
 
 extern "C" {
 
+const char* psld_version(void) {
+  return PSLD_VERSION_STRING;
+}
+
 const char* psld_last_error(void) {
   return g_last_error.c_str();
 }
