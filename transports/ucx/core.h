@@ -829,6 +829,11 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
                     OpCtx::Kind kind) REQUIRES(mu_);
   void handle_control(const ConnPtr& conn, unsigned id, uint64_t seq,
                       std::span<const uint8_t> payload) REQUIRES(mu_);
+  // Reads a hello (from_server false) or its answer (true), which have one
+  // layout, and readies the connection; a malformed one, or one arriving out
+  // of turn, closes it and returns false.
+  bool accept_peer_hello(const ConnPtr& conn, std::span<const uint8_t> payload, bool from_server)
+      REQUIRES(mu_);
   void handle_hello(const ConnPtr& conn, std::span<const uint8_t> payload) REQUIRES(mu_);
   bool hold_early(UcxConnection& conn, unsigned id, uint64_t seq, std::span<const uint8_t> payload)
       REQUIRES(mu_);

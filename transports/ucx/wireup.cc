@@ -106,7 +106,8 @@ void UcxCore::accept(ucp_conn_request_h request) {
   conn->rx_ring_ = allocate_ring();
 }
 
-void UcxCore::handle_hello(const ConnPtr& conn, std::span<const uint8_t> payload) {
+bool UcxCore::accept_peer_hello(const ConnPtr& conn, std::span<const uint8_t> payload,
+                                bool from_server) {
   WireReader r(payload);
   uint32_t magic = 0;
   uint8_t version = 0;
@@ -115,41 +116,31 @@ void UcxCore::handle_hello(const ConnPtr& conn, std::span<const uint8_t> payload
   uint32_t ring_slots = 0;
   uint64_t ring_base = 0;
   std::span<const uint8_t> ring_key;
-  if (conn->client_ || conn->state_ != UcxConnection::State::kHandshake || !r.u32(&magic) ||
-      magic != kHelloMagic || !r.u8(&version) || version != kWireVersion || !r.u64(&instance) ||
-      !r.u64(&peer_conn) || !r.str(&listen, kMaxAddressString) ||
+  if (conn->client_ != from_server || conn->state_ != UcxConnection::State::kHandshake ||
+      !r.u32(&magic) || magic != kHelloMagic || !r.u8(&version) || version != kWireVersion ||
+      !r.u64(&instance) || !r.u64(&peer_conn) || !r.str(&listen, kMaxAddressString) ||
       !read_ring_offer(r, &ring_slots, &ring_base, &ring_key) || !r.done()) {
     ++rejected_messages_;
-    close_locked(*conn, DataLoss("malformed hello from " + conn->peer()), false);
-    return;
+    close_locked(*conn,
+                 DataLoss(fmt::format("malformed {} from {}",
+                                      from_server ? "hello answer" : "hello", conn->peer())),
+                 false);
+    return false;
   }
   conn->peer_instance_ = instance;
   map_peer_ring(*conn, ring_slots, ring_base, ring_key);
   connection_ready(*conn);
+  return true;
+}
+
+void UcxCore::handle_hello(const ConnPtr& conn, std::span<const uint8_t> payload) {
+  if (!accept_peer_hello(conn, payload, false)) return;
   push_event(Event::kAccept, conn);
   acks_.push_back(conn);  // sending is deferred: this runs inside a UCX callback
 }
 
 void UcxCore::handle_hello_ack(const ConnPtr& conn, std::span<const uint8_t> payload) {
-  WireReader r(payload);
-  uint32_t magic = 0;
-  uint8_t version = 0;
-  uint64_t instance = 0, peer_conn = 0;
-  std::string listen;
-  uint32_t ring_slots = 0;
-  uint64_t ring_base = 0;
-  std::span<const uint8_t> ring_key;
-  if (!conn->client_ || conn->state_ != UcxConnection::State::kHandshake || !r.u32(&magic) ||
-      magic != kHelloMagic || !r.u8(&version) || version != kWireVersion || !r.u64(&instance) ||
-      !r.u64(&peer_conn) || !r.str(&listen, kMaxAddressString) ||
-      !read_ring_offer(r, &ring_slots, &ring_base, &ring_key) || !r.done()) {
-    ++rejected_messages_;
-    close_locked(*conn, DataLoss("malformed hello answer from " + conn->peer()), false);
-    return;
-  }
-  conn->peer_instance_ = instance;
-  map_peer_ring(*conn, ring_slots, ring_base, ring_key);
-  connection_ready(*conn);
+  if (!accept_peer_hello(conn, payload, true)) return;
   ready_.push_back(conn);  // sending is deferred: this runs inside a UCX callback
   // What the server sent right after accepting (from its on_accept handler)
   // can overtake its deferred answer; it was held until now.
