@@ -45,12 +45,7 @@ void UcxCore::start_send(UcxConnection& conn, UserOp u, std::span<const uint8_t>
   OpCtx* op = new_op(OpCtx::kSend);
   op->deadline = deadline();
   op->bytes.assign(message.begin(), message.end());  // send() copies before it returns
-  ucp_request_param_t p{};
-  p.op_attr_mask =
-      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-  p.cb.send = send_cb;
-  p.user_data = op;
-  p.flags = UCP_AM_SEND_FLAG_REPLY;
+  ucp_request_param_t p = am_send_param(op);
   // Numbered like notifications, so a message never overtakes a write
   // notified through the ring before it.
   MutexLock tx(conn.tx_mu_);
@@ -68,12 +63,7 @@ bool UcxCore::send_control(UcxConnection& conn, unsigned id, std::vector<uint8_t
   OpCtx* op = new_op(kind);
   op->conn = conn.shared_from_this();
   op->bytes = std::move(payload);
-  ucp_request_param_t p{};
-  p.op_attr_mask =
-      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-  p.cb.send = send_cb;
-  p.user_data = op;
-  p.flags = UCP_AM_SEND_FLAG_REPLY;
+  ucp_request_param_t p = am_send_param(op);
   ucs_status_ptr_t r =
       ucp_am_send_nbx(conn.ep_, id, nullptr, 0, op->bytes.data(), op->bytes.size(), &p);
   const bool ok = !UCS_PTR_IS_ERR(r);

@@ -233,12 +233,8 @@ void UcxCore::start_write(UcxConnection& conn, UserOp u, const std::shared_ptr<U
   MutexLock tx(conn.tx_mu_);
   h.seq = conn.tx_seq_++;
   encode_header(h, op->header);
-  ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                   UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMH;
-  p.cb.send = send_cb;
-  p.user_data = op;
-  p.flags = UCP_AM_SEND_FLAG_REPLY;
+  ucp_request_param_t p = am_send_param(op);
+  p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
   // Into device memory always by rendezvous: the receiver then has UCX fetch
   // the bytes straight into the region (ucp_am_recv_data_nbx, which knows the
   // memory type from the region's memh); an eager payload would need a CPU
@@ -264,12 +260,7 @@ void UcxCore::notify_one(UcxConnection& conn, UserOp u, WriteHeader h) {
   MutexLock tx(conn.tx_mu_);
   h.seq = conn.tx_seq_++;
   encode_header(h, op->bytes.data() + 4);
-  ucp_request_param_t p{};
-  p.op_attr_mask =
-      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-  p.cb.send = send_cb;
-  p.user_data = op;
-  p.flags = UCP_AM_SEND_FLAG_REPLY;
+  ucp_request_param_t p = am_send_param(op);
   ucs_status_ptr_t r =
       ucp_am_send_nbx(conn.ep_, kAmNotify, nullptr, 0, op->bytes.data(), op->bytes.size(), &p);
   if (UCS_PTR_IS_ERR(r)) --conn.tx_seq_;
