@@ -256,6 +256,7 @@ class PyWorker {
   }
 
   void health() const { check(get().health()); }
+  void set_learning_rate(double lr) { check(get().set_learning_rate(lr)); }
 
   nb::list server_loads() const {
     nb::list out;
@@ -404,6 +405,7 @@ NB_MODULE(_psld, m) {
       .def("push_pull", &PyWorker::push_pull)
       .def("barrier", &PyWorker::barrier, nb::arg("timeout").none() = nb::none())
       .def("health", &PyWorker::health)
+      .def("set_learning_rate", &PyWorker::set_learning_rate, nb::arg("lr"))
       .def("server_loads", &PyWorker::server_loads)
       .def("shutdown", &PyWorker::shutdown)
       .def_prop_ro("is_shut_down", &PyWorker::is_shut_down);
