@@ -1,0 +1,221 @@
+"""psld.torch against torch.distributed: each test runs a job of
+tests/python/torch_job.py under `psld launch` and checks what its workers wrote.
+
+Every job runs in its own process group, killed when the test ends however
+it ends, and under a deadline (no pytest-timeout here: subprocess timeouts).
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="psld.torch needs PyTorch")
+import psld  # noqa: E402
+
+JOB = Path(__file__).with_name("torch_job.py")
+DEADLINE_S = 60
+
+
+def psld_command() -> str:
+    """The psld command: $PSLD_COMMAND, next to this interpreter (a venv's
+    bin/, where pip installs it), or on PATH."""
+    for candidate in (os.environ.get("PSLD_COMMAND"), str(Path(sys.executable).with_name("psld")),
+                      shutil.which("psld")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    pytest.fail("no psld command: set PSLD_COMMAND, or pip install the package into this interpreter")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_job(mode, outdir, workers, servers, **env):
+    """psld launch -w WORKERS -s SERVERS -- python torch_job.py MODE OUTDIR, in a new
+    process group; output goes to OUTDIR/launch.log."""
+    full_env = dict(os.environ, TORCH_JOB_GLOO_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    full_env.update({k: str(v) for k, v in env.items()})
+    log = open(outdir / "launch.log", "wb")
+    proc = subprocess.Popen(
+        [psld_command(), "launch", "-w", str(workers), "-s", str(servers), "--",
+         sys.executable, str(JOB), mode, str(outdir)],
+        stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+    log.close()
+    return proc
+
+
+def stop_job(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def results(mode, outdir, workers, proc):
+    """Each worker's JSON; the launch log in the message when one is missing."""
+    out = []
+    for rank in range(workers):
+        path = outdir / f"{mode}.{rank}.json"
+        if not path.exists():
+            log = (outdir / "launch.log").read_text(errors="replace")[-6000:]
+            pytest.fail(f"worker {rank} wrote no result (launch exit {proc.returncode}):\n{log}")
+        out.append(json.loads(path.read_text()))
+    return out
+
+
+def run_job(mode, outdir, workers, servers, **env):
+    proc = start_job(mode, outdir, workers, servers, **env)
+    try:
+        proc.wait(timeout=DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        stop_job(proc)
+        log = (outdir / "launch.log").read_text(errors="replace")[-6000:]
+        pytest.fail(f"{mode} job still running after {DEADLINE_S} s:\n{log}")
+    finally:
+        stop_job(proc)
+    if proc.returncode != 0:
+        log = (outdir / "launch.log").read_text(errors="replace")[-6000:]
+        pytest.fail(f"{mode} job failed (exit {proc.returncode}):\n{log}")
+    return results(mode, outdir, workers, proc)
+
+
+@pytest.fixture(scope="module")
+def equivalence(tmp_path_factory):
+    """One 4-worker, 2-server job in server.mode=sum for the tests below."""
+    return run_job("equivalence", tmp_path_factory.mktemp("equivalence"), 4, 2, PSLD_SERVER_MODE="sum")
+
+
+def assert_close(actual, expected, rel, what):
+    for step, (a, e) in enumerate(zip(actual, expected)):
+        assert abs(a - e) <= rel * abs(e), f"{what}: step {step}: {a} vs {e} (rel {rel})"
+    assert len(actual) == len(expected)
+
+
+def test_sum_mode_matches_ddp_over_gloo(equivalence):
+    # Same data, seeds, SGD with momentum and weight decay, StepLR: the only
+    # difference is the order in which float32 sums of 4 terms are added (a
+    # ring allreduce vs the servers), a few ulps per step.
+    for rank, r in enumerate(equivalence):
+        assert len(r["psld"]) == 20
+        assert_close(r["psld"], r["ddp"], 1e-5, f"worker {rank} psld vs DDP")
+        assert r["psld_buckets"] > 1, "bucket_bytes=256 should split the model"
+        assert r["psld_lr_after"] == pytest.approx(0.1 * 0.5 ** 2), "StepLR drove the wrapped optimizer"
+    # The losses differ between workers (their batches do): a real 4-way job.
+    assert len({round(r["ddp"][0], 6) for r in equivalence}) == 4
+
+
+def test_comm_hook_matches_default_allreduce(equivalence):
+    # DDP's buckets summed by psld instead of gloo: the same arithmetic up to
+    # the order of the 4-term float32 sums, hence the same 1e-5 bound.
+    for rank, r in enumerate(equivalence):
+        assert_close(r["comm_hook"], r["ddp"], 1e-5, f"worker {rank} comm hook vs allreduce")
+        # DDP rebuilds its buckets after the first iteration: both layouts registered.
+        assert r["comm_hook_buckets"] >= 1
+
+
+def test_half_precision_wire_stays_close(equivalence):
+    # float16 keeps 11 significant bits (relative error 2^-11 per gradient
+    # element), bfloat16 8 bits (2^-8): over 20 steps the losses drift by
+    # well under 1% and 5%.
+    for rank, r in enumerate(equivalence):
+        assert_close(r["psld_fp16"], r["psld"], 1e-2, f"worker {rank} float16 wire")
+        assert_close(r["psld_bf16"], r["psld"], 5e-2, f"worker {rank} bfloat16 wire")
+        assert r["psld_fp16"] != r["psld"], "the float16 wire changed nothing: was it used?"
+
+
+def test_first_bucket_leaves_during_backward(equivalence):
+    for rank, r in enumerate(equivalence):
+        overlap = r["overlap"]
+        assert overlap["buckets"] >= 6
+        for i, rnd in enumerate(overlap["rounds"]):
+            pushes = rnd["pushes"]
+            assert len(pushes) == overlap["buckets"], f"worker {rank} round {i}: every bucket sent in backward"
+            # The first bucket (the last layer) left while backward still had
+            # the other layers to go, not at its end or in step().
+            assert rnd["backward_began"] < pushes[0] < pushes[-1] <= rnd["backward_ended"]
+
+
+def test_broadcasts(equivalence):
+    root = equivalence[2]["broadcast"]
+    assert root["f64"] == [1.0 / 3 + 2] * 3
+    assert root["i64"] == [2**62 + 2, -2]
+    assert root["mask"] == [True, True, False]
+    assert root["odd"] == [2, 3, 4, 5, 6]
+    for rank, r in enumerate(equivalence):
+        b = r["broadcast"]
+        for key in ("f64", "i64", "mask", "odd"):
+            assert b[key] == root[key], f"worker {rank}: {key}"
+        assert b["adam_lr"] == pytest.approx(0.02), "worker 1's optimizer state"
+        assert b["adam_step"] == 1.0
+        assert b["adam_exp_avg"] == equivalence[1]["broadcast"]["adam_exp_avg"]
+        assert b["object"] == {"rank": 3, "text": "x" * 10}
+        if rank % 2 == 0:
+            assert b["mismatch"] == "no error"
+        else:
+            assert b["mismatch"].startswith("InvalidArgument: broadcast_parameters")
+
+
+def test_optimizer_mode_trains(tmp_path):
+    rs = run_job("optimizer", tmp_path, 2, 1, PSLD_SERVER_MODE="optimizer",
+                 PSLD_OPTIMIZER_KIND="sgd", PSLD_OPTIMIZER_LR="0.1")
+    for rank, r in enumerate(rs):
+        assert r["initial_is_worker0s"], f"worker {rank} did not start from worker 0's parameters"
+        assert sum(r["losses"][-5:]) < sum(r["losses"][:5]), f"worker {rank}: loss did not go down"
+        # The servers' SGD on the mean gradient vs the same on one process:
+        # float32 sums in another order.
+        assert r["reference_max_abs_diff"] < 1e-5
+        assert r["set_learning_rate"].startswith("Unimplemented:")
+        assert r["broadcast"] == [0.0] * 4
+    assert rs[0]["params"] == rs[1]["params"], "the workers' parameters differ"
+
+
+def test_server_killed_mid_step_raises(tmp_path):
+    proc = start_job("failure", tmp_path, 2, 1, PSLD_SERVER_MODE="sum")
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while not all((tmp_path / f"ready.{r}").exists() for r in range(2)):
+            assert proc.poll() is None, (tmp_path / "launch.log").read_text(errors="replace")
+            assert time.monotonic() < deadline, "the workers never reached step 3"
+            time.sleep(0.02)
+        server = server_pid(proc.pid)
+        os.kill(server, signal.SIGKILL)
+        (tmp_path / "go").touch()
+        proc.wait(timeout=30)
+    finally:
+        stop_job(proc)
+    rs = results("failure", tmp_path, 2, proc)
+    assert rs[0]["timeout"].startswith("Timeout: psld.torch: bucket"), rs[0]["timeout"]
+    for rank, r in enumerate(rs):
+        assert r["error"] != "no error", f"worker {rank}: step() did not fail"
+        kind = r["error"].split(":")[0]
+        assert issubclass(getattr(psld, kind), psld.Error) and kind != "Timeout", r["error"]
+        assert "server" in r["error"], r["error"]
+        if "seconds" in r:
+            assert r["seconds"] < 10
+
+
+def server_pid(launcher: int) -> int:
+    """The pid of the first `psld server` child of the launcher."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == launcher and b"server" in cmdline:
+            return int(entry.name)
+    pytest.fail(f"no psld server process under the launcher (pid {launcher})")
