@@ -655,7 +655,7 @@ class CommHookState:
         self.wire_dtype = wire_dtype
         self.timeout = timeout
         self.scale = 1.0 / self.worker.num_workers if average else 1.0
-        self.buckets_registered = 0
+        self.registered: List[str] = []  # the names of the psld tensors registered so far
         self._tensors: Dict[Tuple[int, int, torch.dtype, torch.device], Tuple[torch.Tensor, psld.Tensor]] = {}
         # One entry per DDP bucket in flight: at most the buckets of one
         # iteration, since DDP waits for all of them before the next.
@@ -673,7 +673,7 @@ class CommHookState:
             name = f"{self.name}.{index}.{buffer.numel()}.{_dtype_name(dtype)}"
             entry = (memory, self.worker.register(name, memory))
             self._tensors[key] = entry
-            self.buckets_registered += 1
+            self.registered.append(name)
         return entry
 
     def _complete_futures(self) -> None:
@@ -699,7 +699,9 @@ class CommHookState:
             self._thread.join()
 
 
-def comm_hook(state: CommHookState, bucket) -> torch.futures.Future:
+# Not annotated: DDP compares the annotations with torch.futures.Future[torch.Tensor]
+# and dist.GradBucket, which this module's string annotations are not.
+def comm_hook(state, bucket):
     """A DDP communication hook: ``ddp_model.register_comm_hook(psld.torch.CommHookState(worker),
     psld.torch.comm_hook)``. Push_pulls the bucket's flat gradient buffer
     and completes the returned future with the average (see

@@ -45,6 +45,7 @@ def start_job(mode, outdir, workers, servers, **env):
     process group; output goes to OUTDIR/launch.log."""
     full_env = dict(os.environ, TORCH_JOB_GLOO_PORT=str(free_port()), OMP_NUM_THREADS="1")
     full_env.update({k: str(v) for k, v in env.items()})
+    full_env.pop("PSLD_COMMAND", None)  # psld rejects PSLD_ variables that are no key of its
     log = open(outdir / "launch.log", "wb")
     proc = subprocess.Popen(
         [psld_command(), "launch", "-w", str(workers), "-s", str(servers), "--",
@@ -120,8 +121,9 @@ def test_comm_hook_matches_default_allreduce(equivalence):
     # the order of the 4-term float32 sums, hence the same 1e-5 bound.
     for rank, r in enumerate(equivalence):
         assert_close(r["comm_hook"], r["ddp"], 1e-5, f"worker {rank} comm hook vs allreduce")
-        # DDP rebuilds its buckets after the first iteration: both layouts registered.
-        assert r["comm_hook_buckets"] >= 1
+        # Several DDP buckets, and the layout DDP rebuilt after the first
+        # iteration registered beside the first one.
+        assert r["comm_hook_buckets"] > r["ddp_buckets"] > 1, r
 
 
 def test_half_precision_wire_stays_close(equivalence):
