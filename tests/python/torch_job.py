@@ -128,6 +128,39 @@ def equivalence(w, outdir):
     result["psld_fp16"], _ = psld_run("fp16", wire_dtype="float16")
     result["psld_bf16"], _ = psld_run("bf16", wire_dtype="bfloat16")
 
+    # Unused parameters: a second head that worker r uses only in steps where
+    # (step + r) is even, and a third never used; gradients set to None.
+    torch.manual_seed(400)
+    trunk, head_a, head_b, unused = (torch.nn.Linear(IN, HIDDEN), torch.nn.Linear(HIDDEN, OUT),
+                                     torch.nn.Linear(HIDDEN, OUT), torch.nn.Linear(HIDDEN, OUT))
+    modules = torch.nn.ModuleList([trunk, head_a, head_b, unused])
+    opt = pt.DistributedOptimizer(sgd(modules.parameters()), modules.named_parameters(), worker=w,
+                                  name="unused", timeout=20)
+    for step in range(6):
+        x, y = batch(data, step, rank, workers)
+        opt.zero_grad(set_to_none=True)
+        h = torch.tanh(trunk(x))
+        out = head_a(h) + (head_b(h) if (step + rank) % 2 == 0 else 0)
+        torch.nn.functional.cross_entropy(out, y).backward()
+        opt.step()
+    result["unused"] = torch.cat([p.detach().reshape(-1) for p in modules.parameters()]).tolist()
+
+    # Two backward passes of half batches with the loss halved, one step:
+    # the same update as one pass over the whole batch.
+    finals = []
+    for passes in (1, 2):
+        model = make_model(500)
+        opt = pt.DistributedOptimizer(sgd(model.parameters()), model.named_parameters(), worker=w,
+                                      name=f"accumulate{passes}", backward_passes_per_step=passes)
+        for step in range(5):
+            x, y = batch(data, step, rank, workers)
+            opt.zero_grad()
+            for xs, ys in zip(x.chunk(passes), y.chunk(passes)):
+                (torch.nn.functional.cross_entropy(model(xs), ys) / passes).backward()
+            opt.step()
+        finals.append(flat(model))
+    result["accumulate_max_abs_diff"] = float((finals[0] - finals[1]).abs().max())
+
     # Overlap: six layers, one bucket per weight; when does the first go out?
     model = make_model(200, depth=5, width=64)
     pt.broadcast_parameters(model.state_dict(), worker=w)
