@@ -179,6 +179,13 @@ class _Bucket:
         return self.buffer[self.offsets[slot]:self.offsets[slot] + self.numels[slot]]
 
 
+def _delegated(attribute: str) -> property:
+    """An attribute of the wrapped optimizer, read and written through."""
+    return property(lambda self: getattr(self._optimizer, attribute),
+                    lambda self, value: setattr(self._optimizer, attribute, value),
+                    doc=f"The wrapped optimizer's {attribute}.")
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps ``optimizer`` so that every worker trains with the gradients of all.
 
@@ -576,29 +583,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def worker(self) -> psld.Worker:
         return self._worker
 
-    @property
-    def param_groups(self):
-        return self._optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self._optimizer.param_groups = value
-
-    @property
-    def state(self):
-        return self._optimizer.state
-
-    @state.setter
-    def state(self, value):
-        self._optimizer.state = value
-
-    @property
-    def defaults(self):
-        return self._optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value):
-        self._optimizer.defaults = value
+    param_groups = _delegated("param_groups")
+    state = _delegated("state")
+    defaults = _delegated("defaults")
 
     def state_dict(self):
         return self._optimizer.state_dict()
@@ -614,6 +601,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError(
             "psld.torch.DistributedOptimizer.add_param_group: the buckets are registered once "
             "with psld; add the group to the optimizer before wrapping it")
+
+    def close(self) -> None:
+        """Removes the gradient hooks: the parameters train locally again
+        (the buckets stay registered until the worker shuts down)."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+        self._grad_accumulators.clear()
 
     def __getstate__(self):
         raise TypeError("a psld.torch.DistributedOptimizer holds a psld job; save state_dict() instead")
