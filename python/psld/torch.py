@@ -296,12 +296,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         optimizer's order: the order every worker builds the same way."""
         names: Dict[int, str] = {}
         if named_parameters is not None:
+            taken = set()
             for n, p in named_parameters:
                 if id(p) in names:
                     continue  # shared parameters appear once
-                if n in names.values():
+                if n in taken:
                     raise ValueError(f"named_parameters names {n!r} twice")
                 names[id(p)] = n
+                taken.add(n)
         seen = set()
         out = []
         for g, group in enumerate(optimizer.param_groups):
