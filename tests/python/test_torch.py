@@ -7,15 +7,15 @@ it ends, and under a deadline (no pytest-timeout here: subprocess timeouts).
 
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from conftest import job_env, free_port, launch, psld_command, stop_group
 
 torch = pytest.importorskip("torch", reason="psld.torch needs PyTorch")
 import psld  # noqa: E402
@@ -24,71 +24,27 @@ JOB = Path(__file__).with_name("torch_job.py")
 DEADLINE_S = 60
 
 
-def psld_command() -> str:
-    """The psld command: $PSLD_COMMAND, next to this interpreter (a venv's
-    bin/, where pip installs it), or on PATH."""
-    for candidate in (os.environ.get("PSLD_COMMAND"), str(Path(sys.executable).with_name("psld")),
-                      shutil.which("psld")):
-        if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    pytest.fail("no psld command: set PSLD_COMMAND, or pip install the package into this interpreter")
+def job_program(mode, outdir):
+    return [sys.executable, JOB, mode, outdir]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_job(mode, outdir, workers, servers, **env):
-    """psld launch -w WORKERS -s SERVERS -- python torch_job.py MODE OUTDIR, in a new
-    process group; output goes to OUTDIR/launch.log."""
-    full_env = dict(os.environ, TORCH_JOB_GLOO_PORT=str(free_port()), OMP_NUM_THREADS="1")
-    full_env.update({k: str(v) for k, v in env.items()})
-    full_env.pop("PSLD_COMMAND", None)  # psld rejects PSLD_ variables that are no key of its
-    log = open(outdir / "launch.log", "wb")
-    proc = subprocess.Popen(
-        [psld_command(), "launch", "-w", str(workers), "-s", str(servers), "--",
-         sys.executable, str(JOB), mode, str(outdir)],
-        stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
-    log.close()
-    return proc
-
-
-def stop_job(proc):
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
-def results(mode, outdir, workers, proc):
+def results(mode, outdir, workers, returncode):
     """Each worker's JSON; the launch log in the message when one is missing."""
     out = []
     for rank in range(workers):
         path = outdir / f"{mode}.{rank}.json"
         if not path.exists():
             log = (outdir / "launch.log").read_text(errors="replace")[-6000:]
-            pytest.fail(f"worker {rank} wrote no result (launch exit {proc.returncode}):\n{log}")
+            pytest.fail(f"worker {rank} wrote no result (launch exit {returncode}):\n{log}")
         out.append(json.loads(path.read_text()))
     return out
 
 
 def run_job(mode, outdir, workers, servers, **env):
-    proc = start_job(mode, outdir, workers, servers, **env)
-    try:
-        proc.wait(timeout=DEADLINE_S)
-    except subprocess.TimeoutExpired:
-        stop_job(proc)
-        log = (outdir / "launch.log").read_text(errors="replace")[-6000:]
-        pytest.fail(f"{mode} job still running after {DEADLINE_S} s:\n{log}")
-    finally:
-        stop_job(proc)
-    if proc.returncode != 0:
-        log = (outdir / "launch.log").read_text(errors="replace")[-6000:]
-        pytest.fail(f"{mode} job failed (exit {proc.returncode}):\n{log}")
-    return results(mode, outdir, workers, proc)
+    """psld launch -w WORKERS -s SERVERS -- python torch_job.py MODE OUTDIR, to its end."""
+    proc = launch(job_program(mode, outdir), outdir, workers, servers, deadline_s=DEADLINE_S,
+                  TORCH_JOB_GLOO_PORT=free_port(), **env)
+    return results(mode, outdir, workers, proc.returncode)
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +152,13 @@ def test_optimizer_mode_trains(tmp_path):
 
 
 def test_server_killed_mid_step_raises(tmp_path):
-    proc = start_job("failure", tmp_path, 2, 1, PSLD_SERVER_MODE="sum")
+    # Not conftest's launch: the test kills the server while the job runs.
+    with open(tmp_path / "launch.log", "wb") as log:
+        proc = subprocess.Popen(
+            [psld_command(), "launch", "-w", "2", "-s", "1", "--",
+             *map(str, job_program("failure", tmp_path))],
+            stdout=log, stderr=subprocess.STDOUT, env=job_env(PSLD_SERVER_MODE="sum"),
+            start_new_session=True)
     try:
         deadline = time.monotonic() + DEADLINE_S
         while not all((tmp_path / f"ready.{r}").exists() for r in range(2)):
@@ -212,8 +174,8 @@ def test_server_killed_mid_step_raises(tmp_path):
             pytest.fail("the job still runs 30 s after its server was killed: step() hangs\n" +
                         (tmp_path / "launch.log").read_text(errors="replace")[-6000:])
     finally:
-        stop_job(proc)
-    rs = results("failure", tmp_path, 2, proc)
+        stop_group(proc)
+    rs = results("failure", tmp_path, 2, proc.returncode)
     assert rs[0]["timeout"].startswith("Timeout: psld.torch: bucket"), rs[0]["timeout"]
     for rank, r in enumerate(rs):
         assert r["error"] != "no error", f"worker {rank}: step() did not fail"
