@@ -22,6 +22,9 @@ import psld  # noqa: E402
 
 JOB = Path(__file__).with_name("torch_job.py")
 DEADLINE_S = 60
+# Servers wait this long for the workers to join. A worker imports torch
+# first: seconds each on two loaded cores, past psld's 10 s default.
+JOIN_ENV = {"PSLD_LIVENESS_CONNECT_TIMEOUT_MS": "50000"}
 
 
 def job_program(mode, outdir):
@@ -43,7 +46,7 @@ def results(mode, outdir, workers, returncode):
 def run_job(mode, outdir, workers, servers, **env):
     """psld launch -w WORKERS -s SERVERS -- python torch_job.py MODE OUTDIR, to its end."""
     proc = launch(job_program(mode, outdir), outdir, workers, servers, deadline_s=DEADLINE_S,
-                  TORCH_JOB_GLOO_PORT=free_port(), **env)
+                  TORCH_JOB_GLOO_PORT=free_port(), **JOIN_ENV, **env)
     return results(mode, outdir, workers, proc.returncode)
 
 
@@ -70,6 +73,15 @@ def test_sum_mode_matches_ddp_over_gloo(equivalence):
         assert r["psld_lr_after"] == pytest.approx(0.1 * 0.5 ** 2), "StepLR drove the wrapped optimizer"
     # The losses differ between workers (their batches do): a real 4-way job.
     assert len({round(r["ddp"][0], 6) for r in equivalence}) == 4
+
+
+def test_clipping_between_synchronize_and_step(equivalence):
+    # clip_grad_norm_ on the averaged gradients (synchronize(), then step()
+    # under skip_synchronize()) as DDP clips its averaged gradients; a norm
+    # of 0.05 clips every step, so the losses differ from the unclipped run.
+    for rank, r in enumerate(equivalence):
+        assert_close(r["psld_clip"], r["ddp_clip"], 1e-5, f"worker {rank} clipped psld vs DDP")
+        assert r["psld_clip"][-1] != pytest.approx(r["psld"][-1], rel=1e-3), "clipping changed nothing"
 
 
 def test_comm_hook_matches_default_allreduce(equivalence):
@@ -157,7 +169,7 @@ def test_server_killed_mid_step_raises(tmp_path):
         proc = subprocess.Popen(
             [psld_command(), "launch", "-w", "2", "-s", "1", "--",
              *map(str, job_program("failure", tmp_path))],
-            stdout=log, stderr=subprocess.STDOUT, env=job_env(PSLD_SERVER_MODE="sum"),
+            stdout=log, stderr=subprocess.STDOUT, env=job_env(PSLD_SERVER_MODE="sum", **JOIN_ENV),
             start_new_session=True)
     try:
         deadline = time.monotonic() + DEADLINE_S

@@ -52,7 +52,8 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-4)
 
 
-def train(model, opt, data, rank, workers, sched=None, after_backward=None):
+def train(model, opt, data, rank, workers, sched=None, apply=None):
+    """STEPS steps; `apply` (default opt.step) applies the gradients."""
     losses = []
     loss_fn = torch.nn.CrossEntropyLoss()
     for step in range(STEPS):
@@ -60,9 +61,7 @@ def train(model, opt, data, rank, workers, sched=None, after_backward=None):
         opt.zero_grad()
         loss = loss_fn(model(x), y)
         loss.backward()
-        if after_backward is not None:
-            after_backward(step)
-        opt.step()
+        (apply or opt.step)()
         if sched is not None:
             sched.step()
         losses.append(loss.item())
@@ -127,6 +126,29 @@ def equivalence(w, outdir):
     result["psld_lr_after"] = opt.param_groups[0]["lr"]
     result["psld_fp16"], _ = psld_run("fp16", wire_dtype="float16")
     result["psld_bf16"], _ = psld_run("bf16", wire_dtype="bfloat16")
+
+    # Gradient clipping on the averaged gradients: DDP's are averaged when
+    # backward returns; psld.torch's after synchronize().
+    def clipped(opt, model, psld_opt):
+        def apply():
+            if psld_opt:
+                opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            if psld_opt:
+                with opt.skip_synchronize():
+                    opt.step()
+            else:
+                opt.step()
+        return apply
+
+    model = ddp_model(100 + rank)
+    opt = sgd(model.parameters())
+    result["ddp_clip"] = train(model, opt, data, rank, workers, apply=clipped(opt, model, False))
+    model = make_model(100 + rank)
+    pt.broadcast_parameters(model.state_dict(), worker=w)
+    opt = pt.DistributedOptimizer(sgd(model.parameters()), model.named_parameters(), worker=w,
+                                  name="clip")
+    result["psld_clip"] = train(model, opt, data, rank, workers, apply=clipped(opt, model, True))
 
     # Unused parameters: a second head that worker r uses only in steps where
     # (step + r) is even, and a third never used; gradients set to None.
