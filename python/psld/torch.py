@@ -27,12 +27,11 @@ from __future__ import annotations
 import atexit
 import hashlib
 import io
-import math
 import queue
 import threading
 import time
 import weakref
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 import torch
 
