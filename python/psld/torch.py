@@ -208,12 +208,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
     wrapped optimizer's, so LR schedulers work unchanged. Needs
     ``data.sync=bsp``.
 
-    ``server.mode=optimizer``: the servers run ``optimizer.kind`` with
-    ``optimizer.lr``. The buckets start as worker 0's parameters (registered
-    with ``init=True``; every worker then takes them), carry gradients up and
-    parameters back, and ``step()`` writes the parameters; the wrapped
-    optimizer is not run (its learning rate cannot follow a scheduler:
-    :meth:`set_learning_rate`).
+    ``server.mode=optimizer``: the servers run ``optimizer.kind`` (with its
+    momentum, betas, weight decay from the job's configuration) at the
+    wrapped optimizer's learning rate: every round's pushes carry the
+    ``lr`` its param_groups have when the round's first bucket leaves
+    (``Worker.set_learning_rate``), so LR schedulers work unchanged; all
+    groups must then share one ``lr``. The buckets start as worker 0's
+    parameters (registered with ``init=True``; every worker then takes
+    them), carry gradients up and parameters back, and ``step()`` writes the
+    parameters; the wrapped optimizer's own update is not run.
 
     ``wire_dtype="float16"`` or ``"bfloat16"`` sends the gradients in that
     dtype (the servers accumulate in float32); the results come back into
@@ -262,7 +265,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._lock = threading.Lock()  # hooks may run on autograd's device threads
         self._failure: Optional[BaseException] = None
         self._synchronized = False
-        self._lrs = [g.get("lr") for g in optimizer.param_groups]
+        self._sent_lr: Optional[float] = None  # optimizer mode: the rate the pushes carry
         self._step_count = 0
 
         params = self._trained_parameters(optimizer, named_parameters)
@@ -360,13 +363,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 r.wait(self._timeout)
             for b in self._buckets:
                 self._unpack_parameters(b)
-            server_lr = self._worker.config["optimizer.lr"]
-            if any(lr is not None and lr != server_lr for lr in self._lrs):
+            kind = self._worker.config["optimizer.kind"]
+            expected = {"sgd": "SGD", "momentum": "SGD", "adam": "Adam", "adamw": "AdamW"}.get(kind)
+            if type(self._optimizer).__name__ != expected:
                 import warnings
-                warnings.warn(f"psld.torch: server.mode=optimizer trains with the servers' "
-                              f"optimizer.kind={self._worker.config['optimizer.kind']!r} and "
-                              f"optimizer.lr={server_lr}; the wrapped optimizer's lr "
-                              f"{self._lrs} is not used", stacklevel=3)
+                warnings.warn(f"psld.torch: server.mode=optimizer: the servers run "
+                              f"optimizer.kind={kind!r}, not the wrapped "
+                              f"{type(self._optimizer).__name__} (only its lr is used)", stacklevel=3)
 
     @torch.no_grad()
     def _pack_parameters(self, b: _Bucket) -> None:
@@ -437,6 +440,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _launch(self, bucket: _Bucket) -> None:
         _ready_for_transport(bucket.device)
         try:
+            if self._mode == "optimizer":
+                self._carry_learning_rate()
             bucket.request = self._worker.push_pull(bucket.handle)
         except psld.Error as e:
             # Raised in step(), not in the middle of backward.
@@ -464,8 +469,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         if self._failure is not None:
             raise self._failure
-        if self._mode == "optimizer":
-            self._check_learning_rates()
         timeout = self._timeout if timeout is None else timeout
         with self._lock:
             for b in self._buckets:
@@ -548,28 +551,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # -- learning rate
 
-    def _check_learning_rates(self) -> None:
-        now = [g.get("lr") for g in self._optimizer.param_groups]
-        if now != self._lrs:
-            raise psld.Unimplemented(
-                f"psld.torch: the learning rate changed ({self._lrs} -> {now}) but with "
-                "server.mode=optimizer the servers train with optimizer.lr, fixed for the job; "
-                "psld cannot change it while the job runs yet (see set_learning_rate)")
+    def _carry_learning_rate(self) -> None:
+        """Optimizer mode: the pushes from now on carry the wrapped optimizer's lr."""
+        lrs = {g.get("lr") for g in self._optimizer.param_groups}
+        if len(lrs) != 1 or None in lrs:
+            raise psld.InvalidArgument(
+                f"psld.torch: server.mode=optimizer updates every parameter at one learning rate, "
+                f"but the param_groups have {sorted(lrs, key=str)}; give them one lr, or use "
+                "server.mode=sum to run per-group rates locally")
+        lr = float(lrs.pop())
+        if lr != self._sent_lr:
+            self._worker.set_learning_rate(lr)
+            self._sent_lr = lr
 
     def set_learning_rate(self, lr: float) -> None:
-        """Sets the learning rate of every parameter group.
-
-        server.mode=sum: the wrapped optimizer's ``lr`` (what a scheduler does).
-        server.mode=optimizer: raises ``psld.Unimplemented``: the servers'
-        ``optimizer.lr`` is fixed when the job starts and psld has no call
-        yet that changes it on the servers while the job runs.
-        """
-        if self._mode == "optimizer":
-            raise psld.Unimplemented(
-                "psld.torch: server.mode=optimizer: the servers' optimizer.lr is set when the job "
-                f"starts ({self._worker.config['optimizer.lr']}) and psld cannot change it while "
-                "the job runs yet; use server.mode=sum to run the optimizer and its scheduler "
-                "locally, or restart the job with another --optimizer.lr")
+        """Sets the learning rate of every parameter group (what a scheduler does); with
+        server.mode=optimizer the servers use it from the next round on."""
         for g in self._optimizer.param_groups:
             g["lr"] = lr
 
@@ -593,7 +590,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         self._optimizer.load_state_dict(state_dict)
-        self._lrs = [g.get("lr") for g in self._optimizer.param_groups]
 
     def zero_grad(self, set_to_none: bool = False):
         self._optimizer.zero_grad(set_to_none=set_to_none)

@@ -235,14 +235,15 @@ def equivalence(w, outdir):
 
 
 def optimizer_mode(w, outdir):
-    """2 workers, server.mode=optimizer, optimizer.kind=sgd, lr 0.1."""
+    """2 workers, server.mode=optimizer, optimizer.kind=sgd; the wrapped SGD's lr 0.1, halved
+    every 7 steps by StepLR, drives the servers (whose own optimizer.lr is another)."""
     rank, workers = w.rank, w.num_workers
     data = dataset(workers)
     model = make_model(100 + rank)
     opt = pt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
                                   worker=w, bucket_bytes=512)
     result = {"initial_is_worker0s": bool(torch.equal(flat(model), flat(make_model(100))))}
-    result["losses"] = train(model, opt, data, rank, workers)
+    result["losses"] = train(model, opt, data, rank, workers, torch.optim.lr_scheduler.StepLR(opt, 7, 0.5))
     result["params"] = flat(model).tolist()
 
     # The same training on one process: SGD on the mean gradient of all workers' batches.
@@ -257,14 +258,19 @@ def optimizer_mode(w, outdir):
             grads.append([p.grad.clone() for p in ref.parameters()])
         with torch.no_grad():
             for i, p in enumerate(ref.parameters()):
-                p -= 0.1 * sum(g[i] for g in grads) / workers
+                p -= 0.1 * 0.5 ** (step // 7) * sum(g[i] for g in grads) / workers
     result["reference_max_abs_diff"] = float((flat(ref) - flat(model)).abs().max())
 
+    # One lr for every group: a second rate is refused, with a reason, by step().
+    opt.optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.5})
+    x, y = batch(data, 0, rank, workers)
     try:
-        opt.set_learning_rate(0.05)
-        result["set_learning_rate"] = "no error"
-    except psld.Unimplemented as e:
-        result["set_learning_rate"] = "Unimplemented: " + str(e)
+        opt.zero_grad()
+        torch.nn.CrossEntropyLoss()(model(x), y).backward()
+        opt.step()
+        result["two_rates"] = "no error"
+    except psld.InvalidArgument as e:
+        result["two_rates"] = "InvalidArgument: " + str(e)
 
     buffers = {"running": torch.full((4,), float(rank))}
     pt.broadcast_parameters(buffers, worker=w)
