@@ -66,25 +66,36 @@ TEST_P(Runtime, BspSumModeGivesExactSumsEveryRound) {
   EXPECT_GT(rounds, 0u);
 }
 
+// Optimizer mode with plain SGD at `lr`.
+void sgd_at(RuntimeOptions& o, float lr) {
+  o.mode = ServerMode::kOptimizer;
+  o.optimizer.kind = OptimizerKind::kSgd;
+  o.optimizer.lr = lr;
+}
+
+// Registers `x` as "w" with worker 0's initial value i at element i (kept in
+// `init`), then waits for every worker's registration.
+Result<uint32_t> register_ramp(WorkerService& w, std::vector<float>& x, std::vector<float>& init) {
+  init.resize(x.size());
+  for (size_t i = 0; i < x.size(); ++i)
+    init[i] = static_cast<float>(i);
+  PSLD_ASSIGN_OR_RETURN(
+      uint32_t h, w.register_tensor("w", DType::kFloat32, x.size() * 4, x.data(), init.data()));
+  PSLD_RETURN_IF_ERROR(w.barrier(5s));
+  return h;
+}
+
 TEST_P(Runtime, OptimizerModeAppliesSgdFromTheInitialValue) {
   Cluster c(
       2, 2,
-      [](RuntimeOptions& o) {
-        o.mode = ServerMode::kOptimizer;
-        o.optimizer.kind = OptimizerKind::kSgd;
-        o.optimizer.lr = 0.5f;  // a power of two: exact on integer-valued data
-      },
-      GetParam());
+      // A power of two: exact on integer-valued data.
+      [](RuntimeOptions& o) { sgd_at(o, 0.5f); }, GetParam());
   ASSERT_TRUE(c.start().ok());
   constexpr size_t kN = 20000;
   Status s = on_all(c, [&](size_t wi) -> Status {
     WorkerService& w = *c.workers[wi];
-    std::vector<float> x(kN, 0.0f), init(kN);
-    for (size_t i = 0; i < kN; ++i)
-      init[i] = static_cast<float>(i);
-    PSLD_ASSIGN_OR_RETURN(uint32_t h,
-                          w.register_tensor("w", DType::kFloat32, kN * 4, x.data(), init.data()));
-    PSLD_RETURN_IF_ERROR(w.barrier(5s));
+    std::vector<float> x(kN, 0.0f), init;
+    PSLD_ASSIGN_OR_RETURN(uint32_t h, register_ramp(w, x, init));
     PSLD_ASSIGN_OR_RETURN(auto pull, w.submit(h, RequestKind::kPull));
     PSLD_RETURN_IF_ERROR(pull->wait(5s));
     for (size_t i = 0; i < kN; ++i) {
@@ -109,13 +120,7 @@ TEST_P(Runtime, OptimizerModeAppliesSgdFromTheInitialValue) {
 // carry; where workers disagree the lowest rank's wins; 0 is the config's.
 TEST_P(Runtime, OptimizerModeUsesTheLearningRateThePushesCarry) {
   Cluster c(
-      2, 2,
-      [](RuntimeOptions& o) {
-        o.mode = ServerMode::kOptimizer;
-        o.optimizer.kind = OptimizerKind::kSgd;
-        o.optimizer.lr = 0.5f;
-      },
-      GetParam());
+      2, 2, [](RuntimeOptions& o) { sgd_at(o, 0.5f); }, GetParam());
   ASSERT_TRUE(c.start().ok());
   constexpr size_t kN = 5000;
   // Per round: worker 0's rate, worker 1's, and the total step with a
@@ -130,12 +135,8 @@ TEST_P(Runtime, OptimizerModeUsesTheLearningRateThePushesCarry) {
                                    {0, 0, 2.0f}};       // back to optimizer.lr
   Status s = on_all(c, [&](size_t wi) -> Status {
     WorkerService& w = *c.workers[wi];
-    std::vector<float> x(kN, 0.0f), init(kN);
-    for (size_t i = 0; i < kN; ++i)
-      init[i] = static_cast<float>(i);
-    PSLD_ASSIGN_OR_RETURN(uint32_t h,
-                          w.register_tensor("w", DType::kFloat32, kN * 4, x.data(), init.data()));
-    PSLD_RETURN_IF_ERROR(w.barrier(5s));
+    std::vector<float> x(kN, 0.0f), init;
+    PSLD_ASSIGN_OR_RETURN(uint32_t h, register_ramp(w, x, init));
     float dropped = 0;
     for (const Step& step : steps) {
       w.set_learning_rate(w.rank() == 0 ? step.lr0 : step.lr1);

@@ -395,60 +395,52 @@ class Worker:
         return f"<psld.Worker {state}>"
 
 
-class Server:
-    """A parameter server in this process: ``Server(config=None, **settings)``
-    listens, joins the job and serves on its own threads until the job ends."""
+class _Member:
+    """A Server or Coordinator run by this process."""
+
+    _role = ""
+    _native_class: Any = None
 
     def __init__(self, config: ConfigLike = None, *, args: Optional[Iterable[str]] = None,
                  **settings: Any):
-        self.config = load_config(config, args=list(args or []) + ["--job.role=server"], **settings)
-        self._native = _psld.Server(self.config._native)
+        self.config = load_config(config, args=list(args or []) + [f"--job.role={self._role}"],
+                                  **settings)
+        self._native = self._native_class(self.config._native)
+
+    @property
+    def address(self) -> str:
+        """Where the job's members reach it."""
+        return self._native.address
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Blocks until every worker finished (returns), the job failed (raises why) or
+        ``timeout`` seconds passed (psld.Timeout)."""
+        self._native.wait(timeout)
+
+    def shutdown(self) -> None:
+        """Stops it (a Coordinator: ends the job for everyone); idempotent."""
+        self._native.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+class Server(_Member):
+    """A parameter server in this process: ``Server(config=None, **settings)``
+    listens, joins the job and serves on its own threads until the job ends."""
+
+    _role, _native_class = "server", _psld.Server
 
     @property
     def rank(self) -> int:
         return self._native.rank
 
-    @property
-    def address(self) -> str:
-        return self._native.address
 
-    def wait(self, timeout: Optional[float] = None) -> None:
-        """Blocks until the job ends (returns), fails (raises why) or ``timeout`` passes (psld.Timeout)."""
-        self._native.wait(timeout)
-
-    def shutdown(self) -> None:
-        self._native.shutdown()
-
-    def __enter__(self) -> "Server":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
-
-
-class Coordinator:
+class Coordinator(_Member):
     """The job's control plane in this process: ``Coordinator(config=None, **settings)``
-    listens on ``job.coordinator`` and admits the job's workers and servers."""
+    listens on ``job.coordinator`` (a real port) and admits the job's workers and servers."""
 
-    def __init__(self, config: ConfigLike = None, *, args: Optional[Iterable[str]] = None,
-                 **settings: Any):
-        self.config = load_config(config, args=list(args or []) + ["--job.role=coordinator"], **settings)
-        self._native = _psld.Coordinator(self.config._native)
-
-    @property
-    def address(self) -> str:
-        """Where members dial it (job.coordinator with the real port)."""
-        return self._native.address
-
-    def wait(self, timeout: Optional[float] = None) -> None:
-        """Blocks until every worker finished (returns), the job failed (raises) or ``timeout`` passes."""
-        self._native.wait(timeout)
-
-    def shutdown(self) -> None:
-        self._native.shutdown()
-
-    def __enter__(self) -> "Coordinator":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
+    _role, _native_class = "coordinator", _psld.Coordinator

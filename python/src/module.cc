@@ -311,46 +311,31 @@ class PyWorker {
   bool shut_down_ = false;
 };
 
-class PyServer {
+// A Server or Coordinator run by this process: both start from a Config,
+// wait for the job to end and shut down the same way.
+template <typename Member>
+class PyMember {
  public:
-  explicit PyServer(const psld::Config& config) {
+  explicit PyMember(const psld::Config& config) {
     nb::gil_scoped_release release;
-    server_ = take(psld::Server::start(config));
+    member_ = take(Member::start(config));
   }
-  uint32_t rank() const { return server_->rank(); }
-  std::string address() const { return server_->address(); }
+  const Member& get() const { return *member_; }
+  std::string address() const { return member_->address(); }
   void wait(std::optional<double> timeout_s) {
     check(wait_in_slices(timeout_s, "the job still runs",
-                         [&](std::chrono::milliseconds s) { return server_->wait(s); }));
+                         [&](std::chrono::milliseconds s) { return member_->wait(s); }));
   }
   void shutdown() {
     nb::gil_scoped_release release;
-    server_->shutdown();
+    member_->shutdown();
   }
 
  private:
-  std::unique_ptr<psld::Server> server_;
+  std::unique_ptr<Member> member_;
 };
-
-class PyCoordinator {
- public:
-  explicit PyCoordinator(const psld::Config& config) {
-    nb::gil_scoped_release release;
-    coordinator_ = take(psld::Coordinator::start(config));
-  }
-  std::string address() const { return coordinator_->address(); }
-  void wait(std::optional<double> timeout_s) {
-    check(wait_in_slices(timeout_s, "the job still runs",
-                         [&](std::chrono::milliseconds s) { return coordinator_->wait(s); }));
-  }
-  void shutdown() {
-    nb::gil_scoped_release release;
-    coordinator_->shutdown();
-  }
-
- private:
-  std::unique_ptr<psld::Coordinator> coordinator_;
-};
+using PyServer = PyMember<psld::Server>;
+using PyCoordinator = PyMember<psld::Coordinator>;
 
 }  // namespace
 
@@ -423,7 +408,7 @@ NB_MODULE(_psld, m) {
 
   nb::class_<PyServer>(m, "Server")
       .def(nb::init<const psld::Config&>(), nb::arg("config"))
-      .def_prop_ro("rank", &PyServer::rank)
+      .def_prop_ro("rank", [](const PyServer& s) { return s.get().rank(); })
       .def_prop_ro("address", &PyServer::address)
       .def("wait", &PyServer::wait, nb::arg("timeout").none() = nb::none())
       .def("shutdown", &PyServer::shutdown);
