@@ -1,0 +1,1 @@
+"""psld.torch: PyTorch integration (DistributedOptimizer, a DDP communication hook, broadcasts)."""
