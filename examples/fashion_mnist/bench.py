@@ -75,8 +75,9 @@ def parse_args():
                         "32 KiB, enough for the balancer to move part of it")
     p.add_argument("--balancer-interval-ms", type=int, default=500)
     p.add_argument("--timeout", type=float, default=600, help="seconds one job may take")
-    p.add_argument("--psld", type=Path, help="the psld command (default $PSLD, "
-                   "build/tools/psld of this repository, or psld on PATH)")
+    p.add_argument("--psld", type=Path, help="the psld command (default $PSLD, the one "
+                   "installed next to this Python, build/tools/psld of this repository, or "
+                   "psld on PATH)")
     p.add_argument("--out", type=Path, default=REPO / "docs",
                    help="folder for python-results.md and .png (default %(default)s)")
     p.add_argument("--log-dir", type=Path, help="keep each job's output here (default a temp folder)")
@@ -92,8 +93,10 @@ def parse_args():
 
 
 def find_psld(args):
-    for candidate in (args.psld, os.environ.get("PSLD"), REPO / "build/tools/psld",
-                      shutil.which("psld")):
+    # pip install . puts the command next to the interpreter, built with the
+    # package the workers import.
+    for candidate in (args.psld, os.environ.get("PSLD"), Path(sys.executable).parent / "psld",
+                      REPO / "build/tools/psld", shutil.which("psld")):
         if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
             return Path(candidate)
     sys.exit("psld command not found: build it (tools/dev build), or pass --psld or set PSLD")

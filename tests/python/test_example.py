@@ -69,8 +69,8 @@ def test_ddp():
 
 
 def find_psld():
-    for candidate in (os.environ.get("PSLD"), REPO / "build" / "tools" / "psld",
-                      shutil.which("psld")):
+    for candidate in (os.environ.get("PSLD"), Path(sys.executable).parent / "psld",
+                      REPO / "build" / "tools" / "psld", shutil.which("psld")):
         if candidate and Path(candidate).is_file():
             return str(candidate)
     return None
