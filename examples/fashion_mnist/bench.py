@@ -70,9 +70,9 @@ def parse_args():
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--servers", type=int, default=2)
     p.add_argument("--slow-rate", default="25M", help="the straggler's link, bytes/s each way")
-    p.add_argument("--chunk-bytes", type=int, default=32768,
-                   help="psld's data.chunk_bytes: the 589 KB gradient bucket in 18 chunks of "
-                        "32 KiB, enough for the balancer to move part of it")
+    p.add_argument("--chunk-bytes", type=int, default=65536,
+                   help="psld's data.chunk_bytes: the 1.1 MB gradient bucket in 18 chunks of "
+                        "64 KiB, enough for the balancer to move part of it")
     p.add_argument("--balancer-interval-ms", type=int, default=500)
     p.add_argument("--timeout", type=float, default=600, help="seconds one job may take")
     p.add_argument("--psld", type=Path, help="the psld command (default $PSLD, the one "
@@ -193,7 +193,7 @@ def write_markdown(path, jobs, args, meta):
         f"Written by `examples/fashion_mnist/bench.py` ({meta['date']}, commit {meta['commit']}, "
         f"{meta['cpus']} CPUs, load average {meta['load']} at the start; torch {meta['torch']}).",
         "",
-        f"`examples/fashion_mnist/train.py`: a CNN of 147k parameters (589 KB of float32 "
+        f"`examples/fashion_mnist/train.py`: a CNN of 281k parameters (1.1 MB of float32 "
         f"gradient per round), {args.workers} workers of one thread each, batch 64 per worker, "
         f"SGD with momentum; {meta['length']} per job. The psld jobs run under `psld launch -w "
         f"{args.workers} -s {args.servers}` with `server.mode=sum` (the servers sum the "
