@@ -100,8 +100,9 @@ class Config:
     is the TOML document with where each value came from.
     """
 
-    def __init__(self, native: "_psld.Config"):
+    def __init__(self, native: "_psld.Config", flags: list):
         self._native = native
+        self._flags = flags  # what it was built from, besides files and the environment
         self._values = None
 
     @property
@@ -146,15 +147,16 @@ def load_config(config: ConfigLike = None, *, args: Optional[Iterable[str]] = No
     ``config`` as a dict, ``settings`` and ``args`` (flags such as
     ``"--server.mode=sum"``). Settings are named by their key, nested or
     dotted: ``load_config(job={"num_workers": 4})`` or
-    ``load_config(**{"job.num_workers": 4})``. A wrong or unknown key raises
+    ``load_config(**{"job.num_workers": 4})``. A Config with more settings
+    is rebuilt from the same sources with them added. A wrong or unknown key raises
     ``psld.InvalidArgument`` naming it and what is accepted.
     """
-    if isinstance(config, Config):
-        if args or settings:
-            raise _error("InvalidArgument", "a Config is complete: pass settings or a Config, not both")
-        return config
     flags = []
-    if isinstance(config, (str, os.PathLike)):
+    if isinstance(config, Config):
+        if not args and not settings:
+            return config
+        flags += config._flags  # rebuilt, with what is added here winning
+    elif isinstance(config, (str, os.PathLike)):
         flags.append(f"--config={os.fspath(config)}")
     elif isinstance(config, Mapping):
         flags += [f"--{k}={_flag_value(v)}" for k, v in _flatten(config)]
@@ -163,7 +165,7 @@ def load_config(config: ConfigLike = None, *, args: Optional[Iterable[str]] = No
                      f"config must be a path, a dict of settings or a psld.Config, not {type(config).__name__}")
     flags += [f"--{k}={_flag_value(v)}" for k, v in _flatten(settings)]
     flags += list(args or [])
-    return Config(_psld.load_config(flags))
+    return Config(_psld.load_config(flags), flags)
 
 
 # --- tensors and requests ---------------------------------------------------
