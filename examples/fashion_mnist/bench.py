@@ -114,6 +114,9 @@ def command(job, args, psld):
         "PSLD_DATA_CHUNK_BYTES": str(args.chunk_bytes),
         "PSLD_BALANCER_ENABLED": "true" if job.balancer else "false",
         "PSLD_BALANCER_INTERVAL_MS": str(args.balancer_interval_ms),
+        # Python workers import torch before they join: on a loaded machine that
+        # took more than the default 10 s, and the job failed at start.
+        "PSLD_LIVENESS_CONNECT_TIMEOUT_MS": "60000",
     })
     launch = [str(psld), "launch", "-w", str(args.workers), "-s", str(args.servers)]
     if job.slow_server:

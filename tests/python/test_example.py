@@ -66,5 +66,7 @@ def test_psld(tmp_path):
     if not hasattr(psld.torch, "DistributedOptimizer"):
         pytest.skip("this psld.torch has no DistributedOptimizer yet")
     launch(train_cmd("psld"), tmp_path, workers=2, servers=1, deadline_s=DEADLINE_S,
-           PSLD_SERVER_MODE="sum")
+           PSLD_SERVER_MODE="sum",
+           # The workers import torch before they join, slow on a loaded machine.
+           PSLD_LIVENESS_CONNECT_TIMEOUT_MS="30000")
     check_result((tmp_path / "launch.log").read_text(errors="replace"), "psld")
