@@ -194,7 +194,8 @@ def write_markdown(path, jobs, args, meta):
         "# psld.torch against DDP over gloo: Fashion-MNIST CNN",
         "",
         f"Written by `examples/fashion_mnist/bench.py` ({meta['date']}, commit {meta['commit']}, "
-        f"{meta['cpus']} CPUs, load average {meta['load']} at the start; torch {meta['torch']}).",
+        f"{meta['cpus']} CPUs, load average {meta['load']} at the start and {meta['load_end']} at "
+        f"the end; torch {meta['torch']}, {meta['psld']}).",
         "",
         f"`examples/fashion_mnist/train.py`: a CNN of 281k parameters (1.1 MB of float32 "
         f"gradient per round), {args.workers} workers of one thread each, batch 64 per worker, "
@@ -273,6 +274,17 @@ def _has_cairo(gnuplot):
     return "pngcairo" in out.stdout + out.stderr
 
 
+def psld_version():
+    """Which psld package the workers import (they inherit this environment)."""
+    out = subprocess.run([sys.executable, "-c", "import psld, psld.torch; "
+                          "print(psld.__version__, psld.torch.__file__)"],
+                         capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        return "psld not importable"
+    version, path = out.stdout.split()
+    return f"psld {version} (psld.torch from {path})"
+
+
 def main():
     args = parse_args()
     jobs = [j for j in JOBS if j.name in args.jobs]
@@ -287,6 +299,7 @@ def main():
         "cpus": os.cpu_count(),
         "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         "torch": torch.__version__,
+        "psld": psld_version(),
         "length": f"{args.rounds} rounds" if args.rounds else f"{args.epochs:g} epochs",
         "command": " ".join(["python", "examples/fashion_mnist/bench.py"] + sys.argv[1:]),
     }
@@ -298,6 +311,7 @@ def main():
             print(f"rep {rep}/{args.reps} {job.name:15s} {result['rounds_per_s']:7.2f} rounds/s  "
                   f"accuracy {result['test_accuracy']:.4f}  cpu {result['cpu_s']:6.1f} s  "
                   f"wall {result['job_wall_s']:6.1f} s", flush=True)
+    meta["load_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     args.out.mkdir(parents=True, exist_ok=True)
     md = args.out / "python-results.md"
     write_markdown(md, jobs, args, meta)
