@@ -78,6 +78,12 @@ class WireReader {
   bool u16(uint16_t* v) { return le(v, 2); }
   bool u32(uint32_t* v) { return le(v, 4); }
   bool u64(uint64_t* v) { return le(v, 8); }
+  bool f64(double* v) {
+    uint64_t bits = 0;
+    if (!u64(&bits)) return false;
+    *v = std::bit_cast<double>(bits);
+    return true;
+  }
   // For a decoder that checked the buffer's length against its counts before
   // reading (the placement's): the value, and 0 past the end rather than
   // trusting that check.

@@ -1,6 +1,8 @@
 #include "lib/protocol/protocol.h"
 
 #include <gtest/gtest.h>
+#include <cmath>
+#include <limits>
 
 #include <random>
 
@@ -76,8 +78,8 @@ TEST(Protocol, EveryMessageRoundTrips) {
 }
 
 TEST(Protocol, FieldsSurviveTheTrip) {
-  auto back = decode(
-      encode(PushMeta{17, 3, DType::kBFloat16, make_key(12, 4), 100, 4096, 2, kPushThenPull, 18}));
+  auto back = decode(encode(
+      PushMeta{17, 3, DType::kBFloat16, make_key(12, 4), 100, 4096, 2, kPushThenPull, 18, 0.0625}));
   ASSERT_TRUE(back.ok());
   const auto& p = std::get<PushMeta>(*back);
   EXPECT_EQ(p.tag, 17u);
@@ -89,6 +91,7 @@ TEST(Protocol, FieldsSurviveTheTrip) {
   EXPECT_EQ(p.epoch, 2u);
   EXPECT_EQ(p.flags, kPushThenPull);
   EXPECT_EQ(p.pull_tag, 18u);
+  EXPECT_EQ(p.lr, 0.0625);
   auto h = decode(encode(Hello{Role::kServer, -1, 0, {}, 1, "h"}));
   ASSERT_TRUE(h.ok());
   EXPECT_EQ(std::get<Hello>(*h).rank_hint, -1);
@@ -158,8 +161,12 @@ TEST(Protocol, BadEnumsAndHugeCountsAreRejected) {
   EXPECT_FALSE(decode(reg).ok());
 
   auto push = encode(PushMeta{1, 1, DType::kFloat32, 1, 1, 1, 1, 0, 0});
-  push[push.size() - 5] = 0x80;  // unknown flag bit
+  push[push.size() - 13] = 0x80;  // unknown flag bit (before pull_tag and lr)
   EXPECT_FALSE(decode(push).ok());
+  // A learning rate must be a finite number >= 0.
+  for (double lr : {-1.0, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    EXPECT_FALSE(decode(encode(PushMeta{1, 1, DType::kFloat32, 1, 1, 1, 1, 0, 0, lr})).ok()) << lr;
+  }
 
   // A credit list that claims 4096 entries but carries none must not allocate them.
   auto credit = encode(Credit{{}, {}});

@@ -105,6 +105,57 @@ TEST_P(Runtime, OptimizerModeAppliesSgdFromTheInitialValue) {
   EXPECT_TRUE(s.ok()) << s.to_string();
 }
 
+// Worker::set_learning_rate: each update uses the rate its round's pushes
+// carry; where workers disagree the lowest rank's wins; 0 is the config's.
+TEST_P(Runtime, OptimizerModeUsesTheLearningRateThePushesCarry) {
+  Cluster c(
+      2, 2,
+      [](RuntimeOptions& o) {
+        o.mode = ServerMode::kOptimizer;
+        o.optimizer.kind = OptimizerKind::kSgd;
+        o.optimizer.lr = 0.5f;
+      },
+      GetParam());
+  ASSERT_TRUE(c.start().ok());
+  constexpr size_t kN = 5000;
+  // Per round: worker 0's rate, worker 1's, and the total step with a
+  // gradient of 2 from each (sum 4). Powers of two: exact.
+  struct Step {
+    double lr0, lr1;
+    float drop;
+  };
+  const std::vector<Step> steps = {{0.5, 0.5, 2.0f},
+                                   {0.25, 0.25, 1.0f},
+                                   {0.125, 1.0, 0.5f},  // worker 0's rate wins
+                                   {0, 0, 2.0f}};       // back to optimizer.lr
+  Status s = on_all(c, [&](size_t wi) -> Status {
+    WorkerService& w = *c.workers[wi];
+    std::vector<float> x(kN, 0.0f), init(kN);
+    for (size_t i = 0; i < kN; ++i)
+      init[i] = static_cast<float>(i);
+    PSLD_ASSIGN_OR_RETURN(uint32_t h,
+                          w.register_tensor("w", DType::kFloat32, kN * 4, x.data(), init.data()));
+    PSLD_RETURN_IF_ERROR(w.barrier(5s));
+    float dropped = 0;
+    for (const Step& step : steps) {
+      w.set_learning_rate(w.rank() == 0 ? step.lr0 : step.lr1);
+      std::fill(x.begin(), x.end(), 2.0f);
+      PSLD_ASSIGN_OR_RETURN(auto req, w.submit(h, RequestKind::kPushPull));
+      PSLD_RETURN_IF_ERROR(req->wait(5s));
+      dropped += step.drop;
+      for (size_t i = 0; i < kN; ++i) {
+        if (x[i] != static_cast<float>(i) - dropped) {
+          return Internal("x[" + std::to_string(i) + "] = " + std::to_string(x[i]) +
+                          " after the step with rates " + std::to_string(step.lr0) + " and " +
+                          std::to_string(step.lr1));
+        }
+      }
+    }
+    return Status::Ok();
+  });
+  EXPECT_TRUE(s.ok()) << s.to_string();
+}
+
 // Worker::allocate: tensors carved from one block at odd offsets, with guard
 // elements between them that no pull may touch.
 TEST_P(Runtime, TensorsCarvedFromAllocatedMemoryGetExactSumsAndLeaveTheirNeighboursAlone) {

@@ -70,6 +70,9 @@ int psld_request_wait(psld_request* r, int64_t timeout_ms);
 int psld_request_test(const psld_request* r);
 void psld_request_free(psld_request* r);
 int psld_barrier(psld_worker* w, int64_t timeout_ms);
+/* Worker::set_learning_rate: the rate the next pushes' updates use
+ * (server.mode=optimizer); 0 goes back to the servers' optimizer.lr. */
+int psld_set_learning_rate(psld_worker* w, double lr);
 /* Says goodbye, disconnects and frees the worker. */
 int psld_worker_shutdown(psld_worker* w);
 

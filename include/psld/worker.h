@@ -123,6 +123,15 @@ class Worker {
   // push, then the result of that round written back into the same memory.
   Result<Request> push_pull(TensorHandle tensor);
 
+  // server.mode=optimizer: the learning rate of the updates that the pushes
+  // submitted from now on are part of, instead of the servers' optimizer.lr
+  // (0 goes back to it): what an LR schedule changes between steps. Each
+  // update uses the rate its round's pushes carry, so every worker should set
+  // the same rate before the same round (schedulers stepped in lockstep do);
+  // where they differ, the lowest worker rank's wins. No effect with
+  // server.mode=sum. InvalidArgument unless finite and >= 0.
+  Status set_learning_rate(double lr);
+
   // Returns once every worker called barrier() the same number of times.
   Status barrier(std::chrono::milliseconds timeout = std::chrono::minutes(10));
 

@@ -1,4 +1,5 @@
 // The public classes of include/psld/ over the services in lib/.
+#include <cmath>
 #include <future>
 
 #include "base/log.h"
@@ -125,6 +126,14 @@ Result<Request> Worker::push_pull(TensorHandle t) {
 
 Status Worker::barrier(std::chrono::milliseconds timeout) {
   return impl_->barrier(timeout);
+}
+Status Worker::set_learning_rate(double lr) {
+  if (!std::isfinite(lr) || lr < 0) {
+    return InvalidArgument(fmt::format(
+        "learning rate {}: expected a finite number >= 0 (0: the servers' optimizer.lr)", lr));
+  }
+  impl_->set_learning_rate(lr);
+  return Status::Ok();
 }
 Status Worker::health() const {
   return impl_->health();

@@ -187,6 +187,12 @@ int psld_barrier(psld_worker* w, int64_t timeout_ms) {
   });
 }
 
+int psld_set_learning_rate(psld_worker* w, double lr) {
+  if (w == nullptr) return fail_args("worker");
+  psld::Status s = w->w->set_learning_rate(lr);
+  return s.ok() ? 0 : fail(s);
+}
+
 int psld_worker_shutdown(psld_worker* w) {
   if (w == nullptr) return 0;
   return guarded([&] {

@@ -1,6 +1,7 @@
 #include "lib/protocol/protocol.h"
 
 #include <fmt/format.h>
+#include <cmath>
 
 #include <algorithm>
 
@@ -290,12 +291,14 @@ void put(WireWriter& w, const PushMeta& m) {
   w.u64(m.epoch);
   w.u8(m.flags);
   w.u32(m.pull_tag);
+  w.f64(m.lr);
 }
 bool get(WireReader& r, PushMeta* m) {
   return r.u32(&m->tag) && r.u32(&m->slot) && read_dtype(r, &m->dtype) && r.u64(&m->key) &&
          r.u64(&m->round) && r.u64(&m->bytes) && r.u64(&m->epoch) && r.u8(&m->flags) &&
          (m->flags & ~(kPushInit | kPushThenPull | kPushMapped)) == 0 &&
-         ((m->flags & kPushMapped) == 0 || (m->flags & kPushThenPull) != 0) && r.u32(&m->pull_tag);
+         ((m->flags & kPushMapped) == 0 || (m->flags & kPushThenPull) != 0) &&
+         r.u32(&m->pull_tag) && r.f64(&m->lr) && std::isfinite(m->lr) && m->lr >= 0;
 }
 
 void put(WireWriter& w, const PullRequest& m) {

@@ -51,8 +51,8 @@ namespace psld::protocol {
 
 // 2: EpochChange carries a step and a lost server; TransferDone, EpochFinal
 // and StateOffer. 3: WorkerProgress and LowWatermark. 4: TensorKey.offset,
-// Ack.flags, kPushMapped.
-inline constexpr uint16_t kVersion = 4;
+// Ack.flags, kPushMapped. 5: PushMeta.lr.
+inline constexpr uint16_t kVersion = 5;
 
 // A member's psld::Role and a tensor's psld::DType travel as one byte each,
 // their enum values (protocol.cc checks them); psld::Role::kAuto never does.
@@ -255,6 +255,9 @@ struct PushMeta {
   uint64_t epoch = 0;  // the worker's placement epoch
   uint8_t flags = 0;
   uint32_t pull_tag = 0;
+  // server.mode=optimizer: the learning rate of the update this push is
+  // part of (Worker::set_learning_rate); 0: the server's optimizer.lr.
+  double lr = 0;
 };
 
 struct PullRequest {

@@ -41,7 +41,7 @@ void ServerService::release_parked(Shard& shard, KeyState& k) {
 bool ServerService::reduce_push(Shard& shard, KeyState& k, const PushWork& w) {
   const auto start = transport::Clock::now();
   Status st = k.failed;
-  if (st.ok()) st = k.agg.reduce(shard.lane, w.worker, w.meta.round, w.data);
+  if (st.ok()) st = k.agg.reduce(shard.lane, w.worker, w.meta.round, w.data, w.meta.lr);
   if (st.ok()) pace_compute(k.agg.bytes());
   load_->record(k.arc, LoadMetric::kBusyNs, ns_since(start));
   free_slot(shard, w.conn, w.meta.slot);

@@ -105,13 +105,19 @@ Status Aggregator::accumulate(ComputeLane& lane, const void* host) {
   return Status::Ok();
 }
 
-Status Aggregator::reduce(ComputeLane& lane, uint32_t worker, uint64_t round, const void* src) {
+Status Aggregator::reduce(ComputeLane& lane, uint32_t worker, uint64_t round, const void* src,
+                          double lr) {
   if (options_.sync == SyncMode::kBsp) {
+    if (pushes_ == 0 || worker < round_lr_worker_) {
+      round_lr_ = lr;
+      round_lr_worker_ = worker;
+    }
     PSLD_RETURN_IF_ERROR(accumulate(lane, src));
     pushed_[worker] = true;
     return Status::Ok();
   }
   // Async and bounded staleness: every push is an update of its own.
+  round_lr_ = lr;
   pushes_ = 0;
   PSLD_RETURN_IF_ERROR(accumulate(lane, src));
   last_round_[worker] = std::max(last_round_[worker], round);
@@ -170,9 +176,10 @@ Status Aggregator::apply(ComputeLane& lane) {
     }
   } else {
     const OptimizerOptions& o = options_.optimizer;
+    const float lr = static_cast<float>(round_lr_ > 0 ? round_lr_ : o.lr);
     switch (o.kind) {
       case OptimizerKind::kSgd: {
-        const kn::SgdParams p{o.lr, o.weight_decay};
+        const kn::SgdParams p{lr, o.weight_decay};
         st = lane.run([=](MemoryKind where, void* stream) {
           return kn::sgd_f32(where, param, acc, n, p, stream);
         });
@@ -182,8 +189,8 @@ Status Aggregator::apply(ComputeLane& lane) {
         st = lane.ensure(first_moment_, n);
         if (!st.ok()) break;
         float* m = first_moment_.get();
-        const kn::MomentumParams p{o.lr,           o.momentum, o.dampening,
-                                   o.weight_decay, o.nesterov, version_ == 0};
+        const kn::MomentumParams p{lr,         o.momentum,   o.dampening, o.weight_decay,
+                                   o.nesterov, version_ == 0};
         st = lane.run([=](MemoryKind where, void* stream) {
           return kn::momentum_f32(where, param, m, acc, n, p, stream);
         });
@@ -196,7 +203,7 @@ Status Aggregator::apply(ComputeLane& lane) {
         if (!st.ok()) break;
         float* m = first_moment_.get();
         float* v = second_moment_.get();
-        const kn::AdamParams p{o.lr,        o.beta1,        o.beta2,
+        const kn::AdamParams p{lr,          o.beta1,        o.beta2,
                                o.eps,       o.weight_decay, o.kind == OptimizerKind::kAdamW,
                                version_ + 1};
         st = lane.run([=](MemoryKind where, void* stream) {

@@ -135,7 +135,10 @@ class Aggregator {
   // the accumulator and waits for it: the memory may be reused after. BSP:
   // admitted with kNow first; the round's first push is copied. Async and
   // staleness: every push is one update (apply() follows).
-  Status reduce(ComputeLane& lane, uint32_t worker, uint64_t round, const void* src);
+  // `lr` is the push's learning rate (0: options' optimizer.lr); the update
+  // of a BSP round uses the one of the lowest worker that pushed it, so that
+  // workers that disagree still get one deterministic answer.
+  Status reduce(ComputeLane& lane, uint32_t worker, uint64_t round, const void* src, double lr = 0);
   // BSP: every worker's push of round version() + 1 is in.
   bool round_complete() const { return pushes_ == pushed_.size(); }
   // The initial value (round 0), written into the parameter as it is.
@@ -198,6 +201,8 @@ class Aggregator {
   bool swap_ = false;
   uint64_t version_ = 0;
   uint32_t pushes_ = 0;               // BSP: pushes reduced for round version_ + 1
+  double round_lr_ = 0;               // the next update's learning rate; 0: options'
+  uint32_t round_lr_worker_ = 0;      // BSP: the worker whose push set round_lr_
   std::vector<bool> pushed_;          // BSP: per worker, for round version_ + 1
   std::vector<uint64_t> last_round_;  // per worker: newest round pushed (staleness)
   std::vector<uint64_t> applied_;     // per worker: async pushes applied in this run

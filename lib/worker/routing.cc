@@ -180,8 +180,8 @@ void WorkerService::issue(ServerConn& s, const ChunkOp& op, uint32_t slot) {
     slot = protocol::kNoSlot;
   }
   protocol::PushMeta meta{
-      push_tag, slot,    t.dtype, span.key, op.round, span.bytes, epochs_->latest().epoch(),
-      flags,    pull_tag};
+      push_tag, slot,     t.dtype, span.key, op.round, span.bytes, epochs_->latest().epoch(),
+      flags,    pull_tag, op.lr};
   transport::WriteRequest wr{t.region.get(), t.region_offset + span.offset,
                              s.slots.get(),  slot * s.slot_bytes,
                              span.bytes,     push_tag};

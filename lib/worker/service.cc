@@ -540,7 +540,7 @@ Result<std::shared_ptr<RequestState>> WorkerService::submit(uint32_t handle, Req
     // the GPU (on_staged); everything else is routed now.
     const bool stage_out = t.shadow != nullptr && kind != RequestKind::kPull;
     for (uint64_t c = 0; c < chunks; ++c) {
-      ChunkOp op{kind, handle, static_cast<uint32_t>(c), round, req};
+      ChunkOp op{kind, handle, static_cast<uint32_t>(c), round, req, lr_};
       if (!stage_out) {
         route(std::move(op));
         continue;

@@ -71,6 +71,11 @@ class WorkerService final : public ProcessRuntime {
                                    const void* init);
   Result<std::shared_ptr<RequestState>> submit(uint32_t tensor, RequestKind kind);
   Status barrier(std::chrono::milliseconds timeout) { return session_.barrier(timeout); }
+  // The learning rate that pushes submitted from now on carry (psld/worker.h).
+  void set_learning_rate(double lr) {
+    MutexLock lock(mu_);
+    lr_ = lr;
+  }
   Status health() const { return session_.health(); }
   // Cumulative, one entry per server.
   std::vector<ServerLoadStats> server_loads();
@@ -112,6 +117,7 @@ class WorkerService final : public ProcessRuntime {
     uint32_t chunk = 0;
     uint64_t round = 0;
     std::shared_ptr<RequestState> request;
+    double lr = 0;  // the learning rate its pushes carry (set_learning_rate); 0: the server's
   };
   struct ServerConn {
     uint32_t rank = 0;
@@ -204,6 +210,7 @@ class WorkerService final : public ProcessRuntime {
   std::string gpu_path_text_;  // fixed at start
   // allocate()d blocks by address. Declared before the tensors carved from them.
   std::map<const uint8_t*, std::shared_ptr<transport::MemoryRegion>> allocations_ GUARDED_BY(mu_);
+  double lr_ GUARDED_BY(mu_) = 0;  // set_learning_rate; 0: the servers' optimizer.lr
   Mutex device_mu_;
   // Declared before tensors_: the shadows it allocated go first.
   // Set once under device_mu_, before the first staged tensor exists; read

@@ -359,6 +359,13 @@ class Worker:
         """Returns once every worker called barrier() as often (seconds; None: no limit)."""
         self._native.barrier(timeout)
 
+    def set_learning_rate(self, lr: float) -> None:
+        """server.mode=optimizer: the learning rate of the updates the pushes from now on are
+        part of, instead of the servers' ``optimizer.lr`` (0 goes back to it). Every worker sets
+        the same rate before the same step (an LR scheduler stepped on every worker does);
+        where they differ, the lowest rank's wins. No effect with server.mode=sum."""
+        self._native.set_learning_rate(float(lr))
+
     def health(self) -> None:
         """Returns while the job runs; raises its failure (naming the process) otherwise."""
         self._native.health()

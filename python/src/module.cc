@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <optional>
 #include <string>
@@ -69,9 +70,10 @@ T take(psld::Result<T> result) {
 constexpr std::chrono::milliseconds kWaitSlice{100};
 
 // Runs `wait(slice)` with the GIL released until it returns anything but
-// Timeout or `timeout_s` (None: no limit) has passed; Timeout then.
+// Timeout or `timeout_s` (None: no limit) has passed; then Timeout saying
+// "`what` after N s" (the slice's own message would name 100 ms).
 template <typename WaitFn>
-psld::Status wait_in_slices(std::optional<double> timeout_s, WaitFn wait) {
+psld::Status wait_in_slices(std::optional<double> timeout_s, const char* what, WaitFn wait) {
   using Clock = std::chrono::steady_clock;
   const bool bounded = timeout_s.has_value();
   if (bounded && !(*timeout_s >= 0)) {
@@ -94,7 +96,11 @@ psld::Status wait_in_slices(std::optional<double> timeout_s, WaitFn wait) {
       status = wait(slice);
     }
     if (status.code() != psld::StatusCode::kTimeout) return status;
-    if (bounded && Clock::now() >= deadline) return status;
+    if (bounded && Clock::now() >= deadline) {
+      char seconds[32];
+      std::snprintf(seconds, sizeof seconds, "%g", *timeout_s);
+      return psld::Timeout(std::string(what) + " after " + seconds + " s");
+    }
     if (PyErr_CheckSignals() != 0) throw nb::python_error();
   }
 }
@@ -173,7 +179,7 @@ class PyRequest {
   explicit PyRequest(psld::Request request) : request_(std::move(request)) {}
 
   void wait(std::optional<double> timeout_s) {
-    check(wait_in_slices(timeout_s,
+    check(wait_in_slices(timeout_s, "the request is still in flight",
                          [&](std::chrono::milliseconds slice) { return request_.wait(slice); }));
   }
   bool done() const { return request_.test(); }
@@ -256,6 +262,7 @@ class PyWorker {
   }
 
   void health() const { check(get().health()); }
+  void set_learning_rate(double lr) { check(get().set_learning_rate(lr)); }
 
   nb::list server_loads() const {
     nb::list out;
@@ -313,7 +320,8 @@ class PyServer {
   uint32_t rank() const { return server_->rank(); }
   std::string address() const { return server_->address(); }
   void wait(std::optional<double> timeout_s) {
-    check(wait_in_slices(timeout_s, [&](std::chrono::milliseconds s) { return server_->wait(s); }));
+    check(wait_in_slices(timeout_s, "the job still runs",
+                         [&](std::chrono::milliseconds s) { return server_->wait(s); }));
   }
   void shutdown() {
     nb::gil_scoped_release release;
@@ -332,7 +340,7 @@ class PyCoordinator {
   }
   std::string address() const { return coordinator_->address(); }
   void wait(std::optional<double> timeout_s) {
-    check(wait_in_slices(timeout_s,
+    check(wait_in_slices(timeout_s, "the job still runs",
                          [&](std::chrono::milliseconds s) { return coordinator_->wait(s); }));
   }
   void shutdown() {
@@ -348,6 +356,10 @@ class PyCoordinator {
 
 NB_MODULE(_psld, m) {
   m.doc() = "psld's native module; use the package psld, not this.";
+  // A process that exits on an uncaught exception (a failed job) still holds
+  // its Worker; nanobind would report that as leaked instances, which it is
+  // not: the process is ending.
+  nb::set_leak_warnings(false);
 
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
@@ -404,6 +416,7 @@ NB_MODULE(_psld, m) {
       .def("push_pull", &PyWorker::push_pull)
       .def("barrier", &PyWorker::barrier, nb::arg("timeout").none() = nb::none())
       .def("health", &PyWorker::health)
+      .def("set_learning_rate", &PyWorker::set_learning_rate, nb::arg("lr"))
       .def("server_loads", &PyWorker::server_loads)
       .def("shutdown", &PyWorker::shutdown)
       .def_prop_ro("is_shut_down", &PyWorker::is_shut_down);

@@ -175,7 +175,7 @@ def test_wait_times_out_leaving_the_request_in_flight_and_releases_the_gil():
         ticker = threading.Thread(target=lambda: [ticks.append(time.sleep(0.01)) for _ in range(20)])
         ticker.start()
         start = time.monotonic()
-        with pytest.raises(psld.Timeout):
+        with pytest.raises(psld.Timeout, match="still in flight after 0.5 s"):
             r0.wait(0.5)
         assert time.monotonic() - start >= 0.45
         ticker.join()
