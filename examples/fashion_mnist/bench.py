@@ -70,6 +70,8 @@ def parse_args():
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--servers", type=int, default=2)
     p.add_argument("--slow-rate", default="25M", help="the straggler's link, bytes/s each way")
+    p.add_argument("--bucket-bytes", type=int, default=4 << 20,
+                   help="psld.torch's bucket_bytes (train.py --bucket-bytes)")
     p.add_argument("--chunk-bytes", type=int, default=65536,
                    help="psld's data.chunk_bytes: the 1.1 MB gradient bucket in 18 chunks of "
                         "64 KiB, enough for the balancer to move part of it")
@@ -106,6 +108,8 @@ def command(job, args, psld):
     """The job's command line and environment."""
     train = [sys.executable, str(HERE / "train.py"), "--backend", job.backend, "--log-every", "25"]
     train += ["--rounds", str(args.rounds)] if args.rounds else ["--epochs", str(args.epochs)]
+    if job.backend == "psld":
+        train += ["--bucket-bytes", str(args.bucket_bytes)]
     env = dict(os.environ)
     if job.backend == "ddp":
         return train + ["--workers", str(args.workers)], env

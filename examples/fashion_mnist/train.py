@@ -47,6 +47,9 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=64, help="images per worker per round")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--bucket-bytes", type=int, default=4 << 20,
+                   help="psld.torch's gradient buckets (bytes): smaller ones start their push_pull "
+                        "earlier in backward")
     p.add_argument("--seed", type=int, default=0, help="the model's seed, the same on every worker")
     p.add_argument("--log-every", type=int, default=25, help="rounds between progress lines")
     p.add_argument("--data", type=Path, default=DATA_DIR,
@@ -212,7 +215,7 @@ def run_psld(args):
         model = make_model(args.seed)
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
         optimizer = psld.torch.DistributedOptimizer(optimizer, model.named_parameters(),
-                                                    worker=worker)
+                                                    worker=worker, bucket_bytes=args.bucket_bytes)
         psld.torch.broadcast_parameters(model.state_dict(), root_rank=0, worker=worker)
         train(args, worker.rank, worker.num_workers, model, optimizer)
 
