@@ -274,17 +274,24 @@ Result<MappedAllocation> map_allocated(ucp_context_h context, size_t length, boo
 
 // setup.cc: UCX's callbacks for requests and endpoints.
 void send_cb(void* request, ucs_status_t status, void* user_data);
-// The parameters of every active message this backend sends: completion to
-// send_cb with `op` as its user data, and the reply flag that gives the
-// receiver an endpoint to answer on.
-inline ucp_request_param_t am_send_param(void* op) {
+// The parameters every send-side request of this backend starts from (an
+// active message, a put, a flush, a close): completion to send_cb with `op`
+// as its user data, and the request's flags where it has any.
+inline ucp_request_param_t send_param(void* op, uint32_t flags = 0) {
   ucp_request_param_t p{};
-  p.op_attr_mask =
-      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   p.cb.send = send_cb;
   p.user_data = op;
-  p.flags = UCP_AM_SEND_FLAG_REPLY;
+  if (flags != 0) {
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = flags;
+  }
   return p;
+}
+// Every active message: with the reply flag that gives the receiver an
+// endpoint to answer on.
+inline ucp_request_param_t am_send_param(void* op) {
+  return send_param(op, UCP_AM_SEND_FLAG_REPLY);
 }
 void recv_am_cb(void* request, ucs_status_t status, size_t length, void* user_data);
 void ep_error_cb(void* arg, ucp_ep_h ep, ucs_status_t status);

@@ -187,12 +187,7 @@ void UcxCore::force_close_ep(UcxConnection& conn) {
   // Outstanding requests complete with UCS_ERR_CANCELED (their operations
   // already failed above, so PendingOps ignores them).
   OpCtx* op = new_op(OpCtx::kClose);
-  ucp_request_param_t p{};
-  p.op_attr_mask =
-      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-  p.cb.send = send_cb;
-  p.user_data = op;
-  p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  ucp_request_param_t p = send_param(op, UCP_EP_CLOSE_FLAG_FORCE);
   finish_request(op, ucp_ep_close_nbx(ep, &p));
 }
 

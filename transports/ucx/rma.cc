@@ -211,11 +211,8 @@ void UcxCore::start_write(UcxConnection& conn, UserOp u, const std::shared_ptr<U
       op->deadline = deadline();
       op->region = src;
       op->remote = remote;
-      ucp_request_param_t p{};
-      p.op_attr_mask =
-          UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
-      p.cb.send = send_cb;
-      p.user_data = op;
+      ucp_request_param_t p = send_param(op);
+      p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
       p.memh = src->memh();
       finish_request(op, ucp_put_nbx(conn.ep_, src->data() + local_offset, length,
                                      remote->base() + remote_offset, remote->rkey_, &p));
@@ -281,10 +278,7 @@ void UcxCore::start_flush(UcxConnection& conn) {
   op->batch.swap(conn.unflushed_);
   conn.flush_in_flight_ = true;
   ++flushes_;
-  ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  p.cb.send = send_cb;
-  p.user_data = op;
+  ucp_request_param_t p = send_param(op);
   finish_request(op, ucp_ep_flush_nbx(conn.ep_, &p));
 }
 
