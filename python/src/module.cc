@@ -65,6 +65,19 @@ T take(psld::Result<T> result) {
   return std::move(result).value();
 }
 
+using Clock = std::chrono::steady_clock;
+
+// A timeout from Python, in seconds, as a duration (capped at 1e9 s); None
+// stays none. A negative or NaN one is InvalidArgument.
+std::optional<Clock::duration> timeout_of(std::optional<double> timeout_s) {
+  if (!timeout_s) return std::nullopt;
+  if (!(*timeout_s >= 0)) {
+    throw_status(psld::InvalidArgument("timeout must be a number of seconds >= 0, or None"));
+  }
+  return std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(std::min(*timeout_s, 1e9)));
+}
+
 // How long one slice of a blocking wait lasts before Python's signal
 // handlers get to run (Ctrl-C raises KeyboardInterrupt within this).
 constexpr std::chrono::milliseconds kWaitSlice{100};
@@ -74,15 +87,9 @@ constexpr std::chrono::milliseconds kWaitSlice{100};
 // "`what` after N s" (the slice's own message would name 100 ms).
 template <typename WaitFn>
 psld::Status wait_in_slices(std::optional<double> timeout_s, const char* what, WaitFn wait) {
-  using Clock = std::chrono::steady_clock;
-  const bool bounded = timeout_s.has_value();
-  if (bounded && !(*timeout_s >= 0)) {
-    return psld::InvalidArgument("timeout must be a number of seconds >= 0, or None");
-  }
-  const auto deadline =
-      bounded ? Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                   std::chrono::duration<double>(std::min(*timeout_s, 1e9)))
-              : Clock::time_point::max();
+  const std::optional<Clock::duration> timeout = timeout_of(timeout_s);
+  const bool bounded = timeout.has_value();
+  const auto deadline = bounded ? Clock::now() + *timeout : Clock::time_point::max();
   for (;;) {
     auto slice = kWaitSlice;
     if (bounded) {
@@ -247,12 +254,9 @@ class PyWorker {
 
   void barrier(std::optional<double> timeout_s) {
     // One barrier call, however long; psld's own limit is the timeout.
-    const auto limit = timeout_s ? std::chrono::duration_cast<std::chrono::milliseconds>(
-                                       std::chrono::duration<double>(std::min(*timeout_s, 1e9)))
-                                 : std::chrono::hours(24 * 365);
-    if (timeout_s && !(*timeout_s >= 0)) {
-      throw_status(psld::InvalidArgument("timeout must be a number of seconds >= 0, or None"));
-    }
+    const std::optional<Clock::duration> timeout = timeout_of(timeout_s);
+    const auto limit = timeout ? std::chrono::duration_cast<std::chrono::milliseconds>(*timeout)
+                               : std::chrono::hours(24 * 365);
     psld::Status status;
     {
       nb::gil_scoped_release release;
