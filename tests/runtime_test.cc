@@ -675,12 +675,25 @@ TEST_P(Runtime, ARequestForAKeyTheServerDoesNotOwnIsAnsweredMoved) {
 // UCX over shared memory: servers map the workers' Worker::allocate memory
 // and read push_pulls in place; pulls into it are memcpys. Heap tensors in
 // the same job still go through slots.
+// ThreadSanitizer, as gcc says it (__SANITIZE_THREAD__) and as clang does
+// (__has_feature; clang 14 defines no macro), for build-tsan is clang.
+#if defined(__SANITIZE_THREAD__)
+#define PSLD_UNDER_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define PSLD_UNDER_TSAN 1
+#endif
+#endif
+#ifndef PSLD_UNDER_TSAN
+#define PSLD_UNDER_TSAN 0
+#endif
+
 TEST(RuntimeUcxShm, PushPullsOfAllocatedTensorsAreReadInPlaceAndExact) {
   const auto backends = test_backends();
   if (std::find(backends.begin(), backends.end(), "ucx") == backends.end()) {
     GTEST_SKIP() << "built without UCX";
   }
-#if defined(__SANITIZE_THREAD__)
+#if PSLD_UNDER_TSAN
   // UCX hands messages over shared memory through its own fifos, which are
   // not instrumented: ThreadSanitizer sees no order between a worker's
   // write and the answer that follows it and reports false races. The
