@@ -427,10 +427,23 @@ void CoordinatorService::finish_job() {
 
 void CoordinatorService::monitor() {
   UniqueLock lock(mu_);
+  auto woke = Clock::now();
   while (!stopping_) {
     cv_.wait_for(lock.native(), options_.heartbeat_interval / 2);
     if (stopping_ || job_over_) continue;
     const auto now = Clock::now();
+    // The coordinator itself did not run for a while (its host stopped or
+    // starved it): members' silence in that time is ours, not theirs, so
+    // every member gets a fresh timeout from now.
+    if (now - woke > options_.heartbeat_timeout / 2) {
+      PSLD_LOG_WARN(
+          "coordinator: did not run for {} ms; members' silence in that time is not "
+          "held against them",
+          std::chrono::duration_cast<std::chrono::milliseconds>(now - woke).count());
+      for (auto& [id, m] : members_)
+        m.last_seen = now;
+    }
+    woke = now;
     std::vector<ConnectionPtr> silent_servers;
     for (auto it = members_.begin(); it != members_.end();) {
       const Member m = it->second;

@@ -406,10 +406,17 @@ void MemberSession::on_tick(TickFn fn) {
 void MemberSession::heartbeat_loop() {
   uint64_t seq = 0;
   UniqueLock lock(mu_);
+  auto woke = Clock::now();
   while (!goodbye_) {
     cv_.wait_for(lock.native(), options_.heartbeat_interval);
     if (goodbye_) break;
-    if (health_.ok() && !shutdown_ && Clock::now() - last_heard_ > options_.heartbeat_timeout) {
+    // This process itself did not run for a while (stopped, or starved):
+    // the coordinator's silence then says nothing about the coordinator, so
+    // it gets a fresh timeout from now.
+    const auto now = Clock::now();
+    if (now - woke > options_.heartbeat_timeout / 2) last_heard_ = now;
+    woke = now;
+    if (health_.ok() && !shutdown_ && now - last_heard_ > options_.heartbeat_timeout) {
       fail(fmt::format("the coordinator at {} sent nothing for {} ms", options_.coordinator_address,
                        options_.heartbeat_timeout.count()));
     }

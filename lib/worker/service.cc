@@ -291,8 +291,18 @@ void WorkerService::op_failed(uint32_t rank, const ConnectionPtr& conn, uint32_t
 }
 
 void WorkerService::on_tick() {
+  // The session found the coordinator silent (or the job failed) without a
+  // message that says so, as when the coordinator's host stops: what waits
+  // on servers that nobody will declare dead fails now.
+  const Status health = session_.health();
   MutexLock lock(mu_);
-  if (stopped_ || orphans_.empty()) return;
+  if (stopped_) return;
+  if (!health.ok()) {
+    fail_everything(health);
+    cv_.notify_all();
+    return;
+  }
+  if (orphans_.empty()) return;
   const auto now = Clock::now();
   std::vector<Orphan> still;
   for (auto& o : orphans_) {
