@@ -2,7 +2,12 @@
 // environment, runs BSP push_pull rounds on integer-valued data and checks
 // every element of every round against the exact sum.
 //
-//   launch_worker [--rounds N] [--fail-rank R] [--fail-code C] [--hang-rank R]
+//   launch_worker [--rounds N] [--fail-rank R] [--fail-code C] [--die-rank R]
+//                 [--print-every K] [--spam BYTES] [--spam-raw BYTES]
+//
+// --print-every K prints "worker R: round N" every K rounds; --spam prints
+// BYTES of text lines per round, --spam-raw BYTES with no newline at all
+// (a progress bar redrawn with '\r'), both to stdout.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -13,13 +18,22 @@
 #include "psld/worker.h"
 
 int main(int argc, char** argv) {
-  int rounds = 20, fail_rank = -1, fail_code = 3, die_rank = -1;
+  int rounds = 20, fail_rank = -1, fail_code = 3, die_rank = -1, print_every = 0;
+  size_t spam = 0, spam_raw = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--rounds")) rounds = std::atoi(argv[i + 1]);
     if (!std::strcmp(argv[i], "--fail-rank")) fail_rank = std::atoi(argv[i + 1]);
     if (!std::strcmp(argv[i], "--fail-code")) fail_code = std::atoi(argv[i + 1]);
     if (!std::strcmp(argv[i], "--die-rank")) die_rank = std::atoi(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--print-every")) print_every = std::atoi(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--spam")) spam = std::strtoull(argv[i + 1], nullptr, 10);
+    if (!std::strcmp(argv[i], "--spam-raw")) spam_raw = std::strtoull(argv[i + 1], nullptr, 10);
   }
+  std::string line(79, 'x');
+  line += '\n';
+  std::string raw(spam_raw, 'y');
+  for (size_t i = 99; i < raw.size(); i += 100)
+    raw[i] = '\r';
   auto config = psld::load_config({});
   if (!config.ok()) {
     std::fprintf(stderr, "config: %s\n", config.status().to_string().c_str());
@@ -56,6 +70,14 @@ int main(int argc, char** argv) {
       std::fflush(stderr);
       std::_Exit(9);  // no goodbye, no cleanup: as if killed
     }
+    if (print_every > 0 && r % print_every == 0) {
+      std::printf("worker %d: round %d\n", rank, r);
+      std::fflush(stdout);
+    }
+    for (size_t sent = 0; sent < spam; sent += line.size())
+      std::fwrite(line.data(), 1, line.size(), stdout);
+    if (spam_raw > 0) std::fwrite(raw.data(), 1, raw.size(), stdout);
+    if (spam + spam_raw > 0) std::fflush(stdout);
     std::vector<psld::Request> reqs;
     for (size_t t = 0; t < sizes.size(); ++t) {
       for (size_t i = 0; i < sizes[t]; ++i)

@@ -11,8 +11,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <dirent.h>
 #include <chrono>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -103,6 +105,156 @@ inline RunResult run_process(const std::vector<std::string>& argv,
   r.output = std::move(out);
   return r;
 }
+
+// The text of /proc/<pid>/<what> ("" when it cannot be read).
+inline std::string proc_file(pid_t pid, const std::string& what) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/" + what, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// The process state letter from /proc/<pid>/stat ('R', 'S', 'T' stopped,
+// 'Z' exited but not reaped), or 0 when there is no such process.
+inline char proc_state(pid_t pid) {
+  const std::string stat = proc_file(pid, "stat");
+  const auto paren = stat.rfind(')');
+  return paren == std::string::npos || paren + 2 >= stat.size() ? 0 : stat[paren + 2];
+}
+
+// Gone or exited (a zombie whose parent has not reaped it yet).
+inline bool proc_ended(pid_t pid) {
+  const char s = proc_state(pid);
+  return s == 0 || s == 'Z' || s == 'X';
+}
+
+// The direct children of `pid`, over all its threads.
+inline std::vector<pid_t> proc_children(pid_t pid) {
+  std::vector<pid_t> out;
+  DIR* dir = opendir(("/proc/" + std::to_string(pid) + "/task").c_str());
+  if (!dir) return out;
+  while (dirent* e = readdir(dir)) {
+    if (e->d_name[0] == '.') continue;
+    std::stringstream ss(proc_file(pid, std::string("task/") + e->d_name + "/children"));
+    for (pid_t c; ss >> c;)
+      out.push_back(c);
+  }
+  closedir(dir);
+  return out;
+}
+
+// A process in the background, in a new process group, for tests that act on
+// it while it runs: signals, its output so far, its children. Its stdout and
+// stderr go to a file, or its stdout to `stdout_fd` when that is given. The
+// destructor kills the whole group (after SIGCONT, for a stopped member).
+class Background {
+ public:
+  Background(const std::vector<std::string>& argv, const std::vector<std::string>& env,
+             int stdout_fd = -1) {
+    char path[] = "/tmp/psld_test_output_XXXXXX";
+    fd_ = mkstemp(path);
+    if (fd_ < 0) return;
+    unlink(path);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_adddup2(&actions, stdout_fd >= 0 ? stdout_fd : fd_, 1);
+    posix_spawn_file_actions_adddup2(&actions, fd_, 2);
+    posix_spawnattr_t attr;
+    posix_spawnattr_init(&attr);
+    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
+    posix_spawnattr_setpgroup(&attr, 0);
+    std::vector<std::string> envs;
+    for (char** e = environ; *e; ++e)
+      envs.emplace_back(*e);
+    envs.insert(envs.end(), env.begin(), env.end());
+    std::vector<char*> cargv, cenv;
+    for (const auto& a : argv)
+      cargv.push_back(const_cast<char*>(a.c_str()));
+    cargv.push_back(nullptr);
+    for (const auto& e : envs)
+      cenv.push_back(const_cast<char*>(e.c_str()));
+    cenv.push_back(nullptr);
+    if (posix_spawn(&pid_, cargv[0], &actions, &attr, cargv.data(), cenv.data()) != 0) pid_ = -1;
+    posix_spawn_file_actions_destroy(&actions);
+    posix_spawnattr_destroy(&attr);
+  }
+  ~Background() {
+    if (pid_ > 0) {
+      kill(-pid_, SIGCONT);
+      kill(-pid_, SIGKILL);
+      if (!exit_code_) waitpid(pid_, nullptr, 0);
+    }
+    if (fd_ >= 0) close(fd_);
+  }
+  Background(const Background&) = delete;
+  Background& operator=(const Background&) = delete;
+
+  pid_t pid() const { return pid_; }
+  bool started() const { return pid_ > 0; }
+
+  std::string output() const {
+    std::string out;
+    char buf[65536];
+    for (off_t off = 0;;) {
+      const ssize_t n = pread(fd_, buf, sizeof(buf), off);
+      if (n <= 0) break;
+      out.append(buf, static_cast<size_t>(n));
+      off += n;
+    }
+    return out;
+  }
+
+  // Waits until the output holds `needle`; false after `timeout` or when the
+  // process ended without printing it.
+  bool wait_for_output(const std::string& needle, std::chrono::milliseconds timeout) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < deadline) {
+      if (output().find(needle) != std::string::npos) return true;
+      if (wait(std::chrono::milliseconds(0))) return output().find(needle) != std::string::npos;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return false;
+  }
+
+  // The exit code (128 + signal when killed), or nullopt if it still runs
+  // after `timeout`.
+  std::optional<int> wait(std::chrono::milliseconds timeout) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (!exit_code_) {
+      int status = 0;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        break;
+      }
+      if (std::chrono::steady_clock::now() >= deadline) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return exit_code_;
+  }
+
+  // The pid of the child of this process whose environment says it is
+  // PSLD_JOB_ROLE=role, PSLD_JOB_RANK=rank (a member psld launch started),
+  // or -1.
+  pid_t member(const std::string& role, int rank) const {
+    const std::string want_role = "PSLD_JOB_ROLE=" + role;
+    const std::string want_rank = "PSLD_JOB_RANK=" + std::to_string(rank);
+    for (pid_t c : proc_children(pid_)) {
+      std::stringstream env(proc_file(c, "environ"));
+      bool role_ok = false, rank_ok = false;
+      for (std::string kv; std::getline(env, kv, '\0');) {
+        role_ok |= kv == want_role;
+        rank_ok |= kv == want_rank;
+      }
+      if (role_ok && rank_ok) return c;
+    }
+    return -1;
+  }
+
+ private:
+  int fd_ = -1;
+  pid_t pid_ = -1;
+  std::optional<int> exit_code_;
+};
 
 using ::psld::free_loopback_port;  // base/net.h
 
