@@ -125,6 +125,46 @@ TEST(EmulatedLink, IngressShapingPacesNotifications) {
                     [&](uint64_t k) { return t0 + carry(k * kOpBytes - kBurst, 100'000'000); });
 }
 
+// A heartbeat on one connection must not queue behind another connection's
+// bulk backlog: the link serves connections in turn, one operation each, so
+// a message on an idle connection waits for at most one write of each busy
+// one. (One FIFO for the whole link once held a server's control messages
+// for seconds behind 256 MiB of pushes, and the failure detector declared
+// the slow server dead.) Within a connection, order is kept.
+void expect_message_overtakes_backlog(bool shape_egress) {
+  LinkOptions slow;
+  (shape_egress ? slow.egress_bytes_per_second : slow.ingress_bytes_per_second) = 100e6;
+  LinkOptions unlimited;
+  Pair p(shape_egress ? slow : unlimited, shape_egress ? nullptr : &slow);
+  ConnectionPtr control = *p.client->connect(p.server->address());
+  ASSERT_TRUE(
+      pump({p.client.get(), p.server.get()}, [&] { return p.server_rec.num_accepted() == 2; }));
+  const auto t0 = p.clock.now();
+  constexpr uint64_t kWrites = 40;  // ~10.5 MB: ~0.1 s at 100 MB/s
+  p.issue(kWrites);
+  const uint8_t heartbeat[] = {7};
+  ASSERT_TRUE(control->send(heartbeat, nullptr).ok());
+  p.writes_at(t0);  // everything reaches the link now
+  // Delivered after the first write or two (those the burst let through and
+  // the one in service), long before the backlog ends.
+  const auto backlog_done = t0 + carry(kWrites * kOpBytes - kBurst, 100'000'000);
+  p.writes_at(t0 + carry(2 * kOpBytes, 100'000'000));
+  EXPECT_EQ(p.server_rec.num_messages(), 1u);
+  EXPECT_LE(p.server_rec.num_writes(), 3u);
+  // The bulk connection's writes still arrive in order and all of them, by
+  // the time the link has carried them and the heartbeat's few bytes.
+  p.writes_at(backlog_done + carry(LinkOptions{}.per_op_overhead_bytes + 1, 100'000'000));
+  EXPECT_EQ(p.server_rec.num_writes(), kWrites);
+}
+
+TEST(EmulatedLink, AMessageOnAnIdleConnectionOvertakesAnotherConnectionsBacklogOnEgress) {
+  expect_message_overtakes_backlog(true);
+}
+
+TEST(EmulatedLink, AMessageOnAnIdleConnectionOvertakesAnotherConnectionsBacklogOnIngress) {
+  expect_message_overtakes_backlog(false);
+}
+
 TEST(EmulatedLink, LatencyIsAddedToEveryOperation) {
   LinkOptions link;
   link.latency = 20ms;

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <string>
@@ -35,6 +36,8 @@ class Shaper {
     last_release_ = std::max({now, next_free_, last_release_});
     return last_release_;
   }
+  // When the link can start the next operation (an unlimited one: always).
+  Clock::time_point free_at() const { return rate_ <= 0 ? Clock::time_point::min() : next_free_; }
 
  private:
   static Clock::duration seconds(double s) {
@@ -109,8 +112,9 @@ class LinkTransport final : public ForwardingTransport<std::unique_ptr<Transport
   void configure(const LinkOptions& link) {
     std::lock_guard<std::mutex> lock(mu_);
     link_ = link;
-    egress_.configure(link.egress_bytes_per_second, link.burst_bytes);
-    ingress_.configure(link.ingress_bytes_per_second, link.burst_bytes);
+    egress_.shaper.configure(link.egress_bytes_per_second, link.burst_bytes);
+    egress_.latency = std::chrono::duration_cast<Clock::duration>(link.latency);
+    ingress_.shaper.configure(link.ingress_bytes_per_second, link.burst_bytes);
   }
   LinkOptions link() const {
     std::lock_guard<std::mutex> lock(mu_);
@@ -130,6 +134,8 @@ class LinkTransport final : public ForwardingTransport<std::unique_ptr<Transport
     {
       std::lock_guard<std::mutex> lock(mu_);
       const auto now = time_.now();
+      serve(egress_, now);
+      serve(ingress_, now);
       while (!queue_.empty() && queue_.begin()->first.first <= now) {
         due.push_back(std::move(queue_.begin()->second.fn));
         queue_.erase(queue_.begin());
@@ -144,8 +150,12 @@ class LinkTransport final : public ForwardingTransport<std::unique_ptr<Transport
     auto limit = timeout;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (!queue_.empty()) {
-        const auto until = queue_.begin()->first.first - time_.now();
+      auto next = queue_.empty() ? Clock::time_point::max() : queue_.begin()->first.first;
+      for (const Direction* d : {&egress_, &ingress_}) {
+        if (!d->queues.empty()) next = std::min(next, d->shaper.free_at());
+      }
+      if (next != Clock::time_point::max()) {
+        const auto until = next - time_.now();
         if (until <= Clock::duration::zero()) return;
         limit =
             std::min(limit, std::chrono::ceil<std::chrono::milliseconds>(time_.real_delay(until)));
@@ -158,13 +168,21 @@ class LinkTransport final : public ForwardingTransport<std::unique_ptr<Transport
     if (shut_.exchange(true)) return;
     // Egress operations still held by the shaper never reached the inner
     // transport: fail them here, exactly once.
-    std::map<std::pair<Clock::time_point, uint64_t>, Action> held;
+    std::vector<Action> held;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      held.swap(queue_);
+      for (auto& [when, action] : queue_)
+        held.push_back(std::move(action));
+      queue_.clear();
+      for (auto& [conn, ops] : egress_.queues) {
+        for (auto& op : ops)
+          held.push_back(std::move(op.action));
+      }
+      egress_.queues.clear();
+      ingress_.queues.clear();
     }
     if (inner_) inner_->shutdown();
-    for (auto& [when, action] : held) {
+    for (auto& action : held) {
       if (!action.held) continue;
       if (Completion done = action.held->take()) {
         done(Aborted("transport shut down before the emulated link sent this operation"));
@@ -172,12 +190,13 @@ class LinkTransport final : public ForwardingTransport<std::unique_ptr<Transport
     }
   }
 
-  // Schedules an egress operation of `bytes`; `issue` runs at its release.
-  void egress(uint64_t bytes, std::function<void()> issue, std::shared_ptr<HeldCompletion> held) {
+  // Schedules an egress operation of `bytes` on connection `conn`; `issue`
+  // runs at its release.
+  void egress(uint64_t conn, uint64_t bytes, std::function<void()> issue,
+              std::shared_ptr<HeldCompletion> held) {
     std::lock_guard<std::mutex> lock(mu_);
-    const auto at =
-        egress_.release(bytes + link_.per_op_overhead_bytes, time_.now()) + link_.latency;
-    queue_.emplace(std::make_pair(at, seq_++), Action{std::move(issue), std::move(held)});
+    enqueue(egress_, conn, bytes + link_.per_op_overhead_bytes,
+            Action{std::move(issue), std::move(held)});
   }
 
   // ---- Handler for the inner transport: ingress is shaped here.
@@ -185,33 +204,80 @@ class LinkTransport final : public ForwardingTransport<std::unique_ptr<Transport
   void on_write(const ConnectionPtr& conn, uint32_t notify, uint64_t length) override {
     auto wrapper = find(conn);
     if (!wrapper) return;
-    ingress(length, [this, wrapper, notify, length] { user_->on_write(wrapper, notify, length); });
+    ingress(conn->id(), length,
+            [this, wrapper, notify, length] { user_->on_write(wrapper, notify, length); });
   }
   void on_message(const ConnectionPtr& conn, std::span<const uint8_t> message) override {
     auto wrapper = find(conn);
     if (!wrapper) return;
     auto copy = std::make_shared<std::vector<uint8_t>>(message.begin(), message.end());
-    ingress(copy->size(), [this, wrapper, copy] { user_->on_message(wrapper, *copy); });
+    ingress(conn->id(), copy->size(), [this, wrapper, copy] { user_->on_message(wrapper, *copy); });
   }
   void on_disconnect(const ConnectionPtr& conn, const Status& why) override {
     auto wrapper = find(conn);
     if (!wrapper) return;
     // After the data that arrived before it, never before.
     std::lock_guard<std::mutex> lock(mu_);
-    const auto at = ingress_.release(0, time_.now());
-    queue_.emplace(std::make_pair(at, seq_++), Action{[this, wrapper, why, conn] {
-                                                        user_->on_disconnect(wrapper, why);
-                                                        std::lock_guard<std::mutex> l(mu_);
-                                                        conns_.erase(conn->id());
-                                                      },
-                                                      nullptr});
+    enqueue(ingress_, conn->id(), 0,
+            Action{[this, wrapper, why, conn] {
+                     user_->on_disconnect(wrapper, why);
+                     std::lock_guard<std::mutex> l(mu_);
+                     conns_.erase(conn->id());
+                   },
+                   nullptr});
   }
 
  private:
-  void ingress(uint64_t bytes, std::function<void()> fn) {
+  struct Action {
+    std::function<void()> fn;
+    std::shared_ptr<HeldCompletion> held;  // egress only
+  };
+  // One direction of the link. Operations wait in per-connection FIFOs and
+  // the link serves the connections in turn, one operation each, as a NIC's
+  // queues and the kernel's fair queuing serve flows; within a connection
+  // order is kept. So a heartbeat on the coordinator's connection waits for
+  // at most one operation of each busy connection, never for the whole bulk
+  // backlog behind a slow link (liveness must not depend on how full the
+  // data path is).
+  struct Pending {
+    uint64_t bytes;
+    Clock::time_point queued;
+    Action action;
+  };
+  struct Direction {
+    Shaper shaper;
+    Clock::duration latency{0};
+    std::map<uint64_t, std::deque<Pending>> queues;  // by connection id
+    uint64_t last_served = 0;
+  };
+
+  void ingress(uint64_t conn, uint64_t bytes, std::function<void()> fn) {
     std::lock_guard<std::mutex> lock(mu_);
-    const auto at = ingress_.release(bytes + link_.per_op_overhead_bytes, time_.now());
-    queue_.emplace(std::make_pair(at, seq_++), Action{std::move(fn), nullptr});
+    enqueue(ingress_, conn, bytes + link_.per_op_overhead_bytes, Action{std::move(fn), nullptr});
+  }
+
+  // Called with mu_ held.
+  void enqueue(Direction& d, uint64_t conn, uint64_t bytes, Action action) {
+    const auto now = time_.now();
+    d.queues[conn].push_back(Pending{bytes, now, std::move(action)});
+    serve(d, now);
+  }
+
+  // Hands the link, while it is free by `now`, to the next connection after
+  // the last one served that has something waiting: its operation is released
+  // when its last byte would have left, counted from when it was queued (a
+  // progress() call that comes late changes nothing). Called with mu_ held.
+  void serve(Direction& d, Clock::time_point now) {
+    while (!d.queues.empty() && d.shaper.free_at() <= now) {
+      auto it = d.queues.upper_bound(d.last_served);
+      if (it == d.queues.end()) it = d.queues.begin();
+      d.last_served = it->first;
+      Pending op = std::move(it->second.front());
+      it->second.pop_front();
+      if (it->second.empty()) d.queues.erase(it);
+      const auto at = d.shaper.release(op.bytes, op.queued) + d.latency;
+      queue_.emplace(std::make_pair(at, seq_++), std::move(op.action));
+    }
   }
 
   std::shared_ptr<LinkConnection> wrap(const ConnectionPtr& inner) {
@@ -235,13 +301,10 @@ class LinkTransport final : public ForwardingTransport<std::unique_ptr<Transport
 
   mutable std::mutex mu_;
   LinkOptions link_;
-  Shaper egress_;
-  Shaper ingress_;
+  Direction egress_;
+  Direction ingress_;
   uint64_t seq_ = 0;
-  struct Action {
-    std::function<void()> fn;
-    std::shared_ptr<HeldCompletion> held;  // egress only
-  };
+  // Operations the link has served, by release time.
   std::map<std::pair<Clock::time_point, uint64_t>, Action> queue_;
   std::map<uint64_t, std::shared_ptr<LinkConnection>> conns_;
 };
@@ -252,7 +315,7 @@ Status LinkConnection::start_write(const WriteRequest& req, Completion done) {
   held->done = std::move(done);
   ConnectionPtr inner = inner_;
   owner_->egress(
-      req.length,
+      id(), req.length,
       [inner, req, held] {
         Completion done = held->take();
         Status s = inner->write(req, done);
@@ -273,7 +336,7 @@ Status LinkConnection::send(std::span<const uint8_t> message, Completion done) {
   held->done = std::move(done);
   ConnectionPtr inner = inner_;
   owner_->egress(
-      copy->size(),
+      id(), copy->size(),
       [inner, copy, held] {
         Completion done = held->take();
         Status s = inner->send(*copy, done);
