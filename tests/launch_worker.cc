@@ -3,11 +3,12 @@
 // every element of every round against the exact sum.
 //
 //   launch_worker [--rounds N] [--fail-rank R] [--fail-code C] [--die-rank R]
-//                 [--print-every K] [--spam BYTES] [--spam-raw BYTES]
+//                 [--print-every K] [--spam BYTES] [--spam-raw BYTES] [--big BYTES]
 //
 // --print-every K prints "worker R: round N" every K rounds; --spam prints
 // BYTES of text lines per round, --spam-raw BYTES with no newline at all
-// (a progress bar redrawn with '\r'), both to stdout.
+// (a progress bar redrawn with '\r'), both to stdout. --big adds a
+// tensor of BYTES (an embedding table) to the three small ones.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -19,7 +20,7 @@
 
 int main(int argc, char** argv) {
   int rounds = 20, fail_rank = -1, fail_code = 3, die_rank = -1, print_every = 0;
-  size_t spam = 0, spam_raw = 0;
+  size_t spam = 0, spam_raw = 0, big = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--rounds")) rounds = std::atoi(argv[i + 1]);
     if (!std::strcmp(argv[i], "--fail-rank")) fail_rank = std::atoi(argv[i + 1]);
@@ -28,6 +29,7 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--print-every")) print_every = std::atoi(argv[i + 1]);
     if (!std::strcmp(argv[i], "--spam")) spam = std::strtoull(argv[i + 1], nullptr, 10);
     if (!std::strcmp(argv[i], "--spam-raw")) spam_raw = std::strtoull(argv[i + 1], nullptr, 10);
+    if (!std::strcmp(argv[i], "--big")) big = std::strtoull(argv[i + 1], nullptr, 10);
   }
   std::string line(79, 'x');
   line += '\n';
@@ -51,7 +53,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "worker %d failing on purpose with code %d\n", rank, fail_code);
     return fail_code;
   }
-  const std::vector<size_t> sizes = {1, 333, 70000};
+  std::vector<size_t> sizes = {1, 333, 70000};
+  if (big > 0) sizes.push_back(big / 4);
   std::vector<std::vector<float>> data;
   std::vector<psld::TensorHandle> handles;
   for (size_t t = 0; t < sizes.size(); ++t) {

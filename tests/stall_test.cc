@@ -39,20 +39,14 @@ std::string trainer() {
 }
 
 constexpr auto kTimeout = 3000ms;
-const std::vector<std::string> kEnv = {"PSLD_SERVER_MODE=sum", "PSLD_UCX_TLS=tcp",
-                                       "PSLD_LIVENESS_HEARTBEAT_TIMEOUT_MS=3000",
-                                       "PSLD_LIVENESS_HEARTBEAT_INTERVAL_MS=500",
-                                       "UCX_WARN_UNUSED_ENV_VARS=n"};
+const std::vector<std::string> kEnv = {
+    "PSLD_SERVER_MODE=sum", "PSLD_UCX_TLS=tcp", "PSLD_LIVENESS_HEARTBEAT_TIMEOUT_MS=3000",
+    "PSLD_LIVENESS_HEARTBEAT_INTERVAL_MS=500", "UCX_WARN_UNUSED_ENV_VARS=n"};
 
 std::vector<std::string> job(int workers, int servers, std::vector<std::string> worker_args) {
-  std::vector<std::string> argv = {psld(),
-                                   "launch",
-                                   "-w",
-                                   std::to_string(workers),
-                                   "-s",
-                                   std::to_string(servers),
-                                   "--",
-                                   trainer()};
+  std::vector<std::string> argv = {
+      psld(), "launch", "-w", std::to_string(workers), "-s", std::to_string(servers),
+      "--",   trainer()};
   argv.insert(argv.end(), worker_args.begin(), worker_args.end());
   return argv;
 }
@@ -153,8 +147,7 @@ TEST(Stall, WorkersEndWhenTheCoordinatorAndAServerStop) {
   auto code = launch.wait(30s);
   ASSERT_TRUE(code) << launch.output();
   EXPECT_NE(*code, 0);
-  EXPECT_NE(launch.output().find("sent nothing for 3000 ms"), std::string::npos)
-      << launch.output();
+  EXPECT_NE(launch.output().find("sent nothing for 3000 ms"), std::string::npos) << launch.output();
 }
 
 TEST(Stall, SigintEndsTheJobWithinSecondsAndReapsEveryChild) {
@@ -224,6 +217,25 @@ TEST(Stall, OutputWithoutNewlinesIsCutIntoLinesAndDelivered) {
   EXPECT_EQ(ys, kBytes - kBytes / 100);  // every 100th byte is '\r'
   EXPECT_GE(pieces, kBytes / (64 * 1024));
   EXPECT_NE(out.find("worker 0: 1 rounds exact"), std::string::npos);
+}
+
+// A server behind a slow link is a straggler, never a dead server: its
+// heartbeats and the coordinator's answers must not queue behind the bulk
+// data on its saturated link. Scaled down from the report (256 MiB, 40 MB/s,
+// 5 s timeout): each round puts ~32 MiB through a 10 MB/s link both ways,
+// over twice the 1.5 s heartbeat timeout.
+TEST(Stall, AServerBehindASaturatedSlowLinkIsNotDeclaredDead) {
+  std::vector<std::string> env = {
+      "PSLD_SERVER_MODE=sum", "PSLD_UCX_TLS=tcp", "PSLD_LIVENESS_HEARTBEAT_TIMEOUT_MS=1500",
+      "PSLD_LIVENESS_HEARTBEAT_INTERVAL_MS=300", "UCX_WARN_UNUSED_ENV_VARS=n"};
+  std::vector<std::string> argv = {
+      psld(),  "launch", "-w",      "2",        "-s", "2",     "--slow-server",
+      "1:10M", "--",     trainer(), "--rounds", "2",  "--big", std::to_string(64 << 20)};
+  Background launch(argv, env);
+  auto code = launch.wait(180s);
+  ASSERT_TRUE(code) << launch.output();
+  EXPECT_EQ(*code, 0) << launch.output();
+  EXPECT_NE(launch.output().find("worker 1: 2 rounds exact"), std::string::npos) << launch.output();
 }
 
 // The socket inodes a process holds open.
