@@ -57,6 +57,11 @@ struct Cluster {
     if (!c.ok()) return c.status();
     coordinator = std::move(c).value();
     base.coordinator_address = coordinator->address();
+    return start_members();
+  }
+
+  // The servers and workers, against the coordinator already started.
+  Status start_members() {
     std::vector<std::future<Result<std::unique_ptr<ServerService>>>> sf;
     for (uint32_t i = 0; i < base.num_servers + base.num_standby; ++i) {
       RuntimeOptions o = base;

@@ -757,6 +757,51 @@ TEST_P(Runtime, WrongSecretIsRefused) {
   (*coord)->shutdown();
 }
 
+// The coordinator's door: connections that do not say a good Hello are
+// capped (kMaxUnadmitted wait at once, more are refused at once) and closed
+// at the hello deadline (the heartbeat timeout, 2 s here), and the job's own
+// members are admitted regardless.
+TEST_P(Runtime, UnadmittedConnectionsAreCappedAndClosedAtTheHelloDeadline) {
+  Cluster c(1, 1, nullptr, GetParam());
+  auto coord = CoordinatorService::start(c.base);
+  ASSERT_TRUE(coord.ok()) << coord.status().to_string();
+  c.coordinator = std::move(coord).value();
+  c.base.coordinator_address = c.coordinator->address();
+  auto raw = RawWorker::start(c.base.net);
+  ASSERT_TRUE(raw.ok()) << raw.status().to_string();
+  constexpr size_t kCap = CoordinatorService::kMaxUnadmitted;
+  std::vector<transport::ConnectionPtr> conns;
+  for (size_t i = 0; i < kCap + 6; ++i) {
+    auto conn = connect_text((*raw)->transport(), c.coordinator->address());
+    ASSERT_TRUE(conn.ok()) << conn.status().to_string();
+    conns.push_back(*conn);
+  }
+  // One of them speaks, but not a Hello: that buys no time.
+  ASSERT_TRUE((*raw)->send(conns[0], protocol::BarrierEnter{1}).ok());
+  EXPECT_TRUE(eventually("the cap to refuse 6 connections", 10s,
+                         [&] { return c.coordinator->num_refused() >= 6; }));
+  EXPECT_LE(c.coordinator->num_unadmitted(), kCap);
+  const auto flooded = std::chrono::steady_clock::now();
+  EXPECT_TRUE(eventually("every unadmitted connection to be closed", 10s,
+                         [&] { return c.coordinator->num_unadmitted() == 0; }));
+  EXPECT_GE(std::chrono::steady_clock::now() - flooded, 1s);  // not before the deadline
+  EXPECT_EQ(c.coordinator->num_refused(), kCap + 6);
+  EXPECT_TRUE(eventually("the raw side to see its connections closed", 10s, [&] {
+    return std::none_of(conns.begin(), conns.end(), [](const auto& k) { return k->is_open(); });
+  }));
+  // The job's members still get in, and the job works.
+  ASSERT_TRUE(c.start_members().ok());
+  std::vector<std::vector<float>> data;
+  auto handles = register_zeroed(*c.workers[0], {1000}, data);
+  ASSERT_TRUE(handles.ok()) << handles.status().to_string();
+  for (size_t i = 0; i < 1000; ++i)
+    data[0][i] = static_cast<float>(i);
+  auto req = c.workers[0]->submit((*handles)[0], RequestKind::kPushPull);
+  ASSERT_TRUE(req.ok()) << req.status().to_string();
+  ASSERT_TRUE((*req)->wait(10s).ok());
+  EXPECT_EQ(data[0][999], 999.0f);
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, Runtime, ::testing::ValuesIn(test_backends()),
                          [](const auto& info) { return info.param; });
 

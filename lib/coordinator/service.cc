@@ -76,6 +76,31 @@ CoordinatorService::~CoordinatorService() {
   stop();
 }
 
+size_t CoordinatorService::num_unadmitted() const {
+  MutexLock lock(mu_);
+  return unadmitted_;
+}
+
+uint64_t CoordinatorService::num_refused() const {
+  MutexLock lock(mu_);
+  return refused_;
+}
+
+void CoordinatorService::refuse(const ConnectionPtr& conn, const std::string& why) {
+  ++refused_;
+  to_close_.push_back(conn);
+  // Once per peer host: a flood must not flood the log too.
+  std::string peer = conn->peer();
+  const auto colon = peer.rfind(':');
+  if (colon != std::string::npos) peer.resize(colon);
+  if (refused_hosts_.size() < 1024 && refused_hosts_.insert(peer).second) {
+    PSLD_LOG_WARN(
+        "coordinator: refused a connection from {}: {} (further ones from there are "
+        "refused without a word; {} so far in all)",
+        peer, why, refused_);
+  }
+}
+
 size_t CoordinatorService::num_members() const {
   MutexLock lock(mu_);
   size_t n = 0;
@@ -93,11 +118,17 @@ std::string CoordinatorService::describe(const Member& m) const {
 void CoordinatorService::on_accept(const ConnectionPtr& conn) {
   {
     MutexLock lock(mu_);
+    if (unadmitted_ >= kMaxUnadmitted) {
+      // Not a member: what it sends is ignored, and the monitor closes it.
+      refuse(conn, fmt::format("more than {} connections wait for admission", kMaxUnadmitted));
+      return;
+    }
     Member m;
     m.conn = conn;
     m.nonce = random_u64();
-    m.last_seen = Clock::now();
+    m.last_seen = m.accepted = Clock::now();
     members_[conn->id()] = m;
+    ++unadmitted_;
     post(conn, protocol::Challenge{m.nonce});
   }
   flush();
@@ -142,7 +173,10 @@ void CoordinatorService::on_disconnect(const ConnectionPtr& conn, const Status& 
     if (it == members_.end()) return;
     Member m = it->second;
     members_.erase(it);
-    if (!m.welcomed) return;
+    if (!m.welcomed) {
+      --unadmitted_;
+      return;
+    }
     (m.role == Role::kWorker ? workers_ : servers_).erase(m.rank);
     if (!m.said_goodbye && !job_over_ && !stopping_) {
       const std::string what = fmt::format("{} disconnected: {}", describe(m), why.message());
@@ -268,6 +302,7 @@ void CoordinatorService::handle_hello(Member& m, const protocol::Hello& hello) {
     return reject("a server must say where it listens");
   }
   m.welcomed = true;
+  --unadmitted_;
   m.role = hello.role;
   m.rank = rank;
   m.host = hello.host;
@@ -441,10 +476,25 @@ void CoordinatorService::monitor() {
           "held against them",
           std::chrono::duration_cast<std::chrono::milliseconds>(now - woke).count());
       for (auto& [id, m] : members_)
-        m.last_seen = now;
+        m.last_seen = m.accepted = now;
     }
     woke = now;
     std::vector<ConnectionPtr> silent_servers;
+    // Admission has a deadline: a peer not admitted a heartbeat timeout
+    // after it connected (silent, or sending anything but a good Hello) is
+    // closed.
+    for (auto it = members_.begin(); it != members_.end();) {
+      if (it->second.welcomed || now - it->second.accepted <= options_.heartbeat_timeout) {
+        ++it;
+        continue;
+      }
+      refuse(it->second.conn, fmt::format("not admitted within {} ms of connecting",
+                                          options_.heartbeat_timeout.count()));
+      --unadmitted_;
+      it = members_.erase(it);
+    }
+    silent_servers.insert(silent_servers.end(), to_close_.begin(), to_close_.end());
+    to_close_.clear();
     for (auto it = members_.begin(); it != members_.end();) {
       const Member m = it->second;
       if (!m.welcomed || m.said_goodbye || now - m.last_seen <= options_.heartbeat_timeout) {

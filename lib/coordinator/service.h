@@ -41,6 +41,14 @@ class CoordinatorService final : public ProcessRuntime {
 
   // For tests and `psld top`.
   size_t num_members() const;
+  // Connections not (yet) admitted, and those refused so far: over the cap
+  // on unadmitted connections, or closed at the hello deadline.
+  size_t num_unadmitted() const EXCLUDES(mu_);
+  uint64_t num_refused() const EXCLUDES(mu_);
+
+  // At most this many connections may wait for admission at once; more are
+  // closed at once. A job's members are admitted within milliseconds.
+  static constexpr size_t kMaxUnadmitted = 64;
   // A copy of the recent load the members reported.
   LoadHistory load_history() const;
 
@@ -84,6 +92,9 @@ class CoordinatorService final : public ProcessRuntime {
     uint32_t pid = 0;
     std::vector<uint8_t> address;
     transport::Clock::time_point last_seen;
+    // When it connected: an unadmitted peer has until then + the hello
+    // deadline to be admitted, whatever else it sends.
+    transport::Clock::time_point accepted;
     bool said_goodbye = false;
   };
   struct TensorRecord {
@@ -111,6 +122,9 @@ class CoordinatorService final : public ProcessRuntime {
   // never an exception.
   const Member* find_member(uint64_t id) const REQUIRES(mu_);
   void flush() EXCLUDES(mu_);
+  // Counts, logs (once per peer host) and queues for closing a connection
+  // that is not admitted.
+  void refuse(const transport::ConnectionPtr& conn, const std::string& why) REQUIRES(mu_);
 
   // All of these run with mu_ held.
   void handle_hello(Member& m, const protocol::Hello& hello) REQUIRES(mu_);
@@ -150,6 +164,13 @@ class CoordinatorService final : public ProcessRuntime {
   mutable Mutex mu_;
   std::condition_variable cv_;
   std::map<uint64_t, Member> members_ GUARDED_BY(mu_);  // by connection id
+  size_t unadmitted_ GUARDED_BY(mu_) = 0;               // members_ not welcomed
+  uint64_t refused_ GUARDED_BY(mu_) = 0;
+  // Connections to close outside mu_ (by the monitor): over the cap, past
+  // the hello deadline.
+  std::vector<transport::ConnectionPtr> to_close_ GUARDED_BY(mu_);
+  // Peers already told about in the log (once per peer host).
+  std::set<std::string> refused_hosts_ GUARDED_BY(mu_);
   std::map<uint32_t, uint64_t> workers_ GUARDED_BY(mu_), servers_
       GUARDED_BY(mu_);                                   // rank -> connection id
   std::set<uint32_t> finished_workers_ GUARDED_BY(mu_);  // said goodbye, possibly gone already
