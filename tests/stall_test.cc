@@ -17,7 +17,9 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <set>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -222,8 +224,8 @@ TEST(Stall, OutputWithoutNewlinesIsCutIntoLinesAndDelivered) {
 // A server behind a slow link is a straggler, never a dead server: its
 // heartbeats and the coordinator's answers must not queue behind the bulk
 // data on its saturated link. Scaled down from the report (256 MiB, 40 MB/s,
-// 5 s timeout): each round puts ~32 MiB through a 10 MB/s link both ways,
-// over twice the 1.5 s heartbeat timeout.
+// 5 s timeout): each round puts ~64 MiB through a 10 MB/s link (32 MiB from
+// each worker), twice the 3 s heartbeat timeout.
 TEST(Stall, AServerBehindASaturatedSlowLinkIsNotDeclaredDead) {
   std::vector<std::string> env = {
       "PSLD_SERVER_MODE=sum", "PSLD_UCX_TLS=tcp", "PSLD_LIVENESS_HEARTBEAT_TIMEOUT_MS=1500",
@@ -251,7 +253,7 @@ std::set<std::string> sockets_of(pid_t pid) {
   return out;
 }
 
-TEST(Stall, NoChildInheritsTheLaunchersSockets) {
+TEST(Stall, NoChildInheritsTheLaunchersSocketsAndTheJobListensOnLoopbackOnly) {
   Background launch(endless_job(2, 2), kEnv);
   ASSERT_TRUE(launch.wait_for_output("worker 1: round 100", 60s)) << launch.output();
   const std::set<std::string> mine = sockets_of(launch.pid());
@@ -262,6 +264,25 @@ TEST(Stall, NoChildInheritsTheLaunchersSockets) {
     for (const std::string& s : sockets_of(c))
       EXPECT_EQ(mine.count(s), 0u) << "child " << c << " holds the launcher's " << s;
   }
+  // And every socket the job listens on is on loopback (UCX's own TCP
+  // transport listened on every interface's address): /proc/net/tcp's
+  // listening entries, by inode, local address in hex.
+  std::set<std::string> job_sockets = mine;
+  for (pid_t c : children) {
+    for (const std::string& sock : sockets_of(c))
+      job_sockets.insert(sock);
+  }
+  std::ifstream tcp("/proc/net/tcp");
+  size_t listening = 0;
+  for (std::string line; std::getline(tcp, line);) {
+    std::istringstream f(line);
+    std::string slot, local, remote, state, queues, timer, retr, uid, timeout, inode;
+    f >> slot >> local >> remote >> state >> queues >> timer >> retr >> uid >> timeout >> inode;
+    if (state != "0A" || !job_sockets.count("socket:[" + inode + "]")) continue;
+    ++listening;
+    EXPECT_EQ(local.substr(0, 8), "0100007F") << "a job socket listens on " << local;
+  }
+  EXPECT_GE(listening, 3u);  // coordinator, servers, workers
   kill(launch.pid(), SIGTERM);
   EXPECT_TRUE(launch.wait(20s));
 }

@@ -236,6 +236,11 @@ struct CommonOptions {
   std::chrono::milliseconds op_timeout{10000};
   // Where to listen: "127.0.0.1:0" picks a free port. Empty: do not listen.
   std::string listen_address = "127.0.0.1:0";
+  // The job's meeting point (the coordinator's host:port), where the
+  // transport learns which network the job uses: with a loopback one (or a
+  // loopback listen address) the job is on this host, and UCX's own TCP
+  // transport listens on loopback only. Empty: unknown.
+  std::string job_address;
 };
 
 // Whether a transport can register memory of one kind, and how or why not.

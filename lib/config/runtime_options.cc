@@ -28,6 +28,7 @@ RuntimeOptions runtime_options_from_config(const Config& c) {
   RuntimeOptions o;
   o.net.transport = c.job.transport;
   o.net.options.common.listen_address = c.job.listen;
+  o.net.options.common.job_address = c.job.coordinator;
   if (c.data.request_timeout_ms > 0) {
     o.net.options.common.op_timeout = std::chrono::milliseconds(c.data.request_timeout_ms);
   }

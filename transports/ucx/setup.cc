@@ -1,13 +1,16 @@
 // UCX setup: the context, the worker, the listener and the callbacks UCX calls.
 #include "transports/ucx/core.h"
 
+#include <arpa/inet.h>
 #include <fmt/format.h>
+#include <netinet/in.h>
 #include <sys/eventfd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "base/log.h"
 
@@ -41,6 +44,24 @@ template <unsigned Id>
 ucs_status_t am_cb(void* arg, const void* header, size_t header_length, void* data, size_t length,
                    const ucp_am_recv_param_t* param) {
   return static_cast<UcxCore*>(arg)->on_am(Id, header, header_length, data, length, param);
+}
+
+bool is_loopback(const sockaddr_storage& a) {
+  if (a.ss_family == AF_INET) {
+    const auto& in = reinterpret_cast<const sockaddr_in&>(a);
+    return (ntohl(in.sin_addr.s_addr) >> 24) == 127;
+  }
+  if (a.ss_family == AF_INET6) {
+    const auto& in6 = reinterpret_cast<const sockaddr_in6&>(a);
+    return IN6_IS_ADDR_LOOPBACK(&in6.sin6_addr);
+  }
+  return false;
+}
+
+// "127.0.0.1:29600", "localhost:1", "[::1]:5"
+bool is_loopback_host_port(const std::string& host_port) {
+  const std::string host = host_port.substr(0, host_port.rfind(':'));
+  return host.rfind("127.", 0) == 0 || host == "localhost" || host == "[::1]";
 }
 
 void conn_request_cb(ucp_conn_request_h request, void* arg) {
@@ -85,6 +106,20 @@ Status UcxCore::init(const sockaddr_storage* listen, socklen_t listen_len) {
     const auto interval = std::clamp<int64_t>(options_.common.op_timeout.count() / 4, 100, 20000);
     st = ucp_config_modify(config, "KEEPALIVE_INTERVAL", fmt::format("{}ms", interval).c_str());
     if (st != UCS_OK) PSLD_LOG_DEBUG("ucx: KEEPALIVE_INTERVAL not set: {}", ucs_status_string(st));
+  }
+
+  // A process that listens on loopback, or whose coordinator is on
+  // loopback, is in a job on this host: UCX's own
+  // TCP transport then listens on loopback too (it listened on every
+  // interface's address, reachable from the network by anyone), and RDMA
+  // loopback gives nothing shared memory does not. The environment still
+  // wins; a multi-host job names its interfaces in UCX_NET_DEVICES
+  // (docs/reliability.md, "The ports a job opens").
+  const bool on_this_host = (listen != nullptr && is_loopback(*listen)) ||
+                            is_loopback_host_port(options_.common.job_address);
+  if (on_this_host && std::getenv("UCX_NET_DEVICES") == nullptr) {
+    st = ucp_config_modify(config, "NET_DEVICES", "lo");
+    if (st != UCS_OK) PSLD_LOG_DEBUG("ucx: NET_DEVICES not set: {}", ucs_status_string(st));
   }
 
   ucp_params_t params{};
