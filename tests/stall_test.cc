@@ -62,39 +62,34 @@ double seconds_since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
 
-TEST(Stall, AStoppedServerIsFoundAndNamedWithinTheHeartbeatTimeout) {
+// Stops member `role` `rank` of a running job for good and expects the job
+// to fail within the heartbeat timeout (plus the job's 3 s stop and a margin
+// for this box), with a verdict that names that member as the cause, not a
+// consequence of it.
+void expect_stopped_member_named(const std::string& role, int rank) {
   Background launch(endless_job(), kEnv);
   ASSERT_TRUE(launch.wait_for_output("worker 0: round 100", 60s)) << launch.output();
-  const pid_t server = launch.member("server", 1);
-  ASSERT_GT(server, 0);
-  ASSERT_EQ(kill(server, SIGSTOP), 0);
+  const pid_t member = launch.member(role, rank);
+  ASSERT_GT(member, 0);
+  ASSERT_EQ(kill(member, SIGSTOP), 0);
   const auto stopped = std::chrono::steady_clock::now();
   auto code = launch.wait(60s);
-  ASSERT_TRUE(code) << "the job outlived a stopped server by 60 s\n" << launch.output();
-  const double took = seconds_since(stopped);
+  ASSERT_TRUE(code) << "the job outlived a stopped " << role << " by 60 s\n" << launch.output();
   EXPECT_NE(*code, 0);
-  // The timeout, plus the job's stop (3 s grace) and a margin for this box.
-  EXPECT_LT(took, 3.0 + 3 + 6) << launch.output();
+  EXPECT_LT(seconds_since(stopped), 3.0 + 3 + 6) << launch.output();
+  const std::string name = role + " " + std::to_string(rank);
   const std::string out = launch.output();
-  EXPECT_NE(out.find("server 1"), std::string::npos) << out;
+  EXPECT_NE(out.find(name + " ("), std::string::npos) << out;
   EXPECT_NE(out.find("no heartbeat for 3000 ms"), std::string::npos) << out;
-  // The verdict names the cause, not a consequence.
-  EXPECT_NE(out.find("psld: the job failed: server 1"), std::string::npos) << out;
+  EXPECT_NE(out.find("psld: the job failed: " + name), std::string::npos) << out;
+}
+
+TEST(Stall, AStoppedServerIsFoundAndNamedWithinTheHeartbeatTimeout) {
+  expect_stopped_member_named("server", 1);
 }
 
 TEST(Stall, AStoppedWorkerIsFoundAndNamedWithinTheHeartbeatTimeout) {
-  Background launch(endless_job(), kEnv);
-  ASSERT_TRUE(launch.wait_for_output("worker 2: round 100", 60s)) << launch.output();
-  const pid_t worker = launch.member("worker", 2);
-  ASSERT_GT(worker, 0);
-  ASSERT_EQ(kill(worker, SIGSTOP), 0);
-  const auto stopped = std::chrono::steady_clock::now();
-  auto code = launch.wait(60s);
-  ASSERT_TRUE(code) << "the job outlived a stopped worker by 60 s\n" << launch.output();
-  EXPECT_NE(*code, 0);
-  EXPECT_LT(seconds_since(stopped), 3.0 + 3 + 6) << launch.output();
-  EXPECT_NE(launch.output().find("worker 2"), std::string::npos) << launch.output();
-  EXPECT_NE(launch.output().find("no heartbeat"), std::string::npos) << launch.output();
+  expect_stopped_member_named("worker", 2);
 }
 
 TEST(Stall, AStopShorterThanTheHeartbeatTimeoutIsSurvived) {
