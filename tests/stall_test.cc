@@ -40,7 +40,6 @@ std::string trainer() {
   return std::getenv("TEST_LAUNCH_WORKER");
 }
 
-constexpr auto kTimeout = 3000ms;
 const std::vector<std::string> kEnv = {
     "PSLD_SERVER_MODE=sum", "PSLD_UCX_TLS=tcp", "PSLD_LIVENESS_HEARTBEAT_TIMEOUT_MS=3000",
     "PSLD_LIVENESS_HEARTBEAT_INTERVAL_MS=500", "UCX_WARN_UNUSED_ENV_VARS=n"};
