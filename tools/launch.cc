@@ -79,12 +79,13 @@ class Output {
     if (dropped_ > 0 && queue_.size() < kMaxQueuedBytes / 2) say_dropped();
     while (!broken_ && !queue_.empty() && budget > 0) {
       pollfd p{fd_, POLLOUT, 0};
-      if (poll(&p, 1, 0) <= 0 || !(p.revents & POLLOUT)) return;
+      if (poll(&p, 1, 0) <= 0) return;
       if (p.revents & (POLLERR | POLLHUP)) {
         broken_ = true;  // nobody reads it any more: the job goes on
         queue_.clear();
         return;
       }
+      if (!(p.revents & POLLOUT)) return;
       const size_t n = std::min({queue_.size() - head_, size_t{PIPE_BUF}, budget});
       const ssize_t w = write(fd_, queue_.data() + head_, n);
       if (w < 0) {

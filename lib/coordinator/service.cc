@@ -78,7 +78,14 @@ CoordinatorService::~CoordinatorService() {
 
 size_t CoordinatorService::num_unadmitted() const {
   MutexLock lock(mu_);
-  return unadmitted_;
+  return unadmitted_locked();
+}
+
+size_t CoordinatorService::unadmitted_locked() const {
+  size_t n = 0;
+  for (const auto& [id, m] : members_)
+    n += !m.welcomed;
+  return n;
 }
 
 uint64_t CoordinatorService::num_refused() const {
@@ -118,7 +125,7 @@ std::string CoordinatorService::describe(const Member& m) const {
 void CoordinatorService::on_accept(const ConnectionPtr& conn) {
   {
     MutexLock lock(mu_);
-    if (unadmitted_ >= kMaxUnadmitted) {
+    if (unadmitted_locked() >= kMaxUnadmitted) {
       // Not a member: what it sends is ignored, and the monitor closes it.
       refuse(conn, fmt::format("more than {} connections wait for admission", kMaxUnadmitted));
       return;
@@ -128,7 +135,6 @@ void CoordinatorService::on_accept(const ConnectionPtr& conn) {
     m.nonce = random_u64();
     m.last_seen = m.accepted = Clock::now();
     members_[conn->id()] = m;
-    ++unadmitted_;
     post(conn, protocol::Challenge{m.nonce});
   }
   flush();
@@ -173,10 +179,7 @@ void CoordinatorService::on_disconnect(const ConnectionPtr& conn, const Status& 
     if (it == members_.end()) return;
     Member m = it->second;
     members_.erase(it);
-    if (!m.welcomed) {
-      --unadmitted_;
-      return;
-    }
+    if (!m.welcomed) return;
     (m.role == Role::kWorker ? workers_ : servers_).erase(m.rank);
     if (!m.said_goodbye && !job_over_ && !stopping_) {
       const std::string what = fmt::format("{} disconnected: {}", describe(m), why.message());
@@ -302,7 +305,6 @@ void CoordinatorService::handle_hello(Member& m, const protocol::Hello& hello) {
     return reject("a server must say where it listens");
   }
   m.welcomed = true;
-  --unadmitted_;
   m.role = hello.role;
   m.rank = rank;
   m.host = hello.host;
@@ -490,7 +492,6 @@ void CoordinatorService::monitor() {
       }
       refuse(it->second.conn, fmt::format("not admitted within {} ms of connecting",
                                           options_.heartbeat_timeout.count()));
-      --unadmitted_;
       it = members_.erase(it);
     }
     silent_servers.insert(silent_servers.end(), to_close_.begin(), to_close_.end());

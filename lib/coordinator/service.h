@@ -125,6 +125,8 @@ class CoordinatorService final : public ProcessRuntime {
   // Counts, logs (once per peer host) and queues for closing a connection
   // that is not admitted.
   void refuse(const transport::ConnectionPtr& conn, const std::string& why) REQUIRES(mu_);
+  // members_ not welcomed (at most kMaxUnadmitted of them).
+  size_t unadmitted_locked() const REQUIRES(mu_);
 
   // All of these run with mu_ held.
   void handle_hello(Member& m, const protocol::Hello& hello) REQUIRES(mu_);
@@ -164,7 +166,6 @@ class CoordinatorService final : public ProcessRuntime {
   mutable Mutex mu_;
   std::condition_variable cv_;
   std::map<uint64_t, Member> members_ GUARDED_BY(mu_);  // by connection id
-  size_t unadmitted_ GUARDED_BY(mu_) = 0;               // members_ not welcomed
   uint64_t refused_ GUARDED_BY(mu_) = 0;
   // Connections to close outside mu_ (by the monitor): over the cap, past
   // the hello deadline.
