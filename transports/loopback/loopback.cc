@@ -33,6 +33,28 @@ const char kLbRemoteRegionTag = 'R';
 
 }  // namespace
 
+std::vector<uint8_t> encode_loopback_key(const LoopbackKey& k) {
+  WireWriter w(4 + 5 * 8);
+  w.u32(kKeyMagic);
+  w.u64(k.fabric_token);
+  w.u64(k.node);
+  w.u64(k.region);
+  w.u64(k.length);
+  w.u64(k.secret);
+  return w.take();
+}
+
+Result<LoopbackKey> decode_loopback_key(std::span<const uint8_t> key) {
+  WireReader r(key);
+  uint32_t magic = 0;
+  LoopbackKey k;
+  if (!r.u32(&magic) || magic != kKeyMagic || !r.u64(&k.fabric_token) || !r.u64(&k.node) ||
+      !r.u64(&k.region) || !r.u64(&k.length) || !r.u64(&k.secret) || !r.done()) {
+    return DataLoss("malformed loopback remote key");
+  }
+  return k;
+}
+
 // ---------------------------------------------------------------------------
 // Fabric
 
@@ -80,14 +102,7 @@ class LbRegion final : public MemoryRegion, public std::enable_shared_from_this<
         node_id_(node_id),
         owned_(std::move(owned)) {
     secret_ = random_u64();
-    WireWriter w;
-    w.u32(kKeyMagic);
-    w.u64(fabric_token);
-    w.u64(node_id);
-    w.u64(id);
-    w.u64(length);
-    w.u64(secret_);
-    remote_key_ = w.take();
+    remote_key_ = encode_loopback_key({fabric_token, node_id, id, length, secret_});
   }
   uint64_t node_id() const { return node_id_; }
   uint64_t secret() const { return secret_; }
@@ -180,31 +195,25 @@ class LbConnection final : public Connection, public std::enable_shared_from_thi
   bool is_open() const override { return open_.load(); }
 
   Result<std::shared_ptr<RemoteRegion>> import_region(std::span<const uint8_t> key) override {
-    WireReader r(key);
-    uint32_t magic = 0;
-    uint64_t token = 0, node = 0, region = 0, length = 0, secret = 0;
-    if (!r.u32(&magic) || magic != kKeyMagic || !r.u64(&token) || !r.u64(&node) ||
-        !r.u64(&region) || !r.u64(&length) || !r.u64(&secret) || !r.done()) {
-      return DataLoss("malformed loopback remote key");
-    }
+    PSLD_ASSIGN_OR_RETURN(const LoopbackKey k, decode_loopback_key(key));
     auto self = self_.lock();
-    if (!self || token != self->fabric->token) {
+    if (!self || k.fabric_token != self->fabric->token) {
       return InvalidArgument("remote key comes from another loopback fabric");
     }
-    if (node != peer_node_id_) {
+    if (k.node != peer_node_id_) {
       return InvalidArgument(
-          fmt::format("remote key belongs to transport {}, not to this connection's peer {}", node,
-                      peer_node_id_));
+          fmt::format("remote key belongs to transport {}, not to this connection's peer {}",
+                      k.node, peer_node_id_));
     }
     auto peer = peer_node_.lock();
-    auto target = peer ? peer->exported_region(region) : nullptr;
-    if (!target || target->secret() != secret || target->length() != length) {
+    auto target = peer ? peer->exported_region(k.region) : nullptr;
+    if (!target || target->secret() != k.secret || target->length() != k.length) {
       return NotFound("remote key names a region the peer does not export (deregistered?)");
     }
     std::shared_ptr<const MemoryRegion> mapped;
     if (target->allocated()) mapped = target;
     return std::shared_ptr<RemoteRegion>(
-        std::make_shared<LbRemoteRegion>(length, region, id_, std::move(mapped)));
+        std::make_shared<LbRemoteRegion>(k.length, k.region, id_, std::move(mapped)));
   }
 
   Status send(std::span<const uint8_t> message, Completion done) override;

@@ -14,7 +14,9 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "psld/status.h"
 #include "transports/transport.h"
@@ -35,6 +37,20 @@ struct FaultPlan {
   uint64_t disconnect_after = UINT64_MAX;
   uint64_t seed = 1;
 };
+
+// A loopback region's remote key: the fabric's token, the exporting
+// transport, the region's id, length and secret. Exposed for
+// tests/fuzz/loopback_fuzz.cc; import_region decodes it first.
+struct LoopbackKey {
+  uint64_t fabric_token = 0;
+  uint64_t node = 0;
+  uint64_t region = 0;
+  uint64_t length = 0;
+  uint64_t secret = 0;
+};
+std::vector<uint8_t> encode_loopback_key(const LoopbackKey& key);
+// DataLoss for anything but exactly a key's bytes.
+Result<LoopbackKey> decode_loopback_key(std::span<const uint8_t> key);
 
 Result<std::unique_ptr<Transport>> create_loopback_transport(const TransportOptions& options,
                                                              Handler* handler);

@@ -83,8 +83,7 @@ bool UcxCore::validate_target(const WriteHeader& h, std::shared_ptr<UcxRegion>* 
   }
   // The secret makes a region id useless to a peer that never got the key;
   // the bounds keep a valid key inside its region.
-  if (!r || r->secret() != h.secret || h.offset > r->length() ||
-      h.length > r->length() - h.offset) {
+  if (!r || r->secret() != h.secret || !in_region(h, r->length())) {
     return false;
   }
   *region = std::move(r);
@@ -193,17 +192,24 @@ void UcxCore::handle_control(const ConnPtr& conn, unsigned id, uint64_t seq,
   PSLD_LOG_WARN("ucx: dropped an unexpected message (id {}) from {}", id, conn->peer());
 }
 
+size_t ucx_detail::notify_batch_records(std::span<const uint8_t> payload) {
+  if (payload.size() < 4) return 0;
+  const uint64_t n = load_le(payload.data(), 4);
+  if (n == 0 || n > kNotifyBatch || payload.size() != 4 + n * kWriteHeaderBytes) return 0;
+  return static_cast<size_t>(n);
+}
+
 void UcxCore::handle_notify(const ConnPtr& conn, std::span<const uint8_t> payload) {
   if (payload.size() < 4) {
     reject_write(conn.get(), "truncated notification");
     return;
   }
-  const uint64_t n = load_le(payload.data(), 4);
-  if (n == 0 || n > kNotifyBatch || payload.size() != 4 + n * kWriteHeaderBytes) {
+  const size_t n = notify_batch_records(payload);
+  if (n == 0) {
     reject_write(conn.get(), "malformed notification batch");
     return;
   }
-  for (uint64_t i = 0; i < n; ++i) {
+  for (size_t i = 0; i < n; ++i) {
     const WriteHeader h = decode_header(payload.data() + 4 + i * kWriteHeaderBytes);
     arrived_in_order(conn, h.seq);
     deliver_notification(conn, h);

@@ -160,6 +160,52 @@ inline WriteHeader decode_header(const uint8_t* p) {
                      static_cast<uint32_t>(load_le(p + 32, 4)),
                      load_le(p + 36, 8)};
 }
+// Whether a write's bytes lie inside a region of `region_length` bytes (the
+// region and its secret are checked by the caller).
+inline bool in_region(const WriteHeader& h, uint64_t region_length) {
+  return h.offset <= region_length && h.length <= region_length - h.offset;
+}
+
+// What a peer sends that the backend decodes before any UCX call sees it,
+// as functions of bytes alone: tests/fuzz/ucx_fuzz.cc runs them on hostile
+// input without a UCX worker.
+//
+// A remote key (MemoryRegion::remote_key() of a UCX region): magic, version,
+// memory kind, the exporting transport's instance, region id, base, length,
+// secret, UCX's packed key (a blob), and the fnv1a64 of all of it (wireup.cc).
+struct RemoteKeyFields {
+  MemoryKind kind = MemoryKind::kHost;
+  uint64_t owner = 0;
+  uint64_t region = 0;
+  uint64_t base = 0;
+  uint64_t length = 0;
+  uint64_t secret = 0;
+  std::span<const uint8_t> packed;  // UCX's packed key, inside the decoded bytes
+};
+std::vector<uint8_t> encode_remote_key(const RemoteKeyFields& key);
+// DataLoss, saying what is wrong, for anything but a well-formed key.
+Result<RemoteKeyFields> decode_remote_key(std::span<const uint8_t> key);
+
+// The hello and its answer (one layout): magic, version, the sender's
+// instance and connection id, the address it listens at, and its
+// notification ring offer: slot count (0: none), where the ring is in the
+// offering process, and UCX's packed key for it (wireup.cc).
+struct HelloFields {
+  uint64_t instance = 0;
+  uint64_t conn = 0;
+  std::string listen;
+  uint32_t ring_slots = 0;
+  uint64_t ring_base = 0;
+  std::span<const uint8_t> ring_key;  // inside the decoded bytes
+};
+std::vector<uint8_t> encode_hello(const HelloFields& hello);
+// False for a hello that is malformed, of another version, or padded. The
+// ring offer's values are checked where it is mapped (map_peer_ring).
+bool decode_hello(std::span<const uint8_t> payload, HelloFields* hello);
+
+// A notification batch (kAmNotify): a u32 count in 1..kNotifyBatch, then
+// that many WriteHeaders. The count, or 0 for a malformed batch (am.cc).
+size_t notify_batch_records(std::span<const uint8_t> payload);
 
 // ---------------------------------------------------------------------------
 // The notification ring
@@ -789,9 +835,6 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   // Notification ring (see the comment at kRingMagic).
   // A zeroed ring for a new connection, or null (off, or no memory for it).
   std::shared_ptr<RxRing> allocate_ring();
-  void write_ring_offer(WireWriter& w, const UcxConnection& conn) const;
-  bool read_ring_offer(WireReader& r, uint32_t* slots, uint64_t* base,
-                       std::span<const uint8_t>* packed);
   // Maps the peer's offered ring where it is on this host (mu_ held).
   void map_peer_ring(UcxConnection& conn, uint32_t slots, uint64_t base,
                      std::span<const uint8_t> packed) REQUIRES(mu_);

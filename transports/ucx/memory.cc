@@ -116,22 +116,19 @@ Result<std::shared_ptr<UcxRegion>> UcxCore::make_region(uint8_t* data, size_t le
     ucp_mem_unmap(context_->handle, memh);
     return ucs_to_status(st, "ucp_rkey_pack");
   }
-  // magic, version, kind, exporter, region id, base, length, secret, UCX's
-  // packed key, and a checksum over all of it.
-  WireWriter w;
-  w.u32(kKeyMagic);
-  w.u8(kWireVersion);
-  w.u8(static_cast<uint8_t>(kind));
-  w.u64(instance_);
-  w.u64(id);
-  w.u64(reinterpret_cast<uintptr_t>(data));
-  w.u64(length);
-  w.u64(secret);
-  w.blob({static_cast<const uint8_t*>(packed), packed_size});
+  RemoteKeyFields k;
+  k.kind = kind;
+  k.owner = instance_;
+  k.region = id;
+  k.base = reinterpret_cast<uintptr_t>(data);
+  k.length = length;
+  k.secret = secret;
+  k.packed = {static_cast<const uint8_t*>(packed), packed_size};
+  std::vector<uint8_t> key = encode_remote_key(k);
   ucp_rkey_buffer_release(packed);
-  w.u64(fnv1a64(w.data()));
   std::weak_ptr<UcxCore> weak = weak_from_this();
-  auto* raw = new UcxRegion(data, length, kind, id, context_, memh, instance_, secret, w.take());
+  auto* raw =
+      new UcxRegion(data, length, kind, id, context_, memh, instance_, secret, std::move(key));
   // The deleter unexports the region, so a peer's later write is rejected.
   std::shared_ptr<UcxRegion> region(raw, [weak, id](UcxRegion* p) {
     if (auto core = weak.lock()) {

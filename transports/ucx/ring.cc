@@ -43,20 +43,6 @@ std::shared_ptr<RxRing> UcxCore::allocate_ring() {
   return std::make_shared<RxRing>(context_, memh, base, slots, std::move(key));
 }
 
-// Appended to the hello and its answer: slot count (0: none), where the ring
-// is in the offering process, and UCX's packed key for it.
-void UcxCore::write_ring_offer(WireWriter& w, const UcxConnection& conn) const {
-  const RxRing* ring = conn.rx_ring_.get();
-  w.u32(ring != nullptr ? ring->slots() : 0);
-  w.u64(ring != nullptr ? reinterpret_cast<uintptr_t>(ring->base()) : 0);
-  w.blob(ring != nullptr ? std::span<const uint8_t>(ring->packed()) : std::span<const uint8_t>());
-}
-
-bool UcxCore::read_ring_offer(WireReader& r, uint32_t* slots, uint64_t* base,
-                              std::span<const uint8_t>* packed) {
-  return r.u32(slots) && r.u64(base) && r.blob(packed, kMaxPackedRkey);
-}
-
 void UcxCore::map_peer_ring(UcxConnection& conn, uint32_t slots, uint64_t base,
                             std::span<const uint8_t> packed) {
   const std::string ours = conn.rx_ring_
@@ -152,7 +138,7 @@ bool UcxCore::validate_target_cached(const WriteHeader& h, ValidTarget* last) {
     *last =
         ValidTarget{unexported_.load(std::memory_order_relaxed), h.region, h.secret, r->length()};
   }
-  return h.offset <= last->length && h.length <= last->length - h.offset;
+  return in_region(h, last->length);
 }
 
 // Without mu_: a record is validated and its handler called right here. The

@@ -10,6 +10,77 @@
 
 namespace psld::transport {
 
+// ---------------------------------------------------------------------------
+// The hello's and the remote key's bytes (core.h)
+
+std::vector<uint8_t> ucx_detail::encode_hello(const HelloFields& h) {
+  WireWriter w;
+  w.u32(kHelloMagic);
+  w.u8(kWireVersion);
+  w.u64(h.instance);
+  w.u64(h.conn);
+  w.str(h.listen);
+  w.u32(h.ring_slots);
+  w.u64(h.ring_base);
+  w.blob(h.ring_key);
+  return w.take();
+}
+
+bool ucx_detail::decode_hello(std::span<const uint8_t> payload, HelloFields* h) {
+  WireReader r(payload);
+  uint32_t magic = 0;
+  uint8_t version = 0;
+  return r.u32(&magic) && magic == kHelloMagic && r.u8(&version) && version == kWireVersion &&
+         r.u64(&h->instance) && r.u64(&h->conn) && r.str(&h->listen, kMaxAddressString) &&
+         r.u32(&h->ring_slots) && r.u64(&h->ring_base) && r.blob(&h->ring_key, kMaxPackedRkey) &&
+         r.done();
+}
+
+std::vector<uint8_t> ucx_detail::encode_remote_key(const RemoteKeyFields& k) {
+  WireWriter w;
+  w.u32(kKeyMagic);
+  w.u8(kWireVersion);
+  w.u8(static_cast<uint8_t>(k.kind));
+  w.u64(k.owner);
+  w.u64(k.region);
+  w.u64(k.base);
+  w.u64(k.length);
+  w.u64(k.secret);
+  w.blob(k.packed);
+  w.u64(fnv1a64(w.data()));
+  return w.take();
+}
+
+Result<RemoteKeyFields> ucx_detail::decode_remote_key(std::span<const uint8_t> key) {
+  WireReader r(key);
+  uint32_t magic = 0;
+  uint8_t version = 0, kind = 0;
+  uint64_t sum = 0;
+  RemoteKeyFields k;
+  if (!r.u32(&magic) || magic != kKeyMagic) {
+    return DataLoss(
+        "not a UCX remote key (a key of another transport kind, or corrupted); "
+        "import keys made by this connection's peer's ucx transport");
+  }
+  if (!r.u8(&version) || version != kWireVersion || !r.u8(&kind) || !r.u64(&k.owner) ||
+      !r.u64(&k.region) || !r.u64(&k.base) || !r.u64(&k.length) || !r.u64(&k.secret) ||
+      !r.blob(&k.packed, kMaxPackedRkey) || key.size() < 8 || !r.u64(&sum) || !r.done()) {
+    return DataLoss("malformed UCX remote key (truncated or padded)");
+  }
+  if (sum != fnv1a64(key.first(key.size() - 8))) {
+    return DataLoss("UCX remote key failed its checksum (corrupted in transit?)");
+  }
+  if (k.length == 0 || k.base + k.length < k.base || k.packed.empty()) {
+    return DataLoss("UCX remote key describes an impossible region");
+  }
+  if (kind != static_cast<uint8_t>(MemoryKind::kHost) &&
+      kind != static_cast<uint8_t>(MemoryKind::kCuda)) {
+    return DataLoss("UCX remote key names an unknown memory kind");
+  }
+  k.kind = static_cast<MemoryKind>(kind);
+  return k;
+}
+
 UcxRemoteRegion::~UcxRemoteRegion() {
   if (auto core = core_.lock()) core->release_rkey(this);
 }
@@ -63,14 +134,16 @@ Result<ConnectionPtr> UcxCore::connect(std::span<const uint8_t> peer_address) {
 }
 
 std::vector<uint8_t> UcxCore::hello_payload(const UcxConnection& conn) const {
-  WireWriter w;
-  w.u32(kHelloMagic);
-  w.u8(kWireVersion);
-  w.u64(instance_);
-  w.u64(conn.id());
-  w.str(listen_text_);
-  write_ring_offer(w, conn);
-  return w.take();
+  HelloFields h;
+  h.instance = instance_;
+  h.conn = conn.id();
+  h.listen = listen_text_;
+  if (const RxRing* ring = conn.rx_ring_.get()) {
+    h.ring_slots = ring->slots();
+    h.ring_base = reinterpret_cast<uintptr_t>(ring->base());
+    h.ring_key = ring->packed();
+  }
+  return encode_hello(h);
 }
 
 void UcxCore::accept(ucp_conn_request_h request) {
@@ -108,18 +181,9 @@ void UcxCore::accept(ucp_conn_request_h request) {
 
 bool UcxCore::accept_peer_hello(const ConnPtr& conn, std::span<const uint8_t> payload,
                                 bool from_server) {
-  WireReader r(payload);
-  uint32_t magic = 0;
-  uint8_t version = 0;
-  uint64_t instance = 0, peer_conn = 0;
-  std::string listen;
-  uint32_t ring_slots = 0;
-  uint64_t ring_base = 0;
-  std::span<const uint8_t> ring_key;
+  HelloFields h;
   if (conn->client_ != from_server || conn->state_ != UcxConnection::State::kHandshake ||
-      !r.u32(&magic) || magic != kHelloMagic || !r.u8(&version) || version != kWireVersion ||
-      !r.u64(&instance) || !r.u64(&peer_conn) || !r.str(&listen, kMaxAddressString) ||
-      !read_ring_offer(r, &ring_slots, &ring_base, &ring_key) || !r.done()) {
+      !decode_hello(payload, &h)) {
     ++rejected_messages_;
     close_locked(*conn,
                  DataLoss(fmt::format("malformed {} from {}",
@@ -127,8 +191,8 @@ bool UcxCore::accept_peer_hello(const ConnPtr& conn, std::span<const uint8_t> pa
                  false);
     return false;
   }
-  conn->peer_instance_ = instance;
-  map_peer_ring(*conn, ring_slots, ring_base, ring_key);
+  conn->peer_instance_ = h.instance;
+  map_peer_ring(*conn, h.ring_slots, h.ring_base, h.ring_key);
   connection_ready(*conn);
   return true;
 }
@@ -224,34 +288,9 @@ void UcxCore::connection_ready(UcxConnection& conn) {
 
 Result<std::shared_ptr<RemoteRegion>> UcxCore::import_region(UcxConnection& conn,
                                                              std::span<const uint8_t> key) {
-  WireReader r(key);
-  uint32_t magic = 0;
-  uint8_t version = 0, kind = 0;
-  uint64_t owner = 0, region = 0, base = 0, length = 0, secret = 0, sum = 0;
-  std::span<const uint8_t> packed;
-  if (!r.u32(&magic) || magic != kKeyMagic) {
-    return DataLoss(
-        "not a UCX remote key (a key of another transport kind, or corrupted); "
-        "import keys made by this connection's peer's ucx transport");
-  }
-  if (!r.u8(&version) || version != kWireVersion || !r.u8(&kind) || !r.u64(&owner) ||
-      !r.u64(&region) || !r.u64(&base) || !r.u64(&length) || !r.u64(&secret) ||
-      !r.blob(&packed, kMaxPackedRkey) || key.size() < 8 || !r.u64(&sum) || !r.done()) {
-    return DataLoss("malformed UCX remote key (truncated or padded)");
-  }
-  if (sum != fnv1a64(key.first(key.size() - 8))) {
-    return DataLoss("UCX remote key failed its checksum (corrupted in transit?)");
-  }
-  if (length == 0 || base + length < base || packed.empty()) {
-    return DataLoss("UCX remote key describes an impossible region");
-  }
-  if (kind != static_cast<uint8_t>(MemoryKind::kHost) &&
-      kind != static_cast<uint8_t>(MemoryKind::kCuda)) {
-    return DataLoss("UCX remote key names an unknown memory kind");
-  }
-  const auto remote_kind = static_cast<MemoryKind>(kind);
-  std::vector<uint8_t> padded(packed.size() + kRkeyPad, 0);
-  std::memcpy(padded.data(), packed.data(), packed.size());
+  PSLD_ASSIGN_OR_RETURN(const RemoteKeyFields k, decode_remote_key(key));
+  std::vector<uint8_t> padded(k.packed.size() + kRkeyPad, 0);
+  std::memcpy(padded.data(), k.packed.data(), k.packed.size());
 
   MutexLock lock(mu_);
   if (worker_ == nullptr || conn.state_ == UcxConnection::State::kClosed || conn.ep_ == nullptr) {
@@ -259,7 +298,7 @@ Result<std::shared_ptr<RemoteRegion>> UcxCore::import_region(UcxConnection& conn
   }
   // Before the handshake answered the peer is not known yet; then the writes
   // check the key (check_backend, dispatch_queued).
-  if (conn.peer_instance_.load() != 0 && owner != conn.peer_instance_.load()) {
+  if (conn.peer_instance_.load() != 0 && k.owner != conn.peer_instance_.load()) {
     return foreign_key(conn);
   }
   ucp_rkey_h rkey = nullptr;
@@ -271,10 +310,10 @@ Result<std::shared_ptr<RemoteRegion>> UcxCore::import_region(UcxConnection& conn
   // the unpack; ucp_rkey_ptr says where.
   // Device memory is never mapped for the CPU.
   void* mapped_at = nullptr;
-  const bool mapped = remote_kind == MemoryKind::kHost &&
-                      ucp_rkey_ptr(rkey, base, &mapped_at) == UCS_OK && mapped_at != nullptr;
+  const bool mapped = k.kind == MemoryKind::kHost &&
+                      ucp_rkey_ptr(rkey, k.base, &mapped_at) == UCS_OK && mapped_at != nullptr;
   auto remote = std::make_shared<UcxRemoteRegion>(
-      length, region, remote_kind, conn.id(), owner, base, secret,
+      k.length, k.region, k.kind, conn.id(), k.owner, k.base, k.secret,
       mapped ? static_cast<uint8_t*>(mapped_at) : nullptr, rkey, weak_from_this());
   {
     MutexLock rlock(rkey_mu_);
