@@ -1,0 +1,32 @@
+// tests/fuzz/fuzz_main.cc — linked into every harness: `--write-seeds DIR`
+// writes the harness's seeds (fuzz.h) into DIR and exits, before libFuzzer
+// reads its flags; anything else is libFuzzer's.
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <string>
+
+#include "tests/fuzz/fuzz.h"
+
+extern "C" int LLVMFuzzerInitialize(int* argc, char*** argv) {
+  for (int i = 1; i + 1 < *argc; ++i) {
+    if (std::strcmp((*argv)[i], "--write-seeds") != 0) continue;
+    const std::string dir = (*argv)[i + 1];
+    int written = 0;
+    for (const psld::fuzz::Seed& s : psld::fuzz::seeds()) {
+      const std::string path = dir + "/" + s.name;
+      std::ofstream out(path, std::ios::binary | std::ios::trunc);
+      out.write(reinterpret_cast<const char*>(s.bytes.data()),
+                static_cast<std::streamsize>(s.bytes.size()));
+      if (!out) {
+        std::fprintf(stderr, "cannot write %s (does %s exist?)\n", path.c_str(), dir.c_str());
+        std::exit(1);
+      }
+      ++written;
+    }
+    std::printf("wrote %d seeds to %s\n", written, dir.c_str());
+    std::exit(0);
+  }
+  return 0;
+}
