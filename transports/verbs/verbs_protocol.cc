@@ -192,6 +192,9 @@ Result<HostPort> parse_host_port(std::string_view text, bool port_required) {
     port_text = text.substr(colon + 1);
   }
   if (hp.host.empty()) return bad("no host");
+  // format_host_port adds brackets around a host with a colon only; one with
+  // a bracket of its own would not parse again.
+  if (hp.host.find_first_of("[]") != std::string::npos) return bad("a bracket inside the host");
   unsigned port = 0;
   auto [end, ec] = std::from_chars(port_text.data(), port_text.data() + port_text.size(), port);
   if (port_text.empty() || ec != std::errc() || end != port_text.data() + port_text.size() ||
