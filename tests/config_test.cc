@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 
 #include <cctype>
 #include <cmath>
@@ -22,6 +23,7 @@
 namespace psld {
 namespace {
 
+using ::testing::AnyOf;
 using ::testing::HasSubstr;
 using ::testing::Not;
 using ::testing::StartsWith;
@@ -83,6 +85,13 @@ class TempDir {
 
 Result<Config> load(const FakeEnv& env, std::vector<std::string> args = {}) {
   return load_config(env.sources(std::move(args)));
+}
+
+// Settings a program makes itself, not a command line (the Python package).
+Result<Config> load_in_code(const FakeEnv& env, std::vector<std::string> args) {
+  ConfigSources s = env.sources(std::move(args));
+  s.args_on_command_line = false;
+  return load_config(s);
 }
 
 std::string error_of(const Result<Config>& r) {
@@ -244,7 +253,7 @@ TEST(Config, EveryKeyCanBeSetFromEachSource) {
   FakeEnv file_env{{"PSLD_CONFIG", path}};
 
   auto from_env = load(env);
-  auto from_flags = load(FakeEnv{}, flags);
+  auto from_flags = load_in_code(FakeEnv{}, flags);  // job.secret is no command line's
   auto from_file = load(file_env);
   ASSERT_TRUE(from_env.ok()) << from_env.status().to_string();
   ASSERT_TRUE(from_flags.ok()) << from_flags.status().to_string();
@@ -791,6 +800,54 @@ TEST(Config, AllProblemsAreReportedAtOnce) {
   EXPECT_THAT(msg, HasSubstr("job.num_workers"));
   EXPECT_THAT(msg, HasSubstr("PSLD_JOB_RANKK"));
   EXPECT_THAT(msg, HasSubstr("data.sync"));
+}
+
+TEST(Config, ASecretOnACommandLineIsRefused) {
+  std::string msg = error_of(load(FakeEnv{}, {"--job.secret=hunter2"}));
+  EXPECT_THAT(msg, HasSubstr("ps"));
+  EXPECT_THAT(msg, HasSubstr("PSLD_SECRET_FILE"));
+  EXPECT_THAT(msg, Not(HasSubstr("hunter2")));
+  // A program's own settings are no command line.
+  auto r = load_in_code(FakeEnv{}, {"--job.secret=hunter2"});
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->job.secret, "hunter2");
+}
+
+TEST(Config, TheSecretComesFromAFileOnlyItsOwnerCanRead) {
+  TempDir dir;
+  const std::string path = dir.write("secret", "hunter2\n");
+  ASSERT_EQ(chmod(path.c_str(), 0600), 0);
+  auto r = load(FakeEnv{{"PSLD_SECRET_FILE", path}});
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->job.secret, "hunter2") << "one trailing newline is not the secret's";
+  EXPECT_THAT(r->sources.at("job.secret"), HasSubstr(path));
+  EXPECT_THAT(to_string(*r), Not(HasSubstr("hunter2")));
+
+  ASSERT_EQ(chmod(path.c_str(), 0640), 0);
+  std::string msg = error_of(load(FakeEnv{{"PSLD_SECRET_FILE", path}}));
+  EXPECT_THAT(msg, HasSubstr("mode 0640"));
+  EXPECT_THAT(msg, HasSubstr("chmod 600"));
+  ASSERT_EQ(chmod(path.c_str(), 0400), 0);
+  EXPECT_TRUE(load(FakeEnv{{"PSLD_SECRET_FILE", path}}).ok()) << "read-only is stricter still";
+
+  msg = error_of(load(FakeEnv{{"PSLD_SECRET_FILE", path}, {"PSLD_JOB_SECRET", "other"}}));
+  EXPECT_THAT(msg, HasSubstr("one way only"));
+  EXPECT_THAT(msg, Not(HasSubstr("hunter2")));
+  EXPECT_THAT(msg, Not(HasSubstr("other")));
+
+  auto missing = load(FakeEnv{{"PSLD_SECRET_FILE", dir.write("x", "") + ".none"}});
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.status().code(), StatusCode::kNotFound);
+  for (const std::string& text : {std::string("\n"), std::string(5000, 'k')}) {
+    const std::string bad = dir.write("bad", text);
+    ASSERT_EQ(chmod(bad.c_str(), 0600), 0);
+    auto b = load(FakeEnv{{"PSLD_SECRET_FILE", bad}});
+    ASSERT_FALSE(b.ok()) << text.size() << " bytes";
+    EXPECT_THAT(b.status().message(), AnyOf(HasSubstr("empty"), HasSubstr("longer than")));
+    EXPECT_THAT(b.status().message(), Not(HasSubstr("kkkk")));
+  }
+  msg = error_of(load(FakeEnv{{"PSLD_SECRET_FILE", dir.write("", "")}}));
+  EXPECT_THAT(msg, HasSubstr("not a regular file"));
 }
 
 TEST(Config, SecretIsNeverEchoed) {

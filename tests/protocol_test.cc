@@ -9,12 +9,26 @@
 namespace psld::protocol {
 namespace {
 
+Nonce nonce_of(uint8_t seed) {
+  Nonce n;
+  for (size_t i = 0; i < n.size(); ++i)
+    n[i] = static_cast<uint8_t>(seed + 7 * i);
+  return n;
+}
+
+Proof proof_of(uint8_t seed) {
+  Proof p;
+  for (size_t i = 0; i < p.size(); ++i)
+    p[i] = static_cast<uint8_t>(seed ^ (13 * i));
+  return p;
+}
+
 // One filled-in example of every message type.
 std::vector<Message> examples() {
   return {
-      Challenge{0x1122334455667788ull},
-      Hello{Role::kServer, 3, 42, {1, 2, 3}, 777, "node-7"},
-      Welcome{Role::kWorker, 2, 4, 3, 1, 4 << 20},
+      Challenge{nonce_of(1)},
+      Hello{Role::kServer, 3, nonce_of(2), proof_of(3), {1, 2, 3}, 777, "node-7"},
+      Welcome{Role::kWorker, 2, 4, 3, 1, 4 << 20, proof_of(4)},
       Reject{"wrong secret"},
       ServerList{{{0, {9, 9}}, {1, {8}}, {2, {}}}},
       PlacementChunk{5, 1, 3, {1, 2, 3, 4}},
@@ -41,8 +55,8 @@ std::vector<Message> examples() {
                  3,
                  {{0x10, 1, 2, 3, 4}, {0x20, 5, 6, 7, 8}},
                  {{1, 9, 10, 11, 12}}},
-      WorkerHello{3, 0xabcdef},
-      Grant{16, 4 << 20, {5, 6, 7}},
+      PeerHello{Role::kWorker, 3, nonce_of(5)},
+      Grant{16, 4 << 20, {5, 6, 7}, proof_of(6)},
       TensorKey{4, 12, {1, 1, 2, 3, 5, 8}, 4096},
       PushMeta{17, 3, DType::kBFloat16, make_key(12, 4), 100, 4096, 2, kPushThenPull, 18},
       PullRequest{19, DType::kFloat16, 2048, make_key(12, 4), 100, 2},
@@ -58,6 +72,7 @@ std::vector<Message> examples() {
       EpochFinal{3, 120},
       WorkerProgress{12, {{1, 118}, {5, 60}}},
       LowWatermark{12, {{1, 117}, {5, 59}, {6, 117}}},
+      PeerProof{proof_of(7)},
   };
 }
 
@@ -92,7 +107,7 @@ TEST(Protocol, FieldsSurviveTheTrip) {
   EXPECT_EQ(p.flags, kPushThenPull);
   EXPECT_EQ(p.pull_tag, 18u);
   EXPECT_EQ(p.lr, 0.0625);
-  auto h = decode(encode(Hello{Role::kServer, -1, 0, {}, 1, "h"}));
+  auto h = decode(encode(Hello{Role::kServer, -1, {}, {}, {}, 1, "h"}));
   ASSERT_TRUE(h.ok());
   EXPECT_EQ(std::get<Hello>(*h).rank_hint, -1);
 }
@@ -152,7 +167,7 @@ TEST(Protocol, WrongVersionAndUnknownTypeAreRejected) {
 }
 
 TEST(Protocol, BadEnumsAndHugeCountsAreRejected) {
-  auto hello = encode(Hello{Role::kWorker, 0, 0, {}, 0, ""});
+  auto hello = encode(Hello{Role::kWorker, 0, {}, {}, {}, 0, ""});
   hello[4] = 9;  // role
   EXPECT_FALSE(decode(hello).ok());
 
@@ -250,12 +265,97 @@ TEST(Protocol, RandomBytesNeverCrash) {
   SUCCEED() << accepted << " random buffers happened to be valid";
 }
 
-TEST(Protocol, SecretProofDependsOnSecretAndNonce) {
-  EXPECT_EQ(secret_proof("", 5), 0u);
-  EXPECT_EQ(secret_proof("s3cret", 5), secret_proof("s3cret", 5));
-  EXPECT_NE(secret_proof("s3cret", 5), secret_proof("s3cret", 6));
-  EXPECT_NE(secret_proof("s3cret", 5), secret_proof("s3cres", 5));
-  EXPECT_NE(secret_proof("s3cret", 5), 0u);
+TEST(Auth, NoncesAndSecretsAreFresh) {
+  EXPECT_NE(make_nonce(), make_nonce());
+  EXPECT_NE(make_nonce(), Nonce{});
+  const std::string a = make_secret(), b = make_secret();
+  EXPECT_EQ(a.size(), 64u);
+  EXPECT_EQ(a.find_first_not_of("0123456789abcdef"), std::string::npos);
+  EXPECT_NE(a, b);
+}
+
+TEST(Auth, AProofDependsOnEverythingItCovers) {
+  const Nonce c = nonce_of(1), n = nonce_of(2);
+  const uint8_t claims[] = {1, 2, 3};
+  const ProofInput base{"data", Side::kDialer, &c, &n, claims};
+  const Proof p = prove("s3cret", base);
+  EXPECT_TRUE(proofs_equal(p, prove("s3cret", base)));
+  ProofInput other = base;
+  EXPECT_FALSE(proofs_equal(p, prove("s3cres", base)));
+  EXPECT_FALSE(proofs_equal(p, prove("", base)));
+  other.side = Side::kAcceptor;  // a proof reflected back to its sender
+  EXPECT_FALSE(proofs_equal(p, prove("s3cret", other)));
+  other = base;
+  other.conversation = "member";
+  EXPECT_FALSE(proofs_equal(p, prove("s3cret", other)));
+  const Nonce c2 = nonce_of(3);
+  other = base;
+  other.acceptor_nonce = &c2;  // a replay on a new connection
+  EXPECT_FALSE(proofs_equal(p, prove("s3cret", other)));
+  other = base;
+  other.dialer_nonce = &c2;
+  EXPECT_FALSE(proofs_equal(p, prove("s3cret", other)));
+  const uint8_t claims2[] = {1, 2, 4};
+  other = base;
+  other.claims = claims2;
+  EXPECT_FALSE(proofs_equal(p, prove("s3cret", other)));
+  // Lengths are framed: moving a byte between fields changes the proof.
+  const uint8_t shorter[] = {1, 2};
+  other = base;
+  other.claims = shorter;
+  EXPECT_FALSE(proofs_equal(p, prove("s3cret", other)));
+}
+
+TEST(Auth, TheMemberHandshakeBindsRoleRankAndTheWelcome) {
+  const Nonce challenge = make_nonce();
+  Hello hello{Role::kServer, 2, make_nonce(), {}, {9, 9}, 1, "h"};
+  hello.proof = hello_proof("s3cret", challenge, hello);
+  EXPECT_TRUE(proofs_equal(hello.proof, hello_proof("s3cret", challenge, hello)));
+  Hello tampered = hello;
+  tampered.rank_hint = 1;
+  EXPECT_FALSE(proofs_equal(hello.proof, hello_proof("s3cret", challenge, tampered)));
+  EXPECT_FALSE(proofs_equal(hello.proof, hello_proof("s3cret", make_nonce(), hello)));
+
+  Welcome welcome{Role::kServer, 2, 4, 3, 0, 1 << 20, {}};
+  welcome.proof = welcome_proof("s3cret", challenge, hello, welcome);
+  EXPECT_TRUE(proofs_equal(welcome.proof, welcome_proof("s3cret", challenge, hello, welcome)));
+  Welcome changed = welcome;
+  changed.num_workers = 5;
+  EXPECT_FALSE(proofs_equal(welcome.proof, welcome_proof("s3cret", challenge, hello, changed)));
+  EXPECT_FALSE(proofs_equal(welcome.proof, welcome_proof("other", challenge, hello, welcome)));
+  // A Welcome answers one hello: another member's (same challenge) fails.
+  Hello another = hello;
+  another.nonce = make_nonce();
+  EXPECT_FALSE(proofs_equal(welcome.proof, welcome_proof("s3cret", challenge, another, welcome)));
+}
+
+TEST(Auth, ThePeerHandshakeRoundTripsAndRefusesStrangers) {
+  PeerDial dial(Role::kWorker, 3);
+  EXPECT_NE(dial.hello.nonce, Nonce{});
+  const Challenge challenge{make_nonce()};
+  auto answer = dial.answer("s3cret", challenge);
+  ASSERT_TRUE(answer.has_value());
+  EXPECT_FALSE(dial.answer("s3cret", challenge).has_value()) << "one challenge per connection";
+  // What the server checks.
+  EXPECT_TRUE(proofs_equal(answer->proof, peer_proof("s3cret", challenge.nonce, dial.hello)));
+  EXPECT_FALSE(proofs_equal(answer->proof, peer_proof("wrong", challenge.nonce, dial.hello)));
+  // A recorded PeerProof replayed against a fresh challenge fails.
+  EXPECT_FALSE(proofs_equal(answer->proof, peer_proof("s3cret", make_nonce(), dial.hello)));
+
+  Grant grant{16, 4096, {1, 2, 3}, {}};
+  grant.proof = grant_proof("s3cret", challenge.nonce, dial.hello, grant);
+  EXPECT_TRUE(dial.proves("s3cret", grant));
+  EXPECT_FALSE(dial.proves("wrong", grant));
+  Grant swapped = grant;
+  swapped.slots_key = {1, 2, 4};  // another region's key under the same proof
+  EXPECT_FALSE(dial.proves("s3cret", swapped));
+  // The server's proof is not the worker's reflected.
+  Grant reflected = grant;
+  reflected.proof = answer->proof;
+  EXPECT_FALSE(dial.proves("s3cret", reflected));
+  // Without a challenge answered, no grant proves anything.
+  PeerDial fresh(Role::kWorker, 3);
+  EXPECT_FALSE(fresh.proves("s3cret", grant));
 }
 
 }  // namespace

@@ -480,12 +480,22 @@ TEST_P(Runtime, StalenessBoundsHowFarAheadAFastWorkerRuns) {
 // a WorkerService never does: requests for keys the server does not own.
 class RawWorker final : public ProcessRuntime {
  public:
-  static Result<std::unique_ptr<RawWorker>> start(const NetOptions& options) {
+  // listen: also accepts connections (a stand-in for a coordinator).
+  static Result<std::unique_ptr<RawWorker>> start(const NetOptions& options, bool listen = false) {
     std::unique_ptr<RawWorker> r(new RawWorker);
     NetOptions ep = options;
-    ep.options.common.listen_address.clear();
+    if (!listen) ep.options.common.listen_address.clear();
     PSLD_RETURN_IF_ERROR(r->ProcessRuntime::start(ep));
     return r;
+  }
+  Result<transport::ConnectionPtr> next_accepted(std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!cv_.wait_for(lock, timeout, [&] { return !accepted_.empty(); })) {
+      return Timeout("nobody connected");
+    }
+    auto conn = accepted_.front();
+    accepted_.erase(accepted_.begin());
+    return conn;
   }
   ~RawWorker() override { stop(); }
 
@@ -519,6 +529,13 @@ class RawWorker final : public ProcessRuntime {
 
  private:
   RawWorker() = default;
+  void on_accept(const transport::ConnectionPtr& conn) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      accepted_.push_back(conn);
+    }
+    cv_.notify_all();
+  }
   void on_control(const transport::ConnectionPtr&, protocol::Message&& message) override {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -544,6 +561,7 @@ class RawWorker final : public ProcessRuntime {
   std::condition_variable cv_;
   std::vector<protocol::Message> inbox_;
   std::map<uint32_t, uint64_t> writes_;  // notify tag -> length
+  std::vector<transport::ConnectionPtr> accepted_;
 };
 
 // docs/runtime.md: "A request for a key the server does not own is answered
@@ -580,8 +598,11 @@ TEST_P(Runtime, ARequestForAKeyTheServerDoesNotOwnIsAnsweredMoved) {
   transport::ConnectionPtr conn = *conn_or;
 
   // Join as worker 0 and learn where pulls of the tensor land.
-  ASSERT_TRUE(
-      raw.send(conn, protocol::WorkerHello{0, protocol::secret_proof(c.base.secret, 0)}).ok());
+  protocol::PeerDial dial(Role::kWorker, 0);
+  ASSERT_TRUE(raw.send(conn, dial.hello).ok());
+  auto challenge = raw.next<protocol::Challenge>([](const auto&) { return true; }, 5s);
+  ASSERT_TRUE(challenge.ok()) << challenge.status().to_string();
+  ASSERT_TRUE(raw.send(conn, *dial.answer(c.base.secret, *challenge)).ok());
   auto grant = raw.next<protocol::Grant>([](const auto&) { return true; }, 5s);
   ASSERT_TRUE(grant.ok()) << grant.status().to_string();
   ASSERT_GE(grant->num_slots, 3u);
@@ -757,6 +778,20 @@ TEST_P(Runtime, WrongSecretIsRefused) {
   (*coord)->shutdown();
 }
 
+// A one-worker job still works: a push_pull of 1000 floats comes back exact.
+void expect_one_exact_push_pull(WorkerService& worker) {
+  std::vector<std::vector<float>> data;
+  auto handles = register_zeroed(worker, {1000}, data);
+  ASSERT_TRUE(handles.ok()) << handles.status().to_string();
+  for (size_t i = 0; i < 1000; ++i)
+    data[0][i] = static_cast<float>(i);
+  auto req = worker.submit((*handles)[0], RequestKind::kPushPull);
+  ASSERT_TRUE(req.ok()) << req.status().to_string();
+  ASSERT_TRUE((*req)->wait(10s).ok());
+  for (size_t i = 0; i < 1000; ++i)
+    ASSERT_EQ(data[0][i], static_cast<float>(i)) << i;
+}
+
 // The coordinator's door: connections that do not say a good Hello are
 // capped (kMaxUnadmitted wait at once, more are refused at once) and closed
 // at the hello deadline (the heartbeat timeout, 2 s here), and the job's own
@@ -791,15 +826,147 @@ TEST_P(Runtime, UnadmittedConnectionsAreCappedAndClosedAtTheHelloDeadline) {
   }));
   // The job's members still get in, and the job works.
   ASSERT_TRUE(c.start_members().ok());
-  std::vector<std::vector<float>> data;
-  auto handles = register_zeroed(*c.workers[0], {1000}, data);
-  ASSERT_TRUE(handles.ok()) << handles.status().to_string();
-  for (size_t i = 0; i < 1000; ++i)
-    data[0][i] = static_cast<float>(i);
-  auto req = c.workers[0]->submit((*handles)[0], RequestKind::kPushPull);
-  ASSERT_TRUE(req.ok()) << req.status().to_string();
-  ASSERT_TRUE((*req)->wait(10s).ok());
-  EXPECT_EQ(data[0][999], 999.0f);
+  expect_one_exact_push_pull(*c.workers[0]);
+}
+
+// docs/reliability.md, "Authentication": a server's data port takes nothing
+// but the handshake from a peer that has not proven the job secret: a wrong
+// proof, a replayed one, a rank the job does not have, and a data message
+// first are each refused (told why, closed, counted), and the job's own
+// worker is served regardless.
+TEST_P(Runtime, AServerAdmitsOnlyPeersThatProveTheJobSecret) {
+  Cluster c(
+      1, 1, [](RuntimeOptions& o) { o.secret = "right"; }, GetParam());
+  ASSERT_TRUE(c.start().ok());
+  ServerService& server = *c.servers[0];
+  auto raw_or = RawWorker::start(c.base.net);
+  ASSERT_TRUE(raw_or.ok()) << raw_or.status().to_string();
+  RawWorker& raw = **raw_or;
+  auto dial = [&] {
+    auto conn = connect_text(raw.transport(), server.address());
+    EXPECT_TRUE(conn.ok()) << conn.status().to_string();
+    return conn.ok() ? *conn : nullptr;
+  };
+  auto challenge_of = [&](const transport::ConnectionPtr& conn, const protocol::PeerHello& h) {
+    EXPECT_TRUE(raw.send(conn, h).ok());
+    auto ch = raw.next<protocol::Challenge>([](const auto&) { return true; }, 5s);
+    EXPECT_TRUE(ch.ok()) << ch.status().to_string();
+    return ch.ok() ? *ch : protocol::Challenge{};
+  };
+  auto expect_refused = [&](const transport::ConnectionPtr& conn, const std::string& why,
+                            uint64_t count) {
+    auto e = raw.next<protocol::Error>([](const auto&) { return true; }, 5s);
+    ASSERT_TRUE(e.ok()) << why << ": " << e.status().to_string();
+    EXPECT_NE(e->message.find(why), std::string::npos) << e->message;
+    EXPECT_TRUE(eventually("the refused connection to close", 10s, [&] {
+      return !conn->is_open();
+    })) << why;
+    EXPECT_EQ(server.num_refused(), count) << why;
+  };
+
+  // A wrong secret.
+  auto a = dial();
+  ASSERT_NE(a, nullptr);
+  protocol::PeerDial wrong(Role::kWorker, 0);
+  ASSERT_TRUE(raw.send(a, *wrong.answer("wrong", challenge_of(a, wrong.hello))).ok());
+  expect_refused(a, "job secret", 1);
+
+  // A good handshake, then its PeerProof replayed on a new connection with
+  // the same hello: the server's nonce differs, so it fails.
+  auto b = dial();
+  ASSERT_NE(b, nullptr);
+  protocol::PeerDial good(Role::kWorker, 0);
+  auto proof = good.answer("right", challenge_of(b, good.hello));
+  ASSERT_TRUE(raw.send(b, *proof).ok());
+  auto grant = raw.next<protocol::Grant>([](const auto&) { return true; }, 5s);
+  ASSERT_TRUE(grant.ok()) << grant.status().to_string();
+  EXPECT_TRUE(good.proves("right", *grant)) << "the server proves the secret back";
+  // A worker, even an authenticated one, cannot ask for a key's state.
+  ASSERT_TRUE(
+      raw.send(b, protocol::StateRequest{1, make_key(1, 0), 1, DType::kFloat32, 8, {1}}).ok());
+  auto not_yours = raw.next<protocol::Error>([](const auto&) { return true; }, 5s);
+  ASSERT_TRUE(not_yours.ok()) << not_yours.status().to_string();
+  EXPECT_NE(not_yours->message.find("only servers send"), std::string::npos) << not_yours->message;
+  auto replay = dial();
+  ASSERT_NE(replay, nullptr);
+  (void)challenge_of(replay, good.hello);
+  ASSERT_TRUE(raw.send(replay, *proof).ok());
+  expect_refused(replay, "job secret", 2);
+
+  // A rank the job does not have, and data before the handshake.
+  auto d = dial();
+  ASSERT_NE(d, nullptr);
+  ASSERT_TRUE(raw.send(d, protocol::PeerHello{Role::kWorker, 7, protocol::make_nonce()}).ok());
+  expect_refused(d, "does not have", 3);
+  auto e = dial();
+  ASSERT_NE(e, nullptr);
+  ASSERT_TRUE(
+      raw.send(e, protocol::StateRequest{1, make_key(1, 0), 1, DType::kFloat32, 8, {1}}).ok());
+  expect_refused(e, "before the handshake", 4);
+  EXPECT_TRUE(b->is_open()) << "the good connection stays";
+
+  // The job's own worker is served.
+  expect_one_exact_push_pull(*c.workers[0]);
+}
+
+// The data port's door, as the coordinator's: kMaxWaiting connections may
+// wait for their handshake, more are refused at once, and the rest are
+// closed one heartbeat timeout (2 s) after they connected.
+TEST_P(Runtime, AServerCapsAndTimesOutConnectionsThatDoNotShakeHands) {
+  Cluster c(1, 1, nullptr, GetParam());
+  ASSERT_TRUE(c.start().ok());
+  ServerService& server = *c.servers[0];
+  auto raw = RawWorker::start(c.base.net);
+  ASSERT_TRUE(raw.ok()) << raw.status().to_string();
+  constexpr size_t kCap = Door::kMaxWaiting;
+  std::vector<transport::ConnectionPtr> conns;
+  for (size_t i = 0; i < kCap + 6; ++i) {
+    auto conn = connect_text((*raw)->transport(), server.address());
+    ASSERT_TRUE(conn.ok()) << conn.status().to_string();
+    conns.push_back(*conn);
+  }
+  // One says hello and never proves anything: no more time for it.
+  ASSERT_TRUE(
+      (*raw)->send(conns[0], protocol::PeerHello{Role::kWorker, 0, protocol::make_nonce()}).ok());
+  EXPECT_TRUE(eventually("the cap to refuse 6 connections", 10s,
+                         [&] { return server.num_refused() >= 6; }));
+  const auto flooded = std::chrono::steady_clock::now();
+  EXPECT_TRUE(eventually("every connection to be closed", 10s, [&] {
+    return std::none_of(conns.begin(), conns.end(), [](const auto& k) { return k->is_open(); });
+  }));
+  EXPECT_GE(std::chrono::steady_clock::now() - flooded, 1s);  // not before the deadline
+  EXPECT_EQ(server.num_refused(), kCap + 6);
+  expect_one_exact_push_pull(*c.workers[0]);
+}
+
+// A member checks the coordinator's proof too: a coordinator that does not
+// know the secret (here a stand-in that answers with another one) gets no
+// further than its Welcome.
+TEST_P(Runtime, AMemberRefusesACoordinatorThatCannotProveTheSecret) {
+  Cluster c(
+      1, 1, [](RuntimeOptions& o) { o.secret = "right"; }, GetParam());
+  auto fake = RawWorker::start(c.base.net, /*listen=*/true);
+  ASSERT_TRUE(fake.ok()) << fake.status().to_string();
+  RuntimeOptions o = c.base;
+  o.coordinator_address = (*fake)->address();
+  o.connect_timeout = 5s;
+  auto worker = std::async(std::launch::async, [o] { return WorkerService::start(o); });
+  auto conn = (*fake)->next_accepted(5s);
+  ASSERT_TRUE(conn.ok()) << conn.status().to_string();
+  const protocol::Nonce challenge = protocol::make_nonce();
+  ASSERT_TRUE((*fake)->send(*conn, protocol::Challenge{challenge}).ok());
+  auto hello = (*fake)->next<protocol::Hello>([](const auto&) { return true; }, 5s);
+  ASSERT_TRUE(hello.ok()) << hello.status().to_string();
+  EXPECT_TRUE(
+      protocol::proofs_equal(hello->proof, protocol::hello_proof("right", challenge, *hello)))
+      << "the member proves the secret it was given";
+  protocol::Welcome welcome{Role::kWorker, 0, 1, 1, 0, c.base.chunk_bytes, {}};
+  welcome.proof = protocol::welcome_proof("guess", challenge, *hello, welcome);
+  ASSERT_TRUE((*fake)->send(*conn, welcome).ok());
+  auto w = worker.get();
+  ASSERT_FALSE(w.ok());
+  EXPECT_NE(w.status().message().find("did not prove it knows the job secret"), std::string::npos)
+      << w.status().to_string();
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, Runtime, ::testing::ValuesIn(test_backends()),

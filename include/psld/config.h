@@ -92,8 +92,10 @@ struct JobConfig {
   // "host:port" the coordinator listens on and every other process dials.
   // IPv6 hosts in brackets: "[fe80::1]:29600".
   std::string coordinator = "127.0.0.1:29600";
-  // Shared job secret proven at hello (challenge-response); empty: none.
-  // Never printed: to_string writes "<set>" or "<unset>".
+  // Shared job secret every connection proves at its hello (HMAC-SHA256
+  // challenge-response, both ways); empty: none (anyone who reaches the
+  // ports can join). Also read from the file PSLD_SECRET_FILE names. Never
+  // printed: to_string writes "<set>" or "<unset>".
   std::string secret;
   std::string transport = "ucx";       // "ucx", "verbs" or "loopback"
   std::string listen = "127.0.0.1:0";  // "host:port" this process listens on; port 0: any
@@ -257,6 +259,10 @@ struct ConfigSources {
   // `--key value`, `--config=PATH`. A boolean key alone (`--balancer.enabled`)
   // means true. Anything else is an error.
   std::vector<std::string> args;
+  // args came from a command line, which `ps` shows every user: a
+  // --job.secret among them is refused. false for settings a program makes
+  // itself (the Python package's keyword arguments).
+  bool args_on_command_line = true;
   std::function<const char*(const char*)> getenv = ::getenv;
   // Names of the variables in the environment, to find unknown PSLD_ ones.
   // Empty: the process environment. A test that injects getenv should inject

@@ -255,6 +255,7 @@ Result<Config> load_config(const ConfigSources& sources) {
       apply(s, c, errors);
   }
   PSLD_RETURN_IF_ERROR(errors_status(errors));
+  PSLD_RETURN_IF_ERROR(apply_secret_rules(env, sources.args_on_command_line, c));
   derive_defaults(c);
   PSLD_RETURN_IF_ERROR(validate(c));
   return c;

@@ -12,8 +12,9 @@ namespace {
 
 // PSLD_ variables that are not configuration keys, read elsewhere. Any other
 // PSLD_ variable that is not a key is an error (a typo). Add new ones here.
-constexpr std::array<std::string_view, 4> kOtherPsldVariables = {
+constexpr std::array<std::string_view, 5> kOtherPsldVariables = {
     "PSLD_CONFIG",          // the config file, read by load_config itself
+    "PSLD_SECRET_FILE",     // the job secret's file (secret_file.cc)
     "PSLD_KERNEL_ISA",      // kernels/cpu: lowers the SIMD instruction set
     "PSLD_JOBS",            // tools/dev: compile parallelism
     "PSLD_PLACEMENT_EMIT",  // tests: path of the placement_emit helper

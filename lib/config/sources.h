@@ -45,6 +45,11 @@ struct Launcher {
 
 Launcher detect_launcher(const Env& env, Role role, const std::string& coordinator);
 
+// The job secret's sources (secret_file.cc): PSLD_SECRET_FILE names a file
+// holding it (owned by this user, mode 0600 or stricter), and a flag among
+// args that came from a command line is refused (ps shows it to everyone).
+Status apply_secret_rules(const Env& env, bool args_on_command_line, Config& c);
+
 Status read_file(const std::string& path, const std::string& origin, Config& c,
                  std::vector<std::string>& errors);
 

@@ -5,7 +5,6 @@
 #include <algorithm>
 
 #include "base/log.h"
-#include "base/random.h"
 #include "base/thread.h"
 #include "lib/placement/epoch_log.h"
 
@@ -89,23 +88,7 @@ size_t CoordinatorService::unadmitted_locked() const {
 }
 
 uint64_t CoordinatorService::num_refused() const {
-  MutexLock lock(mu_);
-  return refused_;
-}
-
-void CoordinatorService::refuse(const ConnectionPtr& conn, const std::string& why) {
-  ++refused_;
-  to_close_.push_back(conn);
-  // Once per peer host: a flood must not flood the log too.
-  std::string peer = conn->peer();
-  const auto colon = peer.rfind(':');
-  if (colon != std::string::npos) peer.resize(colon);
-  if (refused_hosts_.size() < 1024 && refused_hosts_.insert(peer).second) {
-    PSLD_LOG_WARN(
-        "coordinator: refused a connection from {}: {} (further ones from there are "
-        "refused without a word; {} so far in all)",
-        peer, why, refused_);
-  }
+  return door_.num_refused();
 }
 
 size_t CoordinatorService::num_members() const {
@@ -127,12 +110,13 @@ void CoordinatorService::on_accept(const ConnectionPtr& conn) {
     MutexLock lock(mu_);
     if (unadmitted_locked() >= kMaxUnadmitted) {
       // Not a member: what it sends is ignored, and the monitor closes it.
-      refuse(conn, fmt::format("more than {} connections wait for admission", kMaxUnadmitted));
+      door_.refuse("coordinator", conn,
+                   fmt::format("more than {} connections wait for admission", kMaxUnadmitted));
       return;
     }
     Member m;
     m.conn = conn;
-    m.nonce = random_u64();
+    m.nonce = protocol::make_nonce();
     m.last_seen = m.accepted = Clock::now();
     members_[conn->id()] = m;
     post(conn, protocol::Challenge{m.nonce});
@@ -263,8 +247,15 @@ void CoordinatorService::handle_hello(Member& m, const protocol::Hello& hello) {
     post(m.conn, protocol::Reject{reason});
   };
   if (m.welcomed) return reject("already admitted");
-  if (hello.proof != protocol::secret_proof(options_.secret, m.nonce)) {
-    return reject("wrong job secret (check PSLD_SECRET on every process of the job)");
+  if (!protocol::proofs_equal(hello.proof,
+                              protocol::hello_proof(options_.secret, m.nonce, hello))) {
+    // Told why, then closed: it has no business here, and a flood of them
+    // is logged once per host (refuse).
+    post(m.conn, protocol::Reject{
+                     "wrong job secret (PSLD_JOB_SECRET or job.secret_file must be the same on "
+                     "every process of the job)"});
+    door_.refuse("coordinator", m.conn, "it does not know the job secret");
+    return;
   }
   if (job_over_) return reject("the job is over");
   uint32_t capacity = 0;
@@ -311,8 +302,14 @@ void CoordinatorService::handle_hello(Member& m, const protocol::Hello& hello) {
   m.pid = hello.pid;
   m.address = hello.address;
   (*ranks)[rank] = m.conn->id();
-  post(m.conn, protocol::Welcome{m.role, rank, options_.num_workers, options_.num_servers,
-                                 options_.num_standby, options_.chunk_bytes});
+  protocol::Welcome welcome{m.role,
+                            rank,
+                            options_.num_workers,
+                            options_.num_servers,
+                            options_.num_standby,
+                            options_.chunk_bytes};
+  welcome.proof = protocol::welcome_proof(options_.secret, m.nonce, hello, welcome);
+  post(m.conn, welcome);
   PSLD_LOG_INFO("coordinator admitted {}", describe(m));
   if (job_started_) {
     send_job_state(m);  // a late standby server, or a worker rejoining
@@ -490,12 +487,13 @@ void CoordinatorService::monitor() {
         ++it;
         continue;
       }
-      refuse(it->second.conn, fmt::format("not admitted within {} ms of connecting",
-                                          options_.heartbeat_timeout.count()));
+      door_.refuse("coordinator", it->second.conn,
+                   fmt::format("not admitted within {} ms of connecting",
+                               options_.heartbeat_timeout.count()));
       it = members_.erase(it);
     }
-    silent_servers.insert(silent_servers.end(), to_close_.begin(), to_close_.end());
-    to_close_.clear();
+    for (auto& conn : door_.take_to_close())
+      silent_servers.push_back(std::move(conn));
     for (auto it = members_.begin(); it != members_.end();) {
       const Member m = it->second;
       if (!m.welcomed || m.said_goodbye || now - m.last_seen <= options_.heartbeat_timeout) {

@@ -23,6 +23,7 @@
 #include "lib/balancer/balancer.h"
 #include "lib/config/runtime_options.h"
 #include "lib/placement/placement.h"
+#include "lib/runtime/door.h"
 #include "lib/runtime/runtime.h"
 #include "lib/stats/load_history.h"
 
@@ -44,11 +45,9 @@ class CoordinatorService final : public ProcessRuntime {
   // Connections not (yet) admitted, and those refused so far: over the cap
   // on unadmitted connections, or closed at the hello deadline.
   size_t num_unadmitted() const EXCLUDES(mu_);
-  uint64_t num_refused() const EXCLUDES(mu_);
+  uint64_t num_refused() const;
 
-  // At most this many connections may wait for admission at once; more are
-  // closed at once. A job's members are admitted within milliseconds.
-  static constexpr size_t kMaxUnadmitted = 64;
+  static constexpr size_t kMaxUnadmitted = Door::kMaxWaiting;
   // A copy of the recent load the members reported.
   LoadHistory load_history() const;
 
@@ -84,7 +83,7 @@ class CoordinatorService final : public ProcessRuntime {
 
   struct Member {
     transport::ConnectionPtr conn;
-    uint64_t nonce = 0;
+    protocol::Nonce nonce{};
     bool welcomed = false;
     Role role = Role::kWorker;
     uint32_t rank = 0;
@@ -124,7 +123,6 @@ class CoordinatorService final : public ProcessRuntime {
   void flush() EXCLUDES(mu_);
   // Counts, logs (once per peer host) and queues for closing a connection
   // that is not admitted.
-  void refuse(const transport::ConnectionPtr& conn, const std::string& why) REQUIRES(mu_);
   // members_ not welcomed (at most kMaxUnadmitted of them).
   size_t unadmitted_locked() const REQUIRES(mu_);
 
@@ -166,12 +164,9 @@ class CoordinatorService final : public ProcessRuntime {
   mutable Mutex mu_;
   std::condition_variable cv_;
   std::map<uint64_t, Member> members_ GUARDED_BY(mu_);  // by connection id
-  uint64_t refused_ GUARDED_BY(mu_) = 0;
-  // Connections to close outside mu_ (by the monitor): over the cap, past
-  // the hello deadline.
-  std::vector<transport::ConnectionPtr> to_close_ GUARDED_BY(mu_);
-  // Peers already told about in the log (once per peer host).
-  std::set<std::string> refused_hosts_ GUARDED_BY(mu_);
+  // Refused connections (over the cap, a wrong proof, past the hello
+  // deadline), closed by the monitor outside mu_.
+  Door door_;
   std::map<uint32_t, uint64_t> workers_ GUARDED_BY(mu_), servers_
       GUARDED_BY(mu_);                                   // rank -> connection id
   std::set<uint32_t> finished_workers_ GUARDED_BY(mu_);  // said goodbye, possibly gone already

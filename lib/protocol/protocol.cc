@@ -5,7 +5,6 @@
 
 #include <algorithm>
 
-#include "base/hash.h"
 #include "base/wire.h"
 
 namespace psld::protocol {
@@ -60,24 +59,34 @@ bool read_i32(WireReader& r, int32_t* v) {
 
 // ---- One encode/decode pair per message.
 
+template <size_t N>
+bool read_array(WireReader& r, std::array<uint8_t, N>* out) {
+  for (uint8_t& b : *out) {
+    if (!r.u8(&b)) return false;
+  }
+  return true;
+}
+
 void put(WireWriter& w, const Challenge& m) {
-  w.u64(m.nonce);
+  w.bytes(m.nonce);
 }
 bool get(WireReader& r, Challenge* m) {
-  return r.u64(&m->nonce);
+  return read_array(r, &m->nonce);
 }
 
 void put(WireWriter& w, const Hello& m) {
   w.u8(static_cast<uint8_t>(m.role));
   w.u32(static_cast<uint32_t>(m.rank_hint));
-  w.u64(m.proof);
+  w.bytes(m.nonce);
+  w.bytes(m.proof);
   w.blob(m.address);
   w.u32(m.pid);
   w.str(m.host);
 }
 bool get(WireReader& r, Hello* m) {
   return read_role(r, &m->role) && read_i32(r, &m->rank_hint) && m->rank_hint >= -1 &&
-         r.u64(&m->proof) && read_bytes(r, &m->address, kMaxBlobBytes) && r.u32(&m->pid) &&
+         read_array(r, &m->nonce) && read_array(r, &m->proof) &&
+         read_bytes(r, &m->address, kMaxBlobBytes) && r.u32(&m->pid) &&
          r.str(&m->host, kMaxNameBytes);
 }
 
@@ -88,11 +97,12 @@ void put(WireWriter& w, const Welcome& m) {
   w.u32(m.num_servers);
   w.u32(m.num_standby);
   w.u64(m.chunk_bytes);
+  w.bytes(m.proof);
 }
 bool get(WireReader& r, Welcome* m) {
   return read_role(r, &m->role) && r.u32(&m->rank) && r.u32(&m->num_workers) &&
          r.u32(&m->num_servers) && r.u32(&m->num_standby) && r.u64(&m->chunk_bytes) &&
-         m->chunk_bytes > 0;
+         m->chunk_bytes > 0 && read_array(r, &m->proof);
 }
 
 void put(WireWriter& w, const Reject& m) {
@@ -244,22 +254,34 @@ bool get(WireReader& r, LoadReport* m) {
   return true;
 }
 
-void put(WireWriter& w, const WorkerHello& m) {
-  w.u32(m.worker_rank);
-  w.u64(m.proof);
+void put(WireWriter& w, const PeerHello& m) {
+  w.u8(static_cast<uint8_t>(m.role));
+  w.u32(m.rank);
+  w.bytes(m.nonce);
 }
-bool get(WireReader& r, WorkerHello* m) {
-  return r.u32(&m->worker_rank) && r.u64(&m->proof);
+bool get(WireReader& r, PeerHello* m) {
+  return read_role(r, &m->role) && m->role != Role::kCoordinator && r.u32(&m->rank) &&
+         read_array(r, &m->nonce);
 }
 
+void put(WireWriter& w, const PeerProof& m) {
+  w.bytes(m.proof);
+}
+bool get(WireReader& r, PeerProof* m) {
+  return read_array(r, &m->proof);
+}
+
+// A worker's grant has slots; a server's has none (0, 0, no key).
 void put(WireWriter& w, const Grant& m) {
   w.u32(m.num_slots);
   w.u64(m.slot_bytes);
   w.blob(m.slots_key);
+  w.bytes(m.proof);
 }
 bool get(WireReader& r, Grant* m) {
-  return r.u32(&m->num_slots) && m->num_slots > 0 && m->num_slots <= kMaxListEntries &&
-         r.u64(&m->slot_bytes) && m->slot_bytes > 0 && read_bytes(r, &m->slots_key, kMaxBlobBytes);
+  return r.u32(&m->num_slots) && m->num_slots <= kMaxListEntries && r.u64(&m->slot_bytes) &&
+         (m->num_slots == 0) == (m->slot_bytes == 0) &&
+         read_bytes(r, &m->slots_key, kMaxBlobBytes) && read_array(r, &m->proof);
 }
 
 void put(WireWriter& w, const TensorKey& m) {
@@ -468,24 +490,24 @@ constexpr Type kTypes[] = {
     Type::kReject,         Type::kServerList,   Type::kPlacementChunk,
     Type::kRegisterTensor, Type::kTensorInfo,   Type::kBarrierEnter,
     Type::kBarrierRelease, Type::kHeartbeat,    Type::kJobFailed,
-    Type::kShutdown,       Type::kLoadReport,   Type::kWorkerHello,
+    Type::kShutdown,       Type::kLoadReport,   Type::kPeerHello,
     Type::kGrant,          Type::kTensorKey,    Type::kPushMeta,
     Type::kPullRequest,    Type::kCredit,       Type::kMoved,
     Type::kError,          Type::kAck,          Type::kEpochChange,
     Type::kEpochVote,      Type::kStateRequest, Type::kStateOffer,
     Type::kTransferDone,   Type::kEpochFinal,   Type::kWorkerProgress,
-    Type::kLowWatermark,
+    Type::kLowWatermark,   Type::kPeerProof,
 };
 static_assert(std::size(kTypes) == std::variant_size_v<Message>);
 
 constexpr const char* kNames[] = {
     "Challenge",    "Hello",          "Welcome",      "Reject",       "ServerList",
     "Placement",    "RegisterTensor", "TensorInfo",   "BarrierEnter", "BarrierRelease",
-    "Heartbeat",    "JobFailed",      "Shutdown",     "LoadReport",   "WorkerHello",
+    "Heartbeat",    "JobFailed",      "Shutdown",     "LoadReport",   "PeerHello",
     "Grant",        "TensorKey",      "PushMeta",     "PullRequest",  "Credit",
     "Moved",        "Error",          "Ack",          "EpochChange",  "EpochVote",
     "StateRequest", "StateOffer",     "TransferDone", "EpochFinal",   "WorkerProgress",
-    "LowWatermark",
+    "LowWatermark", "PeerProof",
 };
 static_assert(std::size(kNames) == std::variant_size_v<Message>);
 
@@ -502,47 +524,6 @@ Result<Message> decode_as(uint16_t type, WireReader& r) {
     }
     return Message(std::move(m));
   }
-}
-
-uint64_t rotl(uint64_t x, int b) {
-  return (x << b) | (x >> (64 - b));
-}
-
-// SipHash-2-4 of one 64-bit word.
-uint64_t siphash_u64(uint64_t k0, uint64_t k1, uint64_t m) {
-  uint64_t v0 = 0x736f6d6570736575ull ^ k0, v1 = 0x646f72616e646f6dull ^ k1;
-  uint64_t v2 = 0x6c7967656e657261ull ^ k0, v3 = 0x7465646279746573ull ^ k1;
-  auto round = [&] {
-    v0 += v1;
-    v1 = rotl(v1, 13);
-    v1 ^= v0;
-    v0 = rotl(v0, 32);
-    v2 += v3;
-    v3 = rotl(v3, 16);
-    v3 ^= v2;
-    v0 += v3;
-    v3 = rotl(v3, 21);
-    v3 ^= v0;
-    v2 += v1;
-    v1 = rotl(v1, 17);
-    v1 ^= v2;
-    v2 = rotl(v2, 32);
-  };
-  v3 ^= m;
-  round();
-  round();
-  v0 ^= m;
-  const uint64_t b = uint64_t{8} << 56;  // message length 8
-  v3 ^= b;
-  round();
-  round();
-  v0 ^= b;
-  v2 ^= 0xff;
-  round();
-  round();
-  round();
-  round();
-  return v0 ^ v1 ^ v2 ^ v3;
 }
 
 }  // namespace
@@ -626,11 +607,54 @@ std::string_view message_name(const Message& message) {
   return kNames[message.index()];
 }
 
-uint64_t secret_proof(const std::string& secret, uint64_t nonce) {
-  if (secret.empty()) return 0;
-  const uint64_t k0 = fnv1a64({reinterpret_cast<const uint8_t*>(secret.data()), secret.size()});
-  const uint64_t k1 = mix64(k0 ^ secret.size());
-  return siphash_u64(k0, k1, nonce);
+namespace {
+
+// A message's encoding with its proof zeroed: what its proof binds.
+template <typename M>
+std::vector<uint8_t> claims(M m) {
+  m.proof = Proof{};
+  return encode(m);
+}
+
+}  // namespace
+
+Proof hello_proof(const std::string& secret, const Nonce& challenge, const Hello& hello) {
+  const auto c = claims(hello);
+  return prove(secret, {"member", Side::kDialer, &challenge, &hello.nonce, c});
+}
+
+Proof welcome_proof(const std::string& secret, const Nonce& challenge, const Hello& hello,
+                    const Welcome& welcome) {
+  // The hello too: a Welcome answers that hello and no other.
+  auto c = claims(hello);
+  const auto w = claims(welcome);
+  c.insert(c.end(), w.begin(), w.end());
+  return prove(secret, {"member", Side::kAcceptor, &challenge, &hello.nonce, c});
+}
+
+Proof peer_proof(const std::string& secret, const Nonce& challenge, const PeerHello& hello) {
+  const auto c = encode(hello);
+  return prove(secret, {"data", Side::kDialer, &challenge, &hello.nonce, c});
+}
+
+Proof grant_proof(const std::string& secret, const Nonce& challenge, const PeerHello& hello,
+                  const Grant& grant) {
+  auto c = encode(hello);
+  const auto g = claims(grant);
+  c.insert(c.end(), g.begin(), g.end());
+  return prove(secret, {"data", Side::kAcceptor, &challenge, &hello.nonce, c});
+}
+
+PeerDial::PeerDial(Role role, uint32_t rank) : hello{role, rank, make_nonce()} {}
+
+std::optional<PeerProof> PeerDial::answer(const std::string& secret, const Challenge& c) {
+  if (challenge) return std::nullopt;
+  challenge = c.nonce;
+  return PeerProof{peer_proof(secret, c.nonce, hello)};
+}
+
+bool PeerDial::proves(const std::string& secret, const Grant& g) const {
+  return challenge && proofs_equal(g.proof, grant_proof(secret, *challenge, hello, g));
 }
 
 }  // namespace psld::protocol

@@ -10,11 +10,14 @@
 // Conversations:
 //   member -> coordinator : Hello (after the coordinator's Challenge)
 //   coordinator -> member : Welcome | Reject, then ServerList, PlacementMsg
+//                           (Hello and Welcome prove the job secret: auth.h)
 //   worker -> coordinator : RegisterTensor      -> TensorInfo (also to servers) | Error
 //   any -> coordinator    : BarrierEnter        -> BarrierRelease (to all)
 //   any <-> coordinator   : Heartbeat; coordinator -> all: JobFailed, Shutdown
 //   worker, server -> coordinator : LoadReport, every stats interval
-//   worker -> server      : WorkerHello          -> Grant (landing slots)
+//   worker, server -> server: PeerHello -> Challenge -> PeerProof -> Grant
+//                           (landing slots for a worker; both ends prove
+//                           the job secret: auth.h)
 //   worker -> server      : TensorKey (where pulls land), PushMeta (+ a write
 //                           into a slot, notify = tag), PullRequest
 //   server -> worker      : Credit (freed slots, accepted plain pushes), Moved,
@@ -38,11 +41,13 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <variant>
 #include <vector>
 
+#include "lib/protocol/auth.h"
 #include "psld/keys.h"
 #include "psld/status.h"
 #include "psld/worker.h"
@@ -51,8 +56,9 @@ namespace psld::protocol {
 
 // 2: EpochChange carries a step and a lost server; TransferDone, EpochFinal
 // and StateOffer. 3: WorkerProgress and LowWatermark. 4: TensorKey.offset,
-// Ack.flags, kPushMapped. 5: PushMeta.lr.
-inline constexpr uint16_t kVersion = 5;
+// Ack.flags, kPushMapped. 5: PushMeta.lr. 6: HMAC proofs and CSPRNG nonces
+// (Challenge, Hello, Welcome, Grant), PeerHello (was WorkerHello) and PeerProof.
+inline constexpr uint16_t kVersion = 6;
 
 // A member's psld::Role and a tensor's psld::DType travel as one byte each,
 // their enum values (protocol.cc checks them); psld::Role::kAuto never does.
@@ -81,7 +87,7 @@ enum class Type : uint16_t {
   kJobFailed = 12,
   kShutdown = 13,
   kLoadReport = 14,
-  kWorkerHello = 20,
+  kPeerHello = 20,
   kGrant = 21,
   kTensorKey = 22,
   kPushMeta = 23,
@@ -98,16 +104,20 @@ enum class Type : uint16_t {
   kEpochFinal = 34,
   kWorkerProgress = 35,
   kLowWatermark = 36,
+  kPeerProof = 37,
 };
 
+// The acceptor's nonce: the coordinator sends it as soon as a member
+// connects; a server, in answer to a PeerHello.
 struct Challenge {
-  uint64_t nonce = 0;
+  Nonce nonce{};
 };
 
 struct Hello {
   Role role = Role::kWorker;
   int32_t rank_hint = -1;        // -1: the coordinator assigns
-  uint64_t proof = 0;            // keyed hash of the challenge nonce with the job secret
+  Nonce nonce{};                 // the member's, for the coordinator's proof in Welcome
+  Proof proof{};                 // hello_proof()
   std::vector<uint8_t> address;  // where this member listens (servers), else empty
   uint32_t pid = 0;
   std::string host;
@@ -120,6 +130,7 @@ struct Welcome {
   uint32_t num_servers = 0;
   uint32_t num_standby = 0;
   uint64_t chunk_bytes = 0;
+  Proof proof{};  // welcome_proof(): the coordinator knows the secret too
 };
 
 struct Reject {
@@ -217,15 +228,26 @@ struct LoadReport {
   std::vector<PeerLoad> peers;
 };
 
-struct WorkerHello {
-  uint32_t worker_rank = 0;
-  uint64_t proof = 0;
+// The first message on a connection to a server's data port, from a worker
+// or from another server (migration), which then answers the server's
+// Challenge with PeerProof. Nothing else is accepted before that.
+struct PeerHello {
+  Role role = Role::kWorker;  // kWorker or kServer
+  uint32_t rank = 0;
+  Nonce nonce{};
 };
 
+struct PeerProof {
+  Proof proof{};  // peer_proof()
+};
+
+// The server's answer to a good PeerProof: landing slots for a worker, none
+// (0, 0, empty) for a server.
 struct Grant {
   uint32_t num_slots = 0;
   uint64_t slot_bytes = 0;
   std::vector<uint8_t> slots_key;  // remote key of the slot region
+  Proof proof{};                   // grant_proof(): the server knows the secret too
 };
 
 struct TensorKey {
@@ -409,9 +431,9 @@ struct LowWatermark {
 using Message =
     std::variant<Challenge, Hello, Welcome, Reject, ServerList, PlacementChunk, RegisterTensor,
                  TensorInfo, BarrierEnter, BarrierRelease, Heartbeat, JobFailed, Shutdown,
-                 LoadReport, WorkerHello, Grant, TensorKey, PushMeta, PullRequest, Credit, Moved,
+                 LoadReport, PeerHello, Grant, TensorKey, PushMeta, PullRequest, Credit, Moved,
                  Error, Ack, EpochChange, EpochVote, StateRequest, StateOffer, TransferDone,
-                 EpochFinal, WorkerProgress, LowWatermark>;
+                 EpochFinal, WorkerProgress, LowWatermark, PeerProof>;
 
 // Rounds of tensors 1..n (by_tensor[t - 1]) as at most kMaxRoundRanges
 // ranges: exact where neighbours share a round or there are few tensors,
@@ -428,10 +450,29 @@ Result<Message> decode(std::span<const uint8_t> bytes);
 // The name of a message's type, for logs and errors.
 std::string_view message_name(const Message& message);
 
-// The proof a member shows at Hello: a keyed hash of the coordinator's nonce
-// with the job secret (0 when there is no secret). Not a MAC of cryptographic
-// strength: it keeps a stray process of another job (or a typo in the job
-// address) out, and never sends the secret itself.
-uint64_t secret_proof(const std::string& secret, uint64_t nonce);
+// The proofs of the two handshakes (auth.h). Each binds both nonces and the
+// message it travels in (its encoding with the proof zeroed): a member's
+// role, rank and address, the coordinator's Welcome, a peer's role and rank,
+// a server's grant with its slot key.
+//   member:  Challenge(c) -> Hello(n, hello_proof) -> Welcome(welcome_proof)
+//   data:    PeerHello(n) -> Challenge(c) -> PeerProof(peer_proof) -> Grant(grant_proof)
+Proof hello_proof(const std::string& secret, const Nonce& challenge, const Hello& hello);
+Proof welcome_proof(const std::string& secret, const Nonce& challenge, const Hello& hello,
+                    const Welcome& welcome);
+Proof peer_proof(const std::string& secret, const Nonce& challenge, const PeerHello& hello);
+Proof grant_proof(const std::string& secret, const Nonce& challenge, const PeerHello& hello,
+                  const Grant& grant);
+
+// The dialing end of the data handshake, for one connection.
+struct PeerDial {
+  PeerHello hello;  // sent first; its nonce is fresh
+  std::optional<Nonce> challenge;
+
+  PeerDial(Role role, uint32_t rank);
+  // The PeerProof that answers c; nullopt if a challenge was answered already.
+  std::optional<PeerProof> answer(const std::string& secret, const Challenge& c);
+  // Whether g proves that the server knows the secret and answers our hello.
+  bool proves(const std::string& secret, const Grant& g) const;
+};
 
 }  // namespace psld::protocol

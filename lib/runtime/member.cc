@@ -131,18 +131,36 @@ bool MemberSession::handle(const ConnectionPtr& conn, protocol::Message& message
     if (conn->id() != coordinator_->id()) return false;
     last_heard_ = Clock::now();
     heard_ = true;
+    // Until the coordinator proved it knows the secret, only the handshake.
+    if (!welcomed_ && !std::holds_alternative<protocol::Challenge>(message) &&
+        !std::holds_alternative<protocol::Welcome>(message) &&
+        !std::holds_alternative<protocol::Reject>(message)) {
+      PSLD_LOG_WARN("{} from the coordinator before its Welcome; ignored",
+                    protocol::message_name(message));
+      return true;
+    }
   }
   if (auto* c = std::get_if<protocol::Challenge>(&message)) {
     protocol::Hello hello;
-    hello.role = role_;
-    hello.rank_hint = options_.rank;
-    hello.proof = protocol::secret_proof(options_.secret, c->nonce);
     {
       MutexLock lock(mu_);
+      if (challenge_) {
+        PSLD_LOG_WARN("a second challenge from the coordinator; ignored");
+        return true;
+      }
       hello.address = listen_address_;
     }
+    hello.role = role_;
+    hello.rank_hint = options_.rank;
+    hello.nonce = protocol::make_nonce();
     hello.pid = static_cast<uint32_t>(getpid());
     hello.host = hostname();
+    hello.proof = protocol::hello_proof(options_.secret, c->nonce, hello);
+    {
+      MutexLock lock(mu_);
+      challenge_ = c->nonce;
+      hello_ = hello;
+    }
     (void)runtime_.send(conn, hello);
     return true;
   }
@@ -179,8 +197,19 @@ bool MemberSession::handle(const ConnectionPtr& conn, protocol::Message& message
   }
   MutexLock lock(mu_);
   if (auto* w = std::get_if<protocol::Welcome>(&message)) {
-    welcome_ = *w;
-    welcomed_ = true;
+    if (welcomed_) {
+      PSLD_LOG_WARN("a second Welcome from the coordinator; ignored");
+    } else if (!challenge_ ||
+               !protocol::proofs_equal(
+                   w->proof, protocol::welcome_proof(options_.secret, *challenge_, hello_, *w))) {
+      rejected_ = fmt::format(
+          "the coordinator at {} did not prove it knows the job secret: another job's, or the "
+          "secret differs (PSLD_JOB_SECRET or job.secret_file must be the same on every process)",
+          options_.coordinator_address);
+    } else {
+      welcome_ = *w;
+      welcomed_ = true;
+    }
   } else if (auto* r = std::get_if<protocol::Reject>(&message)) {
     rejected_ = r->reason;
   } else if (auto* s = std::get_if<protocol::ServerList>(&message)) {

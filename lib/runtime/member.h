@@ -116,7 +116,9 @@ class MemberSession {
   bool welcomed_ GUARDED_BY(mu_) = false;
   std::string rejected_ GUARDED_BY(mu_);
   protocol::Welcome welcome_ GUARDED_BY(mu_);
-  std::optional<uint64_t> nonce_ GUARDED_BY(mu_);
+  // The coordinator's challenge and our answer, which its Welcome must prove.
+  std::optional<protocol::Nonce> challenge_ GUARDED_BY(mu_);
+  protocol::Hello hello_ GUARDED_BY(mu_);
   std::vector<uint8_t> listen_address_ GUARDED_BY(mu_);
   std::vector<protocol::ServerEntry> servers_ GUARDED_BY(mu_);
   bool have_servers_ GUARDED_BY(mu_) = false;

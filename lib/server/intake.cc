@@ -16,21 +16,62 @@ namespace psld {
 
 using transport::ConnectionPtr;
 
-void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::Message& message) {
-  std::shared_ptr<WorkerConn> w;
+// The data handshake (protocol.h): PeerHello -> Challenge -> PeerProof ->
+// Grant. Anything else before a good PeerProof is refused: the connection
+// is told why and closed (Door).
+void ServerService::admit(const ConnectionPtr& conn, const std::shared_ptr<WorkerConn>& w,
+                          protocol::Message& message) {
+  const std::string who = fmt::format("server {}", rank());
+  auto refuse = [&](const std::string& why) {
+    {
+      MutexLock lock(conns_mu_);
+      if (w->refused) return;
+      w->refused = true;
+    }
+    (void)send(conn, protocol::Error{0, 0, static_cast<uint8_t>(StatusCode::kFailedPrecondition),
+                                     who + " refused this connection: " + why});
+    door_.refuse(who, conn, why);
+  };
+  const protocol::Welcome& job = session_.welcome();
+  if (auto* hello = std::get_if<protocol::PeerHello>(&message)) {
+    const uint32_t limit =
+        hello->role == Role::kWorker ? job.num_workers : job.num_servers + job.num_standby;
+    if (hello->rank >= limit) {
+      return refuse(fmt::format("a hello from {} {}, which this job does not have",
+                                role_name(hello->role), hello->rank));
+    }
+    protocol::Challenge challenge{protocol::make_nonce()};
+    {
+      MutexLock lock(conns_mu_);
+      if (w->peer_hello || w->refused) return refuse("a second PeerHello");
+      w->peer_hello = *hello;
+      w->challenge = challenge.nonce;
+    }
+    (void)send(conn, challenge);
+    return;
+  }
+  auto* proof = std::get_if<protocol::PeerProof>(&message);
+  if (proof == nullptr) {
+    return refuse(fmt::format("{} before the handshake (PeerHello, PeerProof) finished",
+                              protocol::message_name(message)));
+  }
+  protocol::PeerHello hello;
+  protocol::Nonce challenge{};
   {
     MutexLock lock(conns_mu_);
-    auto it = conns_.find(conn->id());
-    if (it == conns_.end()) return;
-    w = it->second;
+    if (!w->peer_hello || w->refused) return refuse("a PeerProof before its PeerHello");
+    hello = *w->peer_hello;
+    challenge = w->challenge;
   }
-  if (auto* hello = std::get_if<protocol::WorkerHello>(&message)) {
-    if (hello->proof != protocol::secret_proof(options_.secret, hello->worker_rank) ||
-        hello->worker_rank >= session_.welcome().num_workers) {
-      send_error(conn->id(), 0, FailedPrecondition("worker hello refused: bad rank or secret"));
-      return;
-    }
-    const uint64_t slot_bytes = session_.welcome().chunk_bytes;
+  if (!protocol::proofs_equal(proof->proof,
+                              protocol::peer_proof(options_.secret, challenge, hello))) {
+    return refuse(
+        "it does not know the job secret (PSLD_JOB_SECRET or job.secret_file must be the same on "
+        "every process of the job)");
+  }
+  protocol::Grant grant;
+  if (hello.role == Role::kWorker) {
+    const uint64_t slot_bytes = job.chunk_bytes;
     auto slots =
         transport().allocate_memory(options_.slots_per_worker * slot_bytes, MemoryKind::kHost);
     if (!slots.ok()) {
@@ -51,17 +92,52 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
       }
     }
     MutexLock lock(conns_mu_);
-    w->hello = true;
-    w->rank = hello->worker_rank;
-    w->pinned = std::move(pinned);  // first: a second hello unpins the old slots before they go
+    w->pinned = std::move(pinned);
     w->slots = *slots;
     w->num_slots = options_.slots_per_worker;
     w->slot_bytes = slot_bytes;
     w->slot_busy.assign(w->num_slots, 0);
-    protocol::Grant grant{
+    grant = protocol::Grant{
         w->num_slots, slot_bytes,
         std::vector<uint8_t>(w->slots->remote_key().begin(), w->slots->remote_key().end())};
-    (void)send(conn, grant);
+  }
+  grant.proof = protocol::grant_proof(options_.secret, challenge, hello, grant);
+  {
+    MutexLock lock(conns_mu_);
+    w->hello = true;
+    w->role = hello.role;
+    w->rank = hello.rank;
+  }
+  (void)send(conn, grant);
+}
+
+void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::Message& message) {
+  std::shared_ptr<WorkerConn> w;
+  {
+    MutexLock lock(conns_mu_);
+    auto it = conns_.find(conn->id());
+    if (it == conns_.end()) return;
+    w = it->second;
+  }
+  bool authenticated = false;
+  Role peer_role = Role::kWorker;
+  {
+    MutexLock lock(conns_mu_);
+    authenticated = w->hello;
+    peer_role = w->role;
+  }
+  if (!authenticated) return admit(conn, w, message);
+  if (std::holds_alternative<protocol::StateRequest>(message) ||
+      std::holds_alternative<protocol::StateOffer>(message)) {
+    if (peer_role != Role::kServer) {
+      send_error(conn->id(), 0,
+                 FailedPrecondition(fmt::format("worker {} sent {}, which only servers send",
+                                                w->rank, protocol::message_name(message))));
+      return;
+    }
+  } else if (peer_role != Role::kWorker) {
+    PSLD_LOG_WARN("server {}: server {} sent {}, which only workers send; ignored", rank(), w->rank,
+                  protocol::message_name(message));
     return;
   }
   if (auto* req = std::get_if<protocol::StateRequest>(&message)) {
@@ -87,11 +163,6 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
     return;
   }
   UniqueLock lock(conns_mu_);
-  if (!w->hello) {
-    lock.unlock();
-    send_error(conn->id(), 0, FailedPrecondition("WorkerHello must come first"));
-    return;
-  }
   if (auto* key = std::get_if<protocol::TensorKey>(&message)) {
     auto remote = conn->import_region(key->key);
     if (!remote.ok()) {

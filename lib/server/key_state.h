@@ -95,9 +95,17 @@ struct ServerService::Shard {
   std::thread thread;
 };
 
+// A connection to this server's data port: a worker's, or another server's
+// (migration), once its handshake is done (hello).
 struct ServerService::WorkerConn {
   transport::ConnectionPtr conn;
-  bool hello = false;
+  transport::Clock::time_point accepted;
+  // The handshake: the peer's hello and the nonce we challenged it with.
+  std::optional<protocol::PeerHello> peer_hello;
+  protocol::Nonce challenge{};
+  bool refused = false;
+  bool hello = false;  // it proved it knows the job secret
+  Role role = Role::kWorker;
   uint32_t rank = 0;
   std::shared_ptr<transport::MemoryRegion> slots;
   // With a device: the slots page-locked for its copies; unpinned before

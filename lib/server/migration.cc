@@ -28,15 +28,96 @@ ConnectionPtr ServerService::peer(ServerId id) {
                      conn.status().to_string());
       return nullptr;
     }
+    // The handshake runs on its own (handle_dialing); what send_peer()
+    // sends meanwhile waits for its grant, so no dial blocks a shard.
+    protocol::PeerHello hello;
+    {
+      MutexLock dialing(dialing_mu_);
+      Dialing& d = dialing_
+                       .try_emplace((*conn)->id(),
+                                    Dialing{protocol::PeerDial(Role::kServer, rank()), id, {}})
+                       .first->second;
+      hello = d.dial.hello;
+    }
+    Status st = send(*conn, hello);
+    if (!st.ok()) {
+      PSLD_LOG_ERROR("server {}: cannot reach server {}: {}", rank(), id, st.to_string());
+      MutexLock dialing(dialing_mu_);
+      dialing_.erase((*conn)->id());
+      return nullptr;
+    }
     peers_[id] = *conn;
     return *conn;
   }
   return nullptr;
 }
 
+Status ServerService::send_peer(const ConnectionPtr& conn, const protocol::Message& message) {
+  {
+    MutexLock lock(dialing_mu_);
+    auto it = dialing_.find(conn->id());
+    if (it != dialing_.end()) {
+      it->second.queued.push_back(message);
+      return Status::Ok();
+    }
+  }
+  return send(conn, message);
+}
+
+bool ServerService::handle_dialing(const ConnectionPtr& conn, protocol::Message& message) {
+  std::optional<protocol::PeerProof> answer;
+  std::vector<protocol::Message> release;
+  Status refused;
+  ServerId peer_rank = 0;
+  {
+    MutexLock lock(dialing_mu_);
+    auto it = dialing_.find(conn->id());
+    if (it == dialing_.end()) return false;
+    Dialing& d = it->second;
+    peer_rank = d.peer;
+    if (auto* c = std::get_if<protocol::Challenge>(&message)) {
+      answer = d.dial.answer(options_.secret, *c);
+    } else if (auto* g = std::get_if<protocol::Grant>(&message)) {
+      if (d.dial.proves(options_.secret, *g)) {
+        release = std::move(d.queued);
+      } else {
+        refused = FailedPrecondition(
+            "it did not prove it knows the job secret (PSLD_JOB_SECRET or job.secret_file must "
+            "be the same on every process of the job)");
+      }
+      dialing_.erase(it);
+    } else if (auto* e = std::get_if<protocol::Error>(&message)) {
+      refused = FailedPrecondition(e->message);
+      dialing_.erase(it);
+    } else {
+      return false;
+    }
+  }
+  if (answer) (void)send(conn, *answer);
+  for (const auto& m : release)
+    (void)send(conn, m);
+  if (!refused.ok()) drop_dial(conn, peer_rank, refused);
+  return true;
+}
+
+void ServerService::drop_dial(const ConnectionPtr& conn, ServerId peer, const Status& why) {
+  PSLD_LOG_ERROR("server {}: server {} refused our connection: {}", rank(), peer, why.to_string());
+  {
+    MutexLock lock(peers_mu_);
+    auto it = peers_.find(peer);
+    if (it != peers_.end() && it->second->id() == conn->id()) peers_.erase(it);
+  }
+  conn->close();
+}
+
 void ServerService::request_state(KeyState& k, uint64_t switch_round, ServerId from) {
   k.awaiting_state = true;
   k.state_round = switch_round;
+  {
+    // Counted when decided: the dial and its handshake may take a while.
+    MutexLock lock(stats_mu_);
+    ++stats_.states_requested;
+  }
   auto region = transport().allocate_memory(kStateHeader + 3 * k.agg.size() * sizeof(float),
                                             MemoryKind::kHost);
   ConnectionPtr conn = peer(from);
@@ -59,13 +140,9 @@ void ServerService::request_state(KeyState& k, uint64_t switch_round, ServerId f
     if (req.tag == 0) req.tag = next_state_tag_++;
     incoming_[{conn->id(), req.tag}] = {k.key, k.owned_from};
   }
-  {
-    MutexLock lock(stats_mu_);
-    ++stats_.states_requested;
-  }
   PSLD_LOG_DEBUG("server {}: key {:#x} moves here at round {}; asking server {} for it", rank(),
                  k.key, switch_round, from);
-  Status st = send(conn, req);
+  Status st = send_peer(conn, req);
   if (!st.ok()) {
     PSLD_LOG_ERROR("server {}: asking server {} for key {:#x}: {}", rank(), from, k.key,
                    st.to_string());
@@ -318,6 +395,7 @@ void ServerService::forget_peer(ServerId id) {
 }
 
 void ServerService::on_tick() {
+  sweep_door();
   std::optional<protocol::TransferDone> report;
   {
     MutexLock lock(epoch_mu_);
@@ -412,7 +490,7 @@ void ServerService::maybe_offer(Shard& shard, KeyState& k) {
   ConnectionPtr conn = peer(to);
   if (!conn) return;  // logged by peer()
   PSLD_LOG_DEBUG("server {}: offering key {:#x} to server {} at round {}", rank(), k.key, to, t);
-  (void)send(conn, protocol::StateOffer{k.key, t, k.agg.dtype(), k.agg.bytes()});
+  (void)send_peer(conn, protocol::StateOffer{k.key, t, k.agg.dtype(), k.agg.bytes()});
 }
 
 void ServerService::release_final(Shard& shard, uint64_t switch_round) {

@@ -139,18 +139,60 @@ ServerStats ServerService::stats() const {
 void ServerService::on_accept(const ConnectionPtr& conn) {
   auto w = std::make_shared<WorkerConn>();
   w->conn = conn;
-  MutexLock lock(conns_mu_);
-  conns_[conn->id()] = w;
+  w->accepted = transport::Clock::now();
+  {
+    MutexLock lock(conns_mu_);
+    size_t waiting = 0;
+    for (const auto& [id, c] : conns_)
+      waiting += !c->hello;
+    if (waiting < Door::kMaxWaiting) {
+      conns_[conn->id()] = w;
+      return;
+    }
+  }
+  // Not kept: what it sends is ignored, and sweep_door() closes it.
+  door_.refuse(fmt::format("server {}", rank()), conn,
+               fmt::format("more than {} connections wait for their handshake", Door::kMaxWaiting));
+}
+
+void ServerService::sweep_door() {
+  const auto now = transport::Clock::now();
+  std::vector<std::shared_ptr<WorkerConn>> late;
+  {
+    MutexLock lock(conns_mu_);
+    for (const auto& [id, c] : conns_) {
+      if (!c->hello && !c->refused && now - c->accepted > options_.heartbeat_timeout) {
+        c->refused = true;
+        late.push_back(c);
+      }
+    }
+  }
+  for (const auto& c : late) {
+    door_.refuse(
+        fmt::format("server {}", rank()), c->conn,
+        fmt::format("no handshake within {} ms of connecting", options_.heartbeat_timeout.count()));
+  }
+  for (const auto& conn : door_.take_to_close())
+    conn->close();
 }
 
 void ServerService::on_disconnect(const ConnectionPtr& conn, const Status& why) {
   if (session_.on_disconnect(conn, why)) return;
+  {
+    MutexLock lock(dialing_mu_);
+    if (auto it = dialing_.find(conn->id()); it != dialing_.end()) {
+      PSLD_LOG_WARN("server {}: the connection to server {} closed during its handshake: {}",
+                    rank(), it->second.peer, why.message());
+      dialing_.erase(it);
+    }
+  }
   MutexLock lock(conns_mu_);
   conns_.erase(conn->id());
 }
 
 void ServerService::on_control(const ConnectionPtr& conn, protocol::Message&& message) {
   if (session_.handle(conn, message)) return;
+  if (handle_dialing(conn, message)) return;
   handle_worker_message(conn, message);
 }
 

@@ -23,6 +23,7 @@
 
 #include "base/mutex.h"
 #include "lib/placement/epoch_log.h"
+#include "lib/runtime/door.h"
 #include "lib/runtime/member.h"
 #include "lib/server/server_device.h"
 #include "lib/stats/load_stats.h"
@@ -60,6 +61,9 @@ class ServerService final : public ProcessRuntime {
   Status wait(std::chrono::milliseconds timeout) { return session_.wait_for_shutdown(timeout); }
   void shutdown();
   ServerStats stats() const;
+  // Connections the data port refused: a wrong proof, anything before the
+  // handshake, over the cap, past the handshake deadline (Door).
+  uint64_t num_refused() const { return door_.num_refused(); }
   // The emulated compute capacity (RuntimeOptions::compute_bytes_per_second),
   // changed while the job runs; 0: unlimited.
   void set_compute_rate(double bytes_per_second);
@@ -139,6 +143,19 @@ class ServerService final : public ProcessRuntime {
   void on_control(const transport::ConnectionPtr& conn, protocol::Message&& message) override;
 
   void handle_worker_message(const transport::ConnectionPtr& conn, protocol::Message& message);
+  void admit(const transport::ConnectionPtr& conn, const std::shared_ptr<WorkerConn>& w,
+             protocol::Message& message);
+  // A message on a connection this server dialled and is authenticating
+  // (peer()): true if it was one.
+  bool handle_dialing(const transport::ConnectionPtr& conn, protocol::Message& message);
+  // Sends on a connection peer() returned: held until its handshake's grant.
+  Status send_peer(const transport::ConnectionPtr& conn, const protocol::Message& message);
+  // A dial whose handshake failed: logged, forgotten (the next peer() dials
+  // again) and closed; what waited for it is dropped.
+  void drop_dial(const transport::ConnectionPtr& conn, ServerId peer, const Status& why);
+  // The heartbeat thread: closes what the door refused and connections
+  // whose handshake missed its deadline.
+  void sweep_door();
   void dispatch(Key key, Work work);
   void dispatch_all(const Work& work);  // to every shard
   void shard_loop(Shard& shard);
@@ -263,6 +280,18 @@ class ServerService final : public ProcessRuntime {
   static constexpr size_t kMaxWaitingForEpoch = 4096;
   std::vector<std::tuple<uint64_t, Key, Work>> waiting_for_epoch_ GUARDED_BY(epoch_mu_);
   std::atomic<uint64_t> max_round_seen_{0};
+  // The door of the data port: unauthenticated connections are capped and
+  // have a deadline.
+  Door door_;
+  // Connections to other servers whose handshake runs, by connection id,
+  // with what waits to be sent on them. Taken after peers_mu_.
+  struct Dialing {
+    protocol::PeerDial dial;
+    ServerId peer = 0;
+    std::vector<protocol::Message> queued;
+  };
+  Mutex dialing_mu_;
+  std::map<uint64_t, Dialing> dialing_ GUARDED_BY(dialing_mu_);
   // Connections this server dialled to other servers (migration), by id.
   Mutex peers_mu_;
   std::map<ServerId, transport::ConnectionPtr> peers_ GUARDED_BY(peers_mu_);

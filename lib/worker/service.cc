@@ -110,24 +110,31 @@ Status WorkerService::connect_servers() {
       return conn.status().with_context(
           fmt::format("connecting to server {} at {}", entry.rank, address));
     }
+    protocol::PeerHello hello;
     {
       MutexLock lock(mu_);
       ServerConn& s = servers_[entry.rank];
       s.rank = entry.rank;
       s.conn = *conn;
+      s.dial.emplace(Role::kWorker, rank);
+      hello = s.dial->hello;
     }
-    PSLD_RETURN_IF_ERROR(
-        send(*conn, protocol::WorkerHello{rank, protocol::secret_proof(options_.secret, rank)}));
+    PSLD_RETURN_IF_ERROR(send(*conn, hello));
   }
   UniqueLock lock(mu_);
   const bool ok = cv_.wait_for(lock.native(), options_.connect_timeout, [&]() REQUIRES(mu_) {
     if (!session_.health().ok()) return true;
     for (const auto& [r, s] : servers_) {
-      if (!s.granted) return false;
+      if (!s.granted && s.refused.ok()) return false;
     }
     return true;
   });
   PSLD_RETURN_IF_ERROR(session_.health());
+  for (const auto& [r, s] : servers_) {
+    if (!s.refused.ok()) {
+      return s.refused.with_context(fmt::format("server {} at {}", r, s.conn->peer()));
+    }
+  }
   if (!ok) return Timeout("not every server granted landing slots in time");
   return Status::Ok();
 }
@@ -137,6 +144,47 @@ WorkerService::ServerConn* WorkerService::server_of(const ConnectionPtr& conn) {
     if (s.conn && s.conn->id() == conn->id()) return &s;
   }
   return nullptr;
+}
+
+// The data handshake's dialing end (protocol.h): answer the server's
+// challenge, then take its grant once it proved it knows the secret.
+void WorkerService::handshake(ServerConn& s, protocol::Message& message) {
+  if (auto* c = std::get_if<protocol::Challenge>(&message)) {
+    if (auto answer = s.dial->answer(options_.secret, *c)) {
+      outbox_.push_back([this, conn = s.conn, p = *answer] { (void)send(conn, p); });
+    }
+    return;
+  }
+  if (auto* e = std::get_if<protocol::Error>(&message)) {
+    s.refused = FailedPrecondition(e->message);
+    return;
+  }
+  auto* g = std::get_if<protocol::Grant>(&message);
+  if (g == nullptr) {
+    PSLD_LOG_WARN("worker: {} from server {} before its grant; ignored",
+                  protocol::message_name(message), s.rank);
+    return;
+  }
+  if (!s.dial->proves(options_.secret, *g)) {
+    s.refused = FailedPrecondition(
+        "the server did not prove it knows the job secret (PSLD_JOB_SECRET or job.secret_file "
+        "must be the same on every process of the job)");
+    return;
+  }
+  if (g->num_slots == 0) {
+    s.refused = DataLoss("the server granted no landing slots");
+    return;
+  }
+  auto slots = s.conn->import_region(g->slots_key);
+  if (!slots.ok()) {
+    s.refused = slots.status().with_context("the server's grant does not import");
+    return;
+  }
+  s.slots = *slots;
+  s.slot_bytes = g->slot_bytes;
+  for (uint32_t i = 0; i < g->num_slots; ++i)
+    s.free_slots.push_back(i);
+  s.granted = true;
 }
 
 void WorkerService::on_control(const ConnectionPtr& conn, protocol::Message&& message) {
@@ -154,19 +202,11 @@ void WorkerService::on_control(const ConnectionPtr& conn, protocol::Message&& me
     MutexLock lock(mu_);
     ServerConn* s = server_of(conn);
     if (s == nullptr) return;
-    if (auto* g = std::get_if<protocol::Grant>(&message)) {
-      auto slots = conn->import_region(g->slots_key);
-      if (!slots.ok()) {
-        PSLD_LOG_ERROR("server {} sent a grant that does not import: {}", s->rank,
-                       slots.status().to_string());
-        return;
-      }
-      s->slots = *slots;
-      s->slot_bytes = g->slot_bytes;
-      for (uint32_t i = 0; i < g->num_slots; ++i)
-        s->free_slots.push_back(i);
-      s->granted = true;
+    if (!s->granted) {
+      handshake(*s, message);
       cv_.notify_all();
+    } else if (std::holds_alternative<protocol::Grant>(message)) {
+      PSLD_LOG_WARN("worker: a second grant from server {}; ignored", s->rank);
     } else if (auto* c = std::get_if<protocol::Credit>(&message)) {
       for (uint32_t tag : c->accepted)
         finish_tag(tag, Status::Ok());
@@ -218,6 +258,9 @@ void WorkerService::on_disconnect(const ConnectionPtr& conn, const Status& why) 
     MutexLock lock(mu_);
     ServerConn* s = server_of(conn);
     if (s == nullptr || stopped_) return;
+    if (!s->granted && s->refused.ok()) {
+      s->refused = Unavailable("the connection closed during the handshake: " + why.message());
+    }
     // Not a failure yet: a server that held nothing but keys in transfer
     // can be lost without losing anything; the coordinator decides.
     server_lost(*s, Unavailable(fmt::format("lost server {}: {}", s->rank, why.message())));

@@ -122,7 +122,11 @@ class WorkerService final : public ProcessRuntime {
   struct ServerConn {
     uint32_t rank = 0;
     transport::ConnectionPtr conn;
+    // The data handshake (protocol.h); granted once the server proved it
+    // knows the job secret, refused with why it did not.
+    std::optional<protocol::PeerDial> dial;
     bool granted = false;
+    Status refused;
     std::shared_ptr<transport::RemoteRegion> slots;
     uint64_t slot_bytes = 0;
     std::deque<uint32_t> free_slots;
@@ -170,6 +174,7 @@ class WorkerService final : public ProcessRuntime {
   void on_write(const transport::ConnectionPtr& conn, uint32_t tag, uint64_t length) override;
   void on_disconnect(const transport::ConnectionPtr& conn, const Status& why) override;
   void on_control(const transport::ConnectionPtr& conn, protocol::Message&& message) override;
+  void handshake(ServerConn& s, protocol::Message& message) REQUIRES(mu_);
 
   Status connect_servers();
   ServerConn* server_of(const transport::ConnectionPtr& conn) REQUIRES(mu_);

@@ -117,6 +117,7 @@ psld::Status wait_in_slices(std::optional<double> timeout_s, const char* what, W
 psld::Config load_config(const std::vector<std::string>& args) {
   psld::ConfigSources sources;
   sources.args = args;
+  sources.args_on_command_line = false;  // keyword arguments, not a command line
   return take(psld::load_config(sources));
 }
 
