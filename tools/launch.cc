@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "base/net.h"
+#include "lib/protocol/auth.h"
 #include "psld/config.h"
 #include "psld/coordinator.h"
 
@@ -345,6 +346,15 @@ int cmd_launch(int argc, char** argv, const char* kUsage) {
   config->job.num_servers = servers;
   config->job.num_standby = standby;
   if (!transport.empty()) config->job.transport = transport;
+  // Every job has a secret: without one given (PSLD_JOB_SECRET,
+  // PSLD_SECRET_FILE, a config file), a random one for this job alone. The
+  // children get it in their environment, which only their user can read
+  // (/proc/PID/environ), never on a command line.
+  std::optional<std::string> made_secret;
+  if (config->job.secret.empty()) {
+    made_secret = psld::protocol::make_secret();
+    config->job.secret = *made_secret;
+  }
   const int port = psld::free_loopback_port();
   if (port <= 0) return fail("cannot find a free TCP port on 127.0.0.1 for the coordinator");
   const std::string address = fmt::format("127.0.0.1:{}", port);
@@ -359,6 +369,7 @@ int cmd_launch(int argc, char** argv, const char* kUsage) {
       {"PSLD_JOB_NUM_STANDBY", std::to_string(standby)},
       {"PSLD_JOB_TRANSPORT", config->job.transport},
   };
+  if (made_secret) env["PSLD_JOB_SECRET"] = *made_secret;
   int wake[2];
   if (pipe2(wake, O_CLOEXEC | O_NONBLOCK) != 0) return fail("cannot make a pipe");
   g_wake_fd = wake[1];

@@ -37,7 +37,8 @@ constexpr const char* kUsage = R"(usage:
       stops and psld exits non-zero naming it; every child is stopped.
       --slow-server R:RATE puts server R behind an emulated link of RATE
       bytes/s each way (suffixes K, M, G: 25M), a bandwidth straggler;
-      repeatable.
+      repeatable. The job's secret comes from PSLD_JOB_SECRET or
+      PSLD_SECRET_FILE; without either, a random one for this job alone.
   psld coordinator [--key=value ...]   run the coordinator of a job
   psld server [--key=value ...]        run one parameter server
   psld config [--key=value ...]        print the effective configuration
