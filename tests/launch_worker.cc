@@ -4,11 +4,15 @@
 //
 //   launch_worker [--rounds N] [--fail-rank R] [--fail-code C] [--die-rank R]
 //                 [--print-every K] [--spam BYTES] [--spam-raw BYTES] [--big BYTES]
+//                 [--stop-file PATH]
 //
 // --print-every K prints "worker R: round N" every K rounds; --spam prints
 // BYTES of text lines per round, --spam-raw BYTES with no newline at all
 // (a progress bar redrawn with '\r'), both to stdout. --big adds a
-// tensor of BYTES (an embedding table) to the three small ones.
+// tensor of BYTES (an embedding table) to the three small ones. --stop-file:
+// once PATH holds a round number ahead of every worker, that round is the
+// last one (a test ends an open-ended job cleanly, every worker at the same
+// round).
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -21,6 +25,7 @@
 int main(int argc, char** argv) {
   int rounds = 20, fail_rank = -1, fail_code = 3, die_rank = -1, print_every = 0;
   size_t spam = 0, spam_raw = 0, big = 0;
+  const char* stop_file = nullptr;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--rounds")) rounds = std::atoi(argv[i + 1]);
     if (!std::strcmp(argv[i], "--fail-rank")) fail_rank = std::atoi(argv[i + 1]);
@@ -30,6 +35,7 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--spam")) spam = std::strtoull(argv[i + 1], nullptr, 10);
     if (!std::strcmp(argv[i], "--spam-raw")) spam_raw = std::strtoull(argv[i + 1], nullptr, 10);
     if (!std::strcmp(argv[i], "--big")) big = std::strtoull(argv[i + 1], nullptr, 10);
+    if (!std::strcmp(argv[i], "--stop-file")) stop_file = argv[i + 1];
   }
   std::string line(79, 'x');
   line += '\n';
@@ -68,6 +74,13 @@ int main(int argc, char** argv) {
     handles.push_back(*h);
   }
   for (int r = 1; r <= rounds; ++r) {
+    if (stop_file != nullptr) {
+      if (std::FILE* f = std::fopen(stop_file, "r")) {
+        int last = 0;
+        if (std::fscanf(f, "%d", &last) == 1 && last >= r) rounds = last;
+        std::fclose(f);
+      }
+    }
     if (rank == die_rank && r == rounds / 2) {
       std::fprintf(stderr, "worker %d dying mid-job\n", rank);
       std::fflush(stderr);

@@ -30,8 +30,10 @@ namespace {
 
 using namespace std::chrono_literals;
 using psld::testing::Background;
+using psld::testing::listening_sockets;
 using psld::testing::proc_children;
 using psld::testing::proc_ended;
+using psld::testing::sockets_of;
 
 std::string psld() {
   return std::getenv("TEST_PSLD_BINARY");
@@ -234,19 +236,6 @@ TEST(Stall, AServerBehindASaturatedSlowLinkIsNotDeclaredDead) {
   EXPECT_NE(launch.output().find("worker 1: 2 rounds exact"), std::string::npos) << launch.output();
 }
 
-// The socket inodes a process holds open.
-std::set<std::string> sockets_of(pid_t pid) {
-  std::set<std::string> out;
-  std::error_code ec;
-  for (const auto& e :
-       std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/fd", ec)) {
-    std::error_code lec;
-    const std::string target = std::filesystem::read_symlink(e.path(), lec).string();
-    if (target.rfind("socket:", 0) == 0) out.insert(target);
-  }
-  return out;
-}
-
 TEST(Stall, NoChildInheritsTheLaunchersSocketsAndTheJobListensOnLoopbackOnly) {
   Background launch(endless_job(2, 2), kEnv);
   ASSERT_TRUE(launch.wait_for_output("worker 1: round 100", 60s)) << launch.output();
@@ -266,17 +255,10 @@ TEST(Stall, NoChildInheritsTheLaunchersSocketsAndTheJobListensOnLoopbackOnly) {
     for (const std::string& sock : sockets_of(c))
       job_sockets.insert(sock);
   }
-  std::ifstream tcp("/proc/net/tcp");
-  size_t listening = 0;
-  for (std::string line; std::getline(tcp, line);) {
-    std::istringstream f(line);
-    std::string slot, local, remote, state, queues, timer, retr, uid, timeout, inode;
-    f >> slot >> local >> remote >> state >> queues >> timer >> retr >> uid >> timeout >> inode;
-    if (state != "0A" || !job_sockets.count("socket:[" + inode + "]")) continue;
-    ++listening;
-    EXPECT_EQ(local.substr(0, 8), "0100007F") << "a job socket listens on " << local;
-  }
-  EXPECT_GE(listening, 3u);  // coordinator, servers, workers
+  const auto listening = listening_sockets(job_sockets);
+  for (const auto& l : listening)
+    EXPECT_EQ(l.address, "0100007F") << "a job socket listens on " << l.address << ":" << l.port;
+  EXPECT_GE(listening.size(), 3u);  // coordinator, servers, workers
   kill(launch.pid(), SIGTERM);
   EXPECT_TRUE(launch.wait(20s));
 }

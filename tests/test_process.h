@@ -13,8 +13,10 @@
 
 #include <dirent.h>
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -181,6 +183,40 @@ class Background {
   pid_t pid_ = -1;
   std::optional<int> exit_code_;
 };
+
+// The socket inodes ("socket:[N]") a process holds open.
+inline std::set<std::string> sockets_of(pid_t pid) {
+  std::set<std::string> out;
+  std::error_code ec;
+  for (const auto& e :
+       std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/fd", ec)) {
+    std::error_code lec;
+    const std::string target = std::filesystem::read_symlink(e.path(), lec).string();
+    if (target.rfind("socket:", 0) == 0) out.insert(target);
+  }
+  return out;
+}
+
+// The IPv4 TCP sockets among `sockets` that listen (/proc/net/tcp): the
+// local address in /proc's hex ("0100007F" is 127.0.0.1) and the port.
+struct ListeningSocket {
+  std::string address;
+  int port = 0;
+};
+inline std::vector<ListeningSocket> listening_sockets(const std::set<std::string>& sockets) {
+  std::vector<ListeningSocket> out;
+  std::ifstream tcp("/proc/net/tcp");
+  for (std::string line; std::getline(tcp, line);) {
+    std::istringstream f(line);
+    std::string slot, local, remote, state, queues, timer, retr, uid, timeout, inode;
+    f >> slot >> local >> remote >> state >> queues >> timer >> retr >> uid >> timeout >> inode;
+    if (state != "0A" || !sockets.count("socket:[" + inode + "]")) continue;
+    const auto colon = local.find(':');
+    if (colon == std::string::npos) continue;
+    out.push_back({local.substr(0, colon), std::stoi(local.substr(colon + 1), nullptr, 16)});
+  }
+  return out;
+}
 
 // Runs argv (argv[0] a path) in a new process group with this process's
 // environment plus `env` ("NAME=value"). A run that outlives `timeout` gets
