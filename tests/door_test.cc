@@ -39,16 +39,11 @@ using psld::testing::proc_file;
 using psld::testing::run_process;
 using psld::testing::sockets_of;
 
-std::string psld() {
-  return std::getenv("TEST_PSLD_BINARY");
-}
-std::string trainer() {
-  return std::getenv("TEST_LAUNCH_WORKER");
-}
+using psld::testing::kLaunchedJobEnv;
+using psld::testing::psld;
+using psld::testing::trainer;
 
-const std::vector<std::string> kEnv = {
-    "PSLD_SERVER_MODE=sum", "PSLD_UCX_TLS=tcp", "PSLD_LIVENESS_HEARTBEAT_TIMEOUT_MS=3000",
-    "PSLD_LIVENESS_HEARTBEAT_INTERVAL_MS=500", "UCX_WARN_UNUSED_ENV_VARS=n"};
+const std::vector<std::string>& kEnv = kLaunchedJobEnv;
 
 struct TempDir {
   std::string path;

@@ -35,16 +35,11 @@ using psld::testing::proc_children;
 using psld::testing::proc_ended;
 using psld::testing::sockets_of;
 
-std::string psld() {
-  return std::getenv("TEST_PSLD_BINARY");
-}
-std::string trainer() {
-  return std::getenv("TEST_LAUNCH_WORKER");
-}
+using psld::testing::kLaunchedJobEnv;
+using psld::testing::psld;
+using psld::testing::trainer;
 
-const std::vector<std::string> kEnv = {
-    "PSLD_SERVER_MODE=sum", "PSLD_UCX_TLS=tcp", "PSLD_LIVENESS_HEARTBEAT_TIMEOUT_MS=3000",
-    "PSLD_LIVENESS_HEARTBEAT_INTERVAL_MS=500", "UCX_WARN_UNUSED_ENV_VARS=n"};
+const std::vector<std::string>& kEnv = kLaunchedJobEnv;
 
 std::vector<std::string> job(int workers, int servers, std::vector<std::string> worker_args) {
   std::vector<std::string> argv = {

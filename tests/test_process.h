@@ -13,6 +13,7 @@
 
 #include <dirent.h>
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -183,6 +184,23 @@ class Background {
   pid_t pid_ = -1;
   std::optional<int> exit_code_;
 };
+
+// The psld command and the launch tests' trainer (tests/launch_worker.cc),
+// from the test's environment (tests/meson.build sets both).
+inline std::string psld() {
+  const char* p = std::getenv("TEST_PSLD_BINARY");
+  return p != nullptr ? p : "psld";
+}
+inline std::string trainer() {
+  const char* p = std::getenv("TEST_LAUNCH_WORKER");
+  return p != nullptr ? p : "launch_worker";
+}
+
+// What a launched test job runs with: sums, UCX over TCP, a 3 s heartbeat
+// timeout.
+inline const std::vector<std::string> kLaunchedJobEnv = {
+    "PSLD_SERVER_MODE=sum", "PSLD_UCX_TLS=tcp", "PSLD_LIVENESS_HEARTBEAT_TIMEOUT_MS=3000",
+    "PSLD_LIVENESS_HEARTBEAT_INTERVAL_MS=500", "UCX_WARN_UNUSED_ENV_VARS=n"};
 
 // The socket inodes ("socket:[N]") a process holds open.
 inline std::set<std::string> sockets_of(pid_t pid) {
