@@ -39,6 +39,11 @@ struct Seed {
 // Defined by each harness.
 std::vector<Seed> seeds();
 
+// libFuzzer flags a harness runs with unless the command line says
+// otherwise (fuzz_main.cc puts them first). A harness that needs some
+// defines this; the others get none.
+std::vector<std::string> default_flags() __attribute__((weak));
+
 // For a harness of several decoders: the input's first byte picks one of
 // `decoders` (modulo their count), which gets the rest.
 using Decoder = void (*)(std::span<const uint8_t>);
