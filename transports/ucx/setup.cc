@@ -201,6 +201,18 @@ Status UcxCore::init(const sockaddr_storage* listen, socklen_t listen_len) {
     address_.assign(listen_text_.begin(), listen_text_.end());
     PSLD_LOG_INFO("ucx: listening on {} (UCX_TLS {})", listen_text_,
                   ucx.tls.empty() ? std::string("from the environment") : ucx.tls);
+    // UCX before 1.22 aborts the process when a connection to its listener
+    // sends a malformed connection request, before psld sees the
+    // connection (docs/reliability.md, "Known: UCX 1.13's listener").
+    unsigned major = 0, minor = 0, release = 0;
+    ucp_get_version(&major, &minor, &release);
+    if (!on_this_host && major == 1 && minor < 22) {
+      PSLD_LOG_WARN(
+          "ucx: UCX {}.{}.{} aborts this process if anyone who reaches {} sends it a malformed "
+          "connection request: keep this port on a network only the job's hosts can reach, or "
+          "run with UCX 1.22 or newer (docs/reliability.md)",
+          major, minor, release, listen_text_);
+    }
   }
   return Status::Ok();
 }
