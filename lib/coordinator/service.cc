@@ -60,6 +60,16 @@ Result<std::unique_ptr<CoordinatorService>> CoordinatorService::start(
       start_thread(c->monitor_, "coordinator monitor", [raw = c.get()] { raw->monitor(); }));
   PSLD_LOG_INFO("coordinator listening at {} for {} workers, {} servers (+{} standby)",
                 c->address(), options.num_workers, options.num_servers, options.num_standby);
+  const std::string where = c->address();
+  // "127.0.0.1:29600", "[::1]:29600", or the loopback transport's "loopback:N".
+  const bool loopback = where.rfind("127.", 0) == 0 || where.rfind("localhost:", 0) == 0 ||
+                        where.rfind("[::1]:", 0) == 0 || where.rfind("loopback:", 0) == 0;
+  if (options.secret.empty() && !loopback) {
+    PSLD_LOG_WARN(
+        "coordinator: the job has no secret, so any process that reaches {} can join it: set "
+        "PSLD_SECRET_FILE (or PSLD_JOB_SECRET) on every process (docs/reliability.md)",
+        where);
+  }
   return c;
 }
 
