@@ -1,5 +1,7 @@
 #include "lib/runtime/door.h"
 
+#include <algorithm>
+
 #include "base/log.h"
 
 namespace psld {
@@ -11,7 +13,7 @@ void Door::refuse(std::string_view who, const transport::ConnectionPtr& conn,
   if (colon != std::string::npos) host.resize(colon);
   MutexLock lock(mu_);
   ++refused_;
-  to_close_.push_back(conn);
+  to_close_.emplace_back(conn, transport::Clock::now());
   // At most 1024 hosts remembered: memory stays bounded under a spoofed flood.
   if (hosts_.size() < 1024 && hosts_.insert(host).second) {
     PSLD_LOG_WARN(
@@ -22,9 +24,14 @@ void Door::refuse(std::string_view who, const transport::ConnectionPtr& conn,
 }
 
 std::vector<transport::ConnectionPtr> Door::take_to_close() {
+  const auto due = transport::Clock::now() - kCloseGrace;
   MutexLock lock(mu_);
+  const auto first_due = std::stable_partition(to_close_.begin(), to_close_.end(),
+                                               [&](const auto& e) { return e.second > due; });
   std::vector<transport::ConnectionPtr> out;
-  out.swap(to_close_);
+  for (auto it = first_due; it != to_close_.end(); ++it)
+    out.push_back(std::move(it->first));
+  to_close_.erase(first_due, to_close_.end());
   return out;
 }
 

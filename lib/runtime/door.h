@@ -8,10 +8,12 @@
 // the log too) and closed by the owner's periodic thread, outside its locks.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <set>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "base/mutex.h"
@@ -28,14 +30,18 @@ class Door {
   // `who` names the owner in the log ("coordinator", "server 2").
   void refuse(std::string_view who, const transport::ConnectionPtr& conn, const std::string& why)
       EXCLUDES(mu_);
-  // The refused connections not closed yet, for the caller to close.
+  // The refused connections to close now, for the caller to close: those
+  // refused at least kCloseGrace ago, so that what they were told (why)
+  // reaches them before the close does.
   std::vector<transport::ConnectionPtr> take_to_close() EXCLUDES(mu_);
+  static constexpr std::chrono::milliseconds kCloseGrace{200};
   uint64_t num_refused() const EXCLUDES(mu_);
 
  private:
   mutable Mutex mu_;
   uint64_t refused_ GUARDED_BY(mu_) = 0;
-  std::vector<transport::ConnectionPtr> to_close_ GUARDED_BY(mu_);
+  std::vector<std::pair<transport::ConnectionPtr, transport::Clock::time_point>> to_close_
+      GUARDED_BY(mu_);
   std::set<std::string> hosts_ GUARDED_BY(mu_);  // already told about in the log
 };
 
