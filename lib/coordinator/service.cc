@@ -262,7 +262,7 @@ void CoordinatorService::handle_hello(Member& m, const protocol::Hello& hello) {
     // Told why, then closed: it has no business here, and a flood of them
     // is logged once per host (refuse).
     post(m.conn, protocol::Reject{
-                     "wrong job secret (PSLD_JOB_SECRET or job.secret_file must be the same on "
+                     "wrong job secret (PSLD_JOB_SECRET or PSLD_SECRET_FILE must be the same on "
                      "every process of the job)"});
     door_.refuse("coordinator", m.conn, "it does not know the job secret");
     return;

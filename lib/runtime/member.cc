@@ -204,7 +204,7 @@ bool MemberSession::handle(const ConnectionPtr& conn, protocol::Message& message
                    w->proof, protocol::welcome_proof(options_.secret, *challenge_, hello_, *w))) {
       rejected_ = fmt::format(
           "the coordinator at {} did not prove it knows the job secret: another job's, or the "
-          "secret differs (PSLD_JOB_SECRET or job.secret_file must be the same on every process)",
+          "secret differs (PSLD_JOB_SECRET or PSLD_SECRET_FILE must be the same on every process)",
           options_.coordinator_address);
     } else {
       welcome_ = *w;

@@ -66,7 +66,7 @@ void ServerService::admit(const ConnectionPtr& conn, const std::shared_ptr<Worke
   if (!protocol::proofs_equal(proof->proof,
                               protocol::peer_proof(options_.secret, challenge, hello))) {
     return refuse(
-        "it does not know the job secret (PSLD_JOB_SECRET or job.secret_file must be the same on "
+        "it does not know the job secret (PSLD_JOB_SECRET or PSLD_SECRET_FILE must be the same on "
         "every process of the job)");
   }
   protocol::Grant grant;

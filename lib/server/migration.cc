@@ -82,7 +82,7 @@ bool ServerService::handle_dialing(const ConnectionPtr& conn, protocol::Message&
         release = std::move(d.queued);
       } else {
         refused = FailedPrecondition(
-            "it did not prove it knows the job secret (PSLD_JOB_SECRET or job.secret_file must "
+            "it did not prove it knows the job secret (PSLD_JOB_SECRET or PSLD_SECRET_FILE must "
             "be the same on every process of the job)");
       }
       dialing_.erase(it);

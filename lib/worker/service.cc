@@ -167,7 +167,7 @@ void WorkerService::handshake(ServerConn& s, protocol::Message& message) {
   }
   if (!s.dial->proves(options_.secret, *g)) {
     s.refused = FailedPrecondition(
-        "the server did not prove it knows the job secret (PSLD_JOB_SECRET or job.secret_file "
+        "the server did not prove it knows the job secret (PSLD_JOB_SECRET or PSLD_SECRET_FILE "
         "must be the same on every process of the job)");
     return;
   }
