@@ -13,55 +13,13 @@
 #include <vector>
 
 #include "psld/status.h"
+#include "transports/common/side_channel.h"
 #include "transports/verbs/verbs_protocol.h"
 
 namespace psld::transport::verbs {
 
-// A non-blocking stream socket with bounded input and output buffers.
-class SideChannel {
- public:
-  // Bounds: a hello is 54 bytes and then single bytes follow, so 4 KiB in
-  // either direction means the peer (or this side) misbehaves.
-  static constexpr size_t kMaxBufferedBytes = 4096;
-
-  SideChannel() = default;
-  explicit SideChannel(int fd) : fd_(fd) {}
-  ~SideChannel() { close(); }
-  SideChannel(SideChannel&& other) noexcept;
-  SideChannel& operator=(SideChannel&& other) noexcept;
-  SideChannel(const SideChannel&) = delete;
-  SideChannel& operator=(const SideChannel&) = delete;
-
-  int fd() const { return fd_; }
-  bool is_open() const { return fd_ >= 0; }
-
-  // Queues bytes and writes as much as the socket takes now. Unavailable on
-  // a socket error; ResourceExhausted if the output buffer would overflow.
-  Status send(std::span<const uint8_t> bytes);
-  // Writes queued output; Unavailable on a socket error.
-  Status flush();
-  bool has_pending_output() const { return !out_.empty(); }
-
-  // Reads what the socket has. Ok also at end of stream (see eof()); DataLoss
-  // if the peer sent more than kMaxBufferedBytes that were not consumed;
-  // Unavailable on a socket error.
-  Status read_available();
-  bool eof() const { return eof_; }
-  std::span<const uint8_t> input() const { return in_; }
-  void consume(size_t n);
-
-  void close();
-
- private:
-  int fd_ = -1;
-  bool eof_ = false;
-  std::vector<uint8_t> in_;
-  std::vector<uint8_t> out_;
-};
-
-// Sets TCP_NODELAY and keepalive (dead host noticed after ~25 s of silence:
-// idle 10 s, then 3 probes 5 s apart). Best effort: failures are ignored.
-void tune_side_channel_socket(int fd);
+using transport::SideChannel;
+using transport::tune_side_channel_socket;
 
 // A non-blocking listening socket on `where` (port 0: any free port).
 Result<int> tcp_listen(const HostPort& where);
