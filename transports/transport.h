@@ -241,6 +241,10 @@ struct CommonOptions {
   // loopback listen address) the job is on this host, and UCX's own TCP
   // transport listens on loopback only. Empty: unknown.
   std::string job_address;
+  // The job's secret: a backend with a bootstrap of its own (ucx) lets a
+  // peer in only once it proved it knows the same one (an HMAC, never the
+  // secret itself). Empty on both sides is a secret too, and a weak one.
+  std::string secret;
 };
 
 // Whether a transport can register memory of one kind, and how or why not.

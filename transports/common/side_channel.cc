@@ -23,6 +23,7 @@ std::string errno_text(int err) {
 
 SideChannel::SideChannel(SideChannel&& other) noexcept
     : fd_(std::exchange(other.fd_, -1)),
+      limit_(other.limit_),
       eof_(other.eof_),
       in_(std::move(other.in_)),
       out_(std::move(other.out_)) {}
@@ -31,6 +32,7 @@ SideChannel& SideChannel::operator=(SideChannel&& other) noexcept {
   if (this != &other) {
     close();
     fd_ = std::exchange(other.fd_, -1);
+    limit_ = other.limit_;
     eof_ = other.eof_;
     in_ = std::move(other.in_);
     out_ = std::move(other.out_);
@@ -40,7 +42,7 @@ SideChannel& SideChannel::operator=(SideChannel&& other) noexcept {
 
 Status SideChannel::send(std::span<const uint8_t> bytes) {
   if (fd_ < 0) return Unavailable("side channel is closed");
-  if (out_.size() + bytes.size() > kMaxBufferedBytes) {
+  if (out_.size() + bytes.size() > limit_) {
     return ResourceExhausted("side channel output buffer is full (peer does not read)");
   }
   out_.insert(out_.end(), bytes.begin(), bytes.end());
@@ -76,7 +78,7 @@ Status SideChannel::read_available() {
   while (!eof_) {
     const ssize_t n = ::recv(fd_, buf, sizeof(buf), 0);
     if (n > 0) {
-      if (in_.size() + static_cast<size_t>(n) > kMaxBufferedBytes) {
+      if (in_.size() + static_cast<size_t>(n) > limit_) {
         return DataLoss("peer sent more on the side channel than the protocol allows");
       }
       in_.insert(in_.end(), buf, buf + n);

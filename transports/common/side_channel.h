@@ -20,6 +20,8 @@ class SideChannel {
 
   SideChannel() = default;
   explicit SideChannel(int fd) : fd_(fd) {}
+  // `limit` bytes instead of kMaxBufferedBytes in either direction.
+  SideChannel(int fd, size_t limit) : fd_(fd), limit_(limit) {}
   ~SideChannel() { close(); }
   SideChannel(SideChannel&& other) noexcept;
   SideChannel& operator=(SideChannel&& other) noexcept;
@@ -37,7 +39,7 @@ class SideChannel {
   bool has_pending_output() const { return !out_.empty(); }
 
   // Reads what the socket has. Ok also at end of stream (see eof()); DataLoss
-  // if the peer sent more than kMaxBufferedBytes that were not consumed;
+  // if the peer sent more than the limit that was not consumed;
   // Unavailable on a socket error.
   Status read_available();
   bool eof() const { return eof_; }
@@ -48,6 +50,7 @@ class SideChannel {
 
  private:
   int fd_ = -1;
+  size_t limit_ = kMaxBufferedBytes;
   bool eof_ = false;
   std::vector<uint8_t> in_;
   std::vector<uint8_t> out_;

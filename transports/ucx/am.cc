@@ -49,9 +49,11 @@ void UcxCore::start_send(UcxConnection& conn, UserOp u, std::span<const uint8_t>
   // Numbered like notifications, so a message never overtakes a write
   // notified through the ring before it.
   MutexLock tx(conn.tx_mu_);
-  store_le(op->header, conn.tx_seq_++, kSeqHeaderBytes);
-  ucs_status_ptr_t r = ucp_am_send_nbx(conn.ep_, kAmMessage, op->header, kSeqHeaderBytes,
-                                       op->bytes.data(), op->bytes.size(), &p);
+  store_le(op->header, conn.peer_token_, kTokenBytes);
+  store_le(op->header + kTokenBytes, conn.tx_seq_++, kSeqHeaderBytes);
+  ucs_status_ptr_t r =
+      ucp_am_send_nbx(conn.ep_, kAmMessage, op->header, kTokenBytes + kSeqHeaderBytes,
+                      op->bytes.data(), op->bytes.size(), &p);
   if (UCS_PTR_IS_ERR(r)) --conn.tx_seq_;
   finish_user(u, op, r, conn.id(), "send failed");
 }
@@ -63,9 +65,10 @@ bool UcxCore::send_control(UcxConnection& conn, unsigned id, std::vector<uint8_t
   OpCtx* op = new_op(kind);
   op->conn = conn.shared_from_this();
   op->bytes = std::move(payload);
+  store_le(op->header, conn.peer_token_, kTokenBytes);
   ucp_request_param_t p = am_send_param(op);
-  ucs_status_ptr_t r =
-      ucp_am_send_nbx(conn.ep_, id, nullptr, 0, op->bytes.data(), op->bytes.size(), &p);
+  ucs_status_ptr_t r = ucp_am_send_nbx(conn.ep_, id, op->header, kTokenBytes, op->bytes.data(),
+                                       op->bytes.size(), &p);
   const bool ok = !UCS_PTR_IS_ERR(r);
   finish_request(op, r);
   return ok;
@@ -102,10 +105,13 @@ void UcxCore::reject_write(const UcxConnection* conn, const std::string& why) {
 ucs_status_t UcxCore::on_am(unsigned id, const void* header, size_t header_length, void* data,
                             size_t length, const ucp_am_recv_param_t* param) {
   mu_.assert_held();
+  // The connection is the one the header's token names.
   ConnPtr conn;
-  if ((param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0) {
-    auto it = by_ep_.find(param->reply_ep);
-    if (it != by_ep_.end()) conn = it->second;
+  if (header_length >= kTokenBytes) {
+    auto it = by_token_.find(load_le(static_cast<const uint8_t*>(header), kTokenBytes));
+    if (it != by_token_.end()) conn = it->second;
+    header = static_cast<const uint8_t*>(header) + kTokenBytes;
+    header_length -= kTokenBytes;
   }
   const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
   if (!conn || conn->state_ == UcxConnection::State::kClosed) {

@@ -35,6 +35,7 @@
 #include <x86intrin.h>
 #endif
 
+#include <array>
 #include <atomic>
 #include <bit>
 #include <chrono>
@@ -59,6 +60,7 @@
 #include "base/wire.h"
 #include "transports/common/pending_ops.h"
 #include "transports/common/registration_cache.h"
+#include "transports/common/side_channel.h"
 #include "transports/ucx/ucx_transport.h"
 
 namespace psld::transport {
@@ -69,8 +71,10 @@ namespace ucx_detail {
 constexpr uint32_t kKeyMagic = 0x4b585350;    // "PSXK"
 constexpr uint32_t kHelloMagic = 0x48585350;  // "PSXH"
 // 2: notifications and messages carry a sequence number, and the handshake
-// offers a notification ring.
-constexpr uint8_t kWireVersion = 2;
+// offers a notification ring. 3: connections start with psld's own bootstrap
+// (bootstrap.cc), and every active message names its connection by the
+// receiver's token.
+constexpr uint8_t kWireVersion = 3;
 // UCX 1.13 packs 9..40 bytes of remote key per region; anything near this
 // bound is not a key.
 constexpr size_t kMaxPackedRkey = 4096;
@@ -81,6 +85,70 @@ constexpr size_t kRkeyPad = 256;
 constexpr size_t kMaxAddressString = 256;
 // Messages a client holds while its handshake is not answered yet.
 constexpr size_t kMaxEarlyMessages = 1024;
+
+// Every active message's header starts with the receiving connection's
+// token, which the bootstrap told the sender: connections to one peer
+// process share one UCX endpoint (see UcxCore::PeerEp), so the endpoint a
+// message arrived on cannot say which connection it is for.
+constexpr size_t kTokenBytes = 8;
+
+// ---------------------------------------------------------------------------
+// The bootstrap (bootstrap.cc)
+//
+// A UCX transport listens with a TCP socket of its own, not a UCX listener:
+// UCX 1.13's listener aborted the process on one malformed connection
+// request, before psld saw the connection (docs/reliability.md). Nothing of
+// UCX is reachable through it: a dialer first proves that it knows the job's
+// secret, and only then do the two sides exchange UCX worker addresses and
+// make endpoints from them. Frames, little-endian:
+//
+//   [u32 length of the rest][u32 kBootMagic][u8 kWireVersion][u8 type] body
+//
+//   kChallenge  acceptor -> dialer, at once: nonce_a, instance_a
+//   kRequest    dialer -> acceptor: nonce_d, instance_d, token_d, address_d,
+//               proof_d
+//   kAccept     acceptor -> dialer: token_a, address_a, proof_a
+//   kRefuse     acceptor -> dialer: why (text), then the acceptor closes
+//
+// A proof is an HMAC-SHA256 keyed by the secret (CommonOptions::secret, may
+// be empty) over a label, the side, both nonces, both instances, the tokens
+// and the addresses (boot_proof): good for one pair of nonces only, and not
+// valid reflected to its sender. Nonces come from libsodium's CSPRNG.
+constexpr uint32_t kBootMagic = 0x42585350;  // "PSXB"
+constexpr size_t kBootNonceBytes = 32;
+constexpr size_t kBootProofBytes = 32;
+// UCX 1.13's worker address over tcp and shared memory is ~200-600 bytes;
+// one with every device of a large node stays well under this.
+constexpr size_t kMaxWorkerAddress = 16 << 10;
+constexpr size_t kMaxBootReason = 512;
+constexpr size_t kMaxBootFrame = kMaxWorkerAddress + 256;
+// Bootstraps being accepted at once; connections beyond are closed at once.
+constexpr size_t kMaxAcceptingBoots = 64;
+
+enum class BootType : uint8_t { kChallenge = 1, kRequest, kAccept, kRefuse };
+using BootNonce = std::array<uint8_t, kBootNonceBytes>;
+using BootProof = std::array<uint8_t, kBootProofBytes>;
+
+struct BootFrame {
+  BootType type = BootType::kChallenge;
+  BootNonce nonce{};             // challenge: the acceptor's; request: the dialer's
+  uint64_t instance = 0;         // challenge, request: the sender's transport
+  uint64_t token = 0;            // request, accept: the sender's connection token
+  std::vector<uint8_t> address;  // request, accept: the sender's UCX worker address
+  BootProof proof{};             // request, accept
+  std::string reason;            // refuse
+};
+std::vector<uint8_t> encode_boot_frame(const BootFrame& frame);
+// Reads the frame at the front of `input`: its length in bytes, 0 when the
+// frame is not complete yet, or -1 for bytes that are not a well-formed frame
+// (wrong magic or version, a length beyond kMaxBootFrame, a bad body).
+ptrdiff_t decode_boot_frame(std::span<const uint8_t> input, BootFrame* frame);
+// The proof of the dialer (its request; `accept` null) or of the acceptor
+// (its accept, which answers `request`).
+BootProof boot_proof(std::string_view secret, const BootFrame& challenge, const BootFrame& request,
+                     const BootFrame* accept);
+// A connection token: from the CSPRNG, never 0.
+uint64_t random_token();
 
 // Active-message ids, one handler each.
 enum AmId : unsigned {
@@ -334,10 +402,10 @@ inline ucp_request_param_t send_param(void* op, uint32_t flags = 0) {
   }
   return p;
 }
-// Every active message: with the reply flag that gives the receiver an
-// endpoint to answer on.
+// Every active message. No reply flag: the receiver finds the connection
+// by the token in the header, and answers on its own endpoint to the peer.
 inline ucp_request_param_t am_send_param(void* op) {
-  return send_param(op, UCP_AM_SEND_FLAG_REPLY);
+  return send_param(op);
 }
 void recv_am_cb(void* request, ucs_status_t status, size_t length, void* user_data);
 void ep_error_cb(void* arg, ucp_ep_h ep, ucs_status_t status);
@@ -453,6 +521,9 @@ class UcxRemoteRegion final : public RemoteRegion,
   bool mapped_;
   uint8_t* mapped_base_;  // where base() is mapped here; guarded by UcxCore::mapping_mu_
   ucp_rkey_h rkey_;       // guarded by UcxCore::rkey_mu_ for destruction; read under UcxCore::mu_
+  // A key imported before its connection had an endpoint: unpacked by the
+  // first put (UcxCore::unpack_late), under UcxCore::rkey_mu_.
+  std::vector<uint8_t> unpack_later_;
   std::weak_ptr<UcxCore> core_;
 };
 
@@ -567,6 +638,15 @@ class UcxConnection final : public Connection, public std::enable_shared_from_th
     std::vector<uint8_t> message;
   };
   const uint64_t id_ = g_next_connection_id.fetch_add(1);
+  // What the peer puts at the front of every active message for this
+  // connection (kTokenBytes), drawn from the CSPRNG; and the peer's, from
+  // the bootstrap.
+  const uint64_t token_ = random_token();
+  uint64_t peer_token_ = 0;  // guarded by UcxCore::mu_
+  // The peer's instance as the bootstrap authenticated it (its hello must
+  // say the same), and the bootstrap's socket while it runs (-1 after).
+  uint64_t boot_instance_ = 0;
+  int boot_fd_ = -1;
   std::weak_ptr<UcxCore> core_;
   // The same core, for UcxCore::write_through_ring only, which uses it only
   // while this connection's tx_ring_ is set (see there).
@@ -578,6 +658,8 @@ class UcxConnection final : public Connection, public std::enable_shared_from_th
 
   // Guarded by UcxCore::mu_.
   State state_ = State::kHandshake;
+  // The endpoint to the peer process, shared with the other connections to
+  // it (UcxCore::PeerEp); null until the bootstrap finished, and once closed.
   ucp_ep_h ep_ = nullptr;
   // The peer transport's instance, from the handshake (0 before): the
   // exporter every imported key must name. Atomic: check_backend reads it
@@ -649,7 +731,7 @@ struct OpCtx {
   std::shared_ptr<UcxConnection> conn;
   std::shared_ptr<UcxRegion> region;        // source or target, kept registered
   std::shared_ptr<UcxRemoteRegion> remote;  // keeps the rkey of a put alive
-  uint8_t header[kWriteHeaderBytes] = {};
+  uint8_t header[kTokenBytes + kWriteHeaderBytes] = {};
   uint32_t notify = 0;
   uint64_t length = 0;
   unsigned am_id = 0;
@@ -681,6 +763,28 @@ struct UserOp {
   Completion done;
 };
 
+// One bootstrap in progress (bootstrap.cc): a dialer's, for its connection,
+// or an acceptor's, for a socket its listener accepted.
+struct Boot {
+  enum class Stage : uint8_t {
+    kConnecting,
+    kAwaitChallenge,
+    kAwaitRequest,
+    kAwaitAccept,
+    kClosing
+  };
+  SideChannel chan;
+  bool dialer = false;
+  Stage stage = Stage::kConnecting;
+  bool write_shut = false;  // kClosing: all said, shutdown(SHUT_WR) done
+  uint32_t events = 0;      // what epoll watches
+  std::string peer;         // host:port of the other end
+  Clock::time_point deadline;
+  std::shared_ptr<UcxConnection> conn;  // the dialer's connection
+  BootFrame challenge;                  // acceptor: sent; dialer: received
+  BootFrame request;                    // dialer: sent
+};
+
 // ---------------------------------------------------------------------------
 
 class UcxCore : public std::enable_shared_from_this<UcxCore> {
@@ -690,6 +794,7 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   ~UcxCore() {
     shutdown();
     if (wake_fd_ >= 0) ::close(wake_fd_);
+    if (boot_epfd_ >= 0) ::close(boot_epfd_);
   }
 
   // Runs before the core is shared with any other thread, so it sets up the
@@ -733,6 +838,7 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
     c.notify_ring = ring_records;
     c.notify_ring_full = notify_ring_full_.load();
     c.ring_wakeups = ring_wakeups_.load();
+    c.refused_connections = refused_boots_.load();
     return c;
   }
 
@@ -746,16 +852,14 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   Status send(UcxConnection& conn, std::span<const uint8_t> message, Completion done);
   void close_connection(UcxConnection& conn);
   void release_rkey(UcxRemoteRegion* remote);
+  // Unpacks a key imported before the connection had an endpoint (mu_ held).
+  Status unpack_late(UcxConnection& conn, UcxRemoteRegion& remote) REQUIRES(mu_);
 
   // UCX callbacks: mu_ is held (UCX calls back only from inside a ucp_* call
   // made under it), which each says to the analysis with mu_.assert_held().
   void on_request_done(OpCtx* op, ucs_status_t status);
   ucs_status_t on_am(unsigned id, const void* header, size_t header_length, void* data,
                      size_t length, const ucp_am_recv_param_t* param);
-  void on_conn_request(ucp_conn_request_h request) {
-    mu_.assert_held();
-    accepts_.push_back(request);
-  }
   void on_ep_error(ucp_ep_h ep, ucs_status_t status);
 
  private:
@@ -914,11 +1018,32 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
                            void* data, size_t length, const ucp_am_recv_param_t* param)
       REQUIRES(mu_);
 
-  void accept(ucp_conn_request_h request) REQUIRES(mu_);
+  // The bootstrap (bootstrap.cc).
+  Status start_listening(const sockaddr_storage& listen,
+                         socklen_t listen_len) NO_THREAD_SAFETY_ANALYSIS;
+  Status start_dial(const sockaddr_storage& sa, socklen_t sa_len, const std::string& where,
+                    const ConnPtr& conn) REQUIRES(mu_);
+  void poll_boots() REQUIRES(mu_);
+  void accept_boots() REQUIRES(mu_);
+  void step_boot(int fd, uint32_t events) REQUIRES(mu_);
+  // Handles one frame; false when the boot ended.
+  bool on_boot_frame(Boot& b, const BootFrame& f) REQUIRES(mu_);
+  bool accept_boot(Boot& b, const BootFrame& request) REQUIRES(mu_);
+  void refuse_boot(Boot& b, const char* tell, const char* log) REQUIRES(mu_);
+  // Ends a boot (closing its socket); fail_boot also fails its connection.
+  void end_boot(int fd) REQUIRES(mu_);
+  void fail_boot(Boot& b, const Status& why) REQUIRES(mu_);
+  void expire_boots(Clock::time_point now) REQUIRES(mu_);
+  // The endpoint shared by every connection to the peer transport
+  // `instance`, made from its worker address the first time.
+  Result<ucp_ep_h> peer_ep(uint64_t instance, std::span<const uint8_t> address) REQUIRES(mu_);
+  void close_peer_ep(ucp_ep_h ep) REQUIRES(mu_);
   // Marks `conn` closed, fails its operations with `why`, queues its
   // on_disconnect, and closes its endpoint (after a bye, if `send_bye`).
   void close_locked(UcxConnection& conn, const Status& why, bool send_bye) REQUIRES(mu_);
-  void force_close_ep(UcxConnection& conn) REQUIRES(mu_);
+  // Lets go of a closed connection: off the tables, its endpoint (shared
+  // with the other connections to its peer) left open.
+  void detach(UcxConnection& conn) REQUIRES(mu_);
   void run_deferred() REQUIRES(mu_);
   void check_deadlines(Clock::time_point now) REQUIRES(mu_);
   void drain_graveyard();
@@ -941,14 +1066,35 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   int wake_fd_ = -1;
   std::vector<uint8_t> address_;
   std::string listen_text_;
+  // The bootstrap: psld's own listening socket (-1: not listening), and the
+  // epoll set of it and every boot's socket, polled by progress() and slept
+  // on by wait().
+  int listen_fd_ = -1;
+  int boot_epfd_ = -1;
+  std::vector<uint8_t> worker_address_;  // ucp_worker_get_address, copied
+  // Set by wait() when the boot sockets woke it: the next progress() polls them.
+  std::atomic<bool> boot_wake_{false};
 
   Mutex progress_mu_;  // one progress() at a time: handlers run in order
   mutable Mutex mu_;   // the worker and everything below
   ucp_worker_h worker_ GUARDED_BY(mu_) = nullptr;
-  ucp_listener_h listener_ GUARDED_BY(mu_) = nullptr;
   std::atomic<bool> shut_{false};
   std::map<uint64_t, ConnPtr> conns_ GUARDED_BY(mu_);
-  std::unordered_map<ucp_ep_h, ConnPtr> by_ep_ GUARDED_BY(mu_);
+  // Connections by their token (what every incoming active message names).
+  std::unordered_map<uint64_t, ConnPtr> by_token_ GUARDED_BY(mu_);
+  // One endpoint per peer transport, by its instance, shared by every
+  // connection to it, kept until it fails or this transport shuts down: two
+  // processes that dial each other (servers do) would otherwise make
+  // endpoints that UCX pairs across connections, since it matches endpoints
+  // made from worker addresses by a per-peer count.
+  std::unordered_map<uint64_t, ucp_ep_h> peer_eps_ GUARDED_BY(mu_);
+  std::unordered_map<ucp_ep_h, uint64_t> ep_peers_ GUARDED_BY(mu_);
+  // Failed endpoints, closed by run_deferred once their connections let go.
+  std::vector<ucp_ep_h> dead_eps_ GUARDED_BY(mu_);
+  std::map<int, std::unique_ptr<Boot>> boots_ GUARDED_BY(mu_);
+  size_t accepting_boots_ GUARDED_BY(mu_) = 0;
+  // Hosts whose refusal was logged (bounded): a flood is one line.
+  std::set<std::string> refused_hosts_ GUARDED_BY(mu_);
   std::vector<Event> events_ GUARDED_BY(mu_);
   std::vector<Event> delivering_ GUARDED_BY(progress_mu_);
   int64_t last_deadline_tick_ GUARDED_BY(mu_) = 0;
@@ -957,7 +1103,6 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   std::vector<OpCtx*> free_ops_ GUARDED_BY(mu_);
   size_t handshaking_ GUARDED_BY(mu_) = 0;  // connections with a handshake deadline
   // Deferred work (see the comment at the top of the file).
-  std::vector<ucp_conn_request_h> accepts_ GUARDED_BY(mu_);
   struct Flushed {
     ConnPtr conn;
     std::vector<UcxConnection::Unflushed> batch;
@@ -1020,7 +1165,7 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   std::atomic<bool> graveyard_nonempty_{false};
 
   std::atomic<uint64_t> writes_put_{0}, writes_am_{0}, flushes_{0}, rejected_writes_{0},
-      rejected_messages_{0}, notify_ring_full_{0}, ring_wakeups_{0};
+      rejected_messages_{0}, notify_ring_full_{0}, ring_wakeups_{0}, refused_boots_{0};
   // The per-connection ring counters of connections that let go of their
   // rings (release_rings, mu_ held).
   std::atomic<uint64_t> retired_ring_records_{0}, retired_ring_writes_{0};

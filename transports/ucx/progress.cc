@@ -126,12 +126,19 @@ void UcxCore::on_request_done(OpCtx* op, ucs_status_t status) {
 
 void UcxCore::on_ep_error(ucp_ep_h ep, ucs_status_t status) {
   mu_.assert_held();
-  auto it = by_ep_.find(ep);
-  if (it == by_ep_.end()) return;
-  ConnPtr conn = it->second;
-  failed_.emplace_back(conn, Unavailable(fmt::format("connection to {} failed: {} (peer died or "
-                                                     "closed)",
-                                                     conn->peer(), ucs_status_string(status))));
+  auto it = ep_peers_.find(ep);
+  if (it == ep_peers_.end()) return;
+  // Every connection to that peer shares the endpoint: all of them fail,
+  // and the endpoint is closed once they let go of it (run_deferred).
+  for (auto& [id, conn] : conns_) {
+    if (conn->ep_ != ep) continue;
+    failed_.emplace_back(conn, Unavailable(fmt::format("connection to {} failed: {} (peer died or "
+                                                       "closed)",
+                                                       conn->peer(), ucs_status_string(status))));
+  }
+  peer_eps_.erase(it->second);
+  ep_peers_.erase(it);
+  dead_eps_.push_back(ep);
 }
 
 void UcxCore::close_connection(UcxConnection& conn) {
@@ -150,6 +157,7 @@ void UcxCore::close_locked(UcxConnection& conn, const Status& why, bool send_bye
   const bool was_visible = conn.state_ == UcxConnection::State::kReady || conn.client_;
   conn.state_ = UcxConnection::State::kClosed;
   conn.open_ = false;
+  if (conn.boot_fd_ >= 0) end_boot(conn.boot_fd_);
   release_rings(conn);
   for (auto& r : pending_.fail_connection(conn.id(), why))
     push_completion(std::move(r));
@@ -176,30 +184,19 @@ void UcxCore::close_locked(UcxConnection& conn, const Status& why, bool send_bye
   to_close_.push_back(self);
 }
 
-void UcxCore::force_close_ep(UcxConnection& conn) {
-  if (conn.ep_ == nullptr) return;
-  ucp_ep_h ep = conn.ep_;
+void UcxCore::detach(UcxConnection& conn) {
+  // The endpoint stays: other connections to the peer use it, and closing
+  // it would fail the peer's side of them. A request of this connection
+  // still in flight on it completes later and is ignored (its operation
+  // already failed).
   conn.ep_ = nullptr;
   conn.bye_in_flight_ = false;
-  by_ep_.erase(ep);
+  by_token_.erase(conn.token_);
   conns_.erase(conn.id());
-  // FORCE: the peer may be dead, and a flushing close would wait for it.
-  // Outstanding requests complete with UCS_ERR_CANCELED (their operations
-  // already failed above, so PendingOps ignores them).
-  OpCtx* op = new_op(OpCtx::kClose);
-  ucp_request_param_t p = send_param(op, UCP_EP_CLOSE_FLAG_FORCE);
-  finish_request(op, ucp_ep_close_nbx(ep, &p));
 }
 
 void UcxCore::run_deferred() {
   for (;;) {
-    if (!accepts_.empty()) {
-      std::vector<ucp_conn_request_h> a;
-      a.swap(accepts_);
-      for (auto* r : a)
-        accept(r);
-      continue;
-    }
     if (!acks_.empty()) {
       std::vector<ConnPtr> a;
       a.swap(acks_);
@@ -237,7 +234,18 @@ void UcxCore::run_deferred() {
       std::vector<ConnPtr> c;
       c.swap(to_close_);
       for (auto& conn : c)
-        force_close_ep(*conn);
+        detach(*conn);
+      continue;
+    }
+    if (!dead_eps_.empty()) {
+      std::vector<ucp_ep_h> d;
+      d.swap(dead_eps_);
+      for (ucp_ep_h ep : d) {
+        for (auto& [id, conn] : conns_) {
+          if (conn->ep_ == ep) conn->ep_ = nullptr;  // closed, its bye still in flight
+        }
+        close_peer_ep(ep);
+      }
       continue;
     }
     dead_rings_.clear();
@@ -257,6 +265,7 @@ void UcxCore::check_deadlines(Clock::time_point now) {
     for (auto& r : pending_.expire(now))
       push_completion(std::move(r));
   }
+  if (!boots_.empty()) expire_boots(now);
   if (handshaking_ == 0 && to_close_.empty()) {
     bool any_bye = false;
     for (auto& [id, conn] : conns_)
@@ -307,14 +316,22 @@ size_t UcxCore::progress() {
     ucx_poll_period_ =
         work == 0 ? std::min(2 * ucx_poll_period_, kUcxPollPeriodMax) : kUcxPollPeriod;
     last_ucx_progress_ = poll_clock();
+    timespec coarse{};
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &coarse);
+    const int64_t tick = static_cast<int64_t>(coarse.tv_sec) * 1000000000 + coarse.tv_nsec;
+    // The bootstrap's sockets: at once while boots run or after wait() saw
+    // them ready, else once per tick of the coarse clock (an epoll_wait per
+    // call would cost a busy-polling loop ~300 ns; a new connection waits at
+    // most a tick, a few milliseconds).
+    if (!boots_.empty() || boot_wake_.exchange(false, std::memory_order_relaxed) ||
+        tick != last_deadline_tick_) {
+      poll_boots();
+    }
     run_deferred();
     // Deadlines are milliseconds away: look at them once per tick of the
     // coarse clock (a variable in the vDSO, no TSC read), not on every call of
     // a busy-polling loop, where the check (a clock read and PendingOps' lock)
     // was ~10% of an idle spin.
-    timespec coarse{};
-    clock_gettime(CLOCK_MONOTONIC_COARSE, &coarse);
-    const int64_t tick = static_cast<int64_t>(coarse.tv_sec) * 1000000000 + coarse.tv_nsec;
     if (tick != last_deadline_tick_) {
       last_deadline_tick_ = tick;
       check_deadlines(Clock::now());
@@ -384,7 +401,9 @@ void UcxCore::wait(std::chrono::milliseconds timeout) {
     ucx_idle_.store(false,
                     std::memory_order_relaxed);  // whatever wakes us, the next progress() asks UCX
     until = std::min(until, pending_.next_deadline());
-    if (handshaking_ > 0) until = std::min(until, Clock::now() + std::chrono::milliseconds(10));
+    if (handshaking_ > 0 || !boots_.empty()) {
+      until = std::min(until, Clock::now() + std::chrono::milliseconds(10));
+    }
     if (!rx_conns_.empty()) {
       // Writers that publish a ring record from now on send kAmWake; one
       // published before is seen here (seq_cst flag store and stamp loads,
@@ -405,13 +424,14 @@ void UcxCore::wait(std::chrono::milliseconds timeout) {
     }
     sleepers_.fetch_add(1);
   }
-  pollfd fds[2] = {{efd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+  pollfd fds[3] = {{efd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}, {boot_epfd_, POLLIN, 0}};
   const auto left = until - Clock::now();
   if (left > Clock::duration::zero()) {
     const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
     timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
-    ppoll(fds, 2, &ts, nullptr);
+    ppoll(fds, 3, &ts, nullptr);
   }
+  if (fds[2].revents & POLLIN) boot_wake_.store(true, std::memory_order_relaxed);
   if (fds[1].revents & POLLIN) {
     uint64_t v = 0;
     [[maybe_unused]] ssize_t n = ::read(wake_fd_, &v, sizeof(v));

@@ -205,6 +205,12 @@ void UcxCore::start_write(UcxConnection& conn, UserOp u, const std::shared_ptr<U
     ++writes_put_;
     // Completes at the flush, which is always later: track it now.
     if (u.op_id == 0) u.op_id = pending_.add(conn.id(), deadline(), std::move(u.done));
+    if (length > 0 && remote->rkey_ == nullptr) {
+      if (Status s = unpack_late(conn, *remote); !s.ok()) {
+        complete(u.op_id, std::move(s));
+        return;
+      }
+    }
     if (length > 0) {
       OpCtx* op = new_op(OpCtx::kPut);
       op->op_id = u.op_id;
@@ -229,7 +235,8 @@ void UcxCore::start_write(UcxConnection& conn, UserOp u, const std::shared_ptr<U
   op->region = src;
   MutexLock tx(conn.tx_mu_);
   h.seq = conn.tx_seq_++;
-  encode_header(h, op->header);
+  store_le(op->header, conn.peer_token_, kTokenBytes);
+  encode_header(h, op->header + kTokenBytes);
   ucp_request_param_t p = am_send_param(op);
   p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
   // Into device memory always by rendezvous: the receiver then has UCX fetch
@@ -242,8 +249,9 @@ void UcxCore::start_write(UcxConnection& conn, UserOp u, const std::shared_ptr<U
     p.flags |= UCP_AM_SEND_FLAG_EAGER;
   }
   p.memh = src->memh();
-  ucs_status_ptr_t r = ucp_am_send_nbx(conn.ep_, kAmWrite, op->header, kWriteHeaderBytes,
-                                       src->data() + local_offset, length, &p);
+  ucs_status_ptr_t r =
+      ucp_am_send_nbx(conn.ep_, kAmWrite, op->header, kTokenBytes + kWriteHeaderBytes,
+                      src->data() + local_offset, length, &p);
   if (UCS_PTR_IS_ERR(r)) --conn.tx_seq_;  // never sent: the number is free again
   finish_user(u, op, r, conn.id(), "write failed");
 }
@@ -257,9 +265,10 @@ void UcxCore::notify_one(UcxConnection& conn, UserOp u, WriteHeader h) {
   MutexLock tx(conn.tx_mu_);
   h.seq = conn.tx_seq_++;
   encode_header(h, op->bytes.data() + 4);
+  store_le(op->header, conn.peer_token_, kTokenBytes);
   ucp_request_param_t p = am_send_param(op);
-  ucs_status_ptr_t r =
-      ucp_am_send_nbx(conn.ep_, kAmNotify, nullptr, 0, op->bytes.data(), op->bytes.size(), &p);
+  ucs_status_ptr_t r = ucp_am_send_nbx(conn.ep_, kAmNotify, op->header, kTokenBytes,
+                                       op->bytes.data(), op->bytes.size(), &p);
   if (UCS_PTR_IS_ERR(r)) --conn.tx_seq_;
   finish_user(u, op, r, conn.id(), "notification failed");
 }

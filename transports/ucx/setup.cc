@@ -1,9 +1,10 @@
-// UCX setup: the context, the worker, the listener and the callbacks UCX calls.
+// UCX setup: the context, the worker, the bootstrap's listener and the callbacks UCX calls.
 #include "transports/ucx/core.h"
 
 #include <arpa/inet.h>
 #include <fmt/format.h>
 #include <netinet/in.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 
 #include <algorithm>
@@ -62,10 +63,6 @@ bool is_loopback(const sockaddr_storage& a) {
 bool is_loopback_host_port(const std::string& host_port) {
   const std::string host = host_port.substr(0, host_port.rfind(':'));
   return host.rfind("127.", 0) == 0 || host == "localhost" || host == "[::1]";
-}
-
-void conn_request_cb(ucp_conn_request_h request, void* arg) {
-  static_cast<UcxCore*>(arg)->on_conn_request(request);
 }
 
 }  // namespace
@@ -176,43 +173,29 @@ Status UcxCore::init(const sockaddr_storage* listen, socklen_t listen_len) {
     if (st != UCS_OK) return ucs_to_status(st, "UCX refused an active-message handler");
   }
 
+  // What the bootstrap hands a peer that proved it knows the secret.
+  ucp_address_t* worker_address = nullptr;
+  size_t worker_address_len = 0;
+  st = ucp_worker_get_address(worker_, &worker_address, &worker_address_len);
+  if (st != UCS_OK) return ucs_to_status(st, "UCX cannot tell the worker's address");
+  const auto* wa = reinterpret_cast<const uint8_t*>(worker_address);
+  worker_address_.assign(wa, wa + worker_address_len);
+  ucp_worker_release_address(worker_, worker_address);
+  if (worker_address_.size() > kMaxWorkerAddress) {
+    return Unimplemented(fmt::format(
+        "UCX's worker address is {} bytes, more than the bootstrap carries ({}); limit UCX to the "
+        "job's devices with UCX_NET_DEVICES",
+        worker_address_.size(), kMaxWorkerAddress));
+  }
+  boot_epfd_ = epoll_create1(EPOLL_CLOEXEC);
+  if (boot_epfd_ < 0) return Unavailable(fmt::format("epoll_create1: {}", std::strerror(errno)));
+
   if (listen != nullptr) {
-    ucp_listener_params_t lp{};
-    lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
-    lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(listen);
-    lp.sockaddr.addrlen = listen_len;
-    lp.conn_handler.cb = conn_request_cb;
-    lp.conn_handler.arg = this;
-    st = ucp_listener_create(worker_, &lp, &listener_);
-    if (st != UCS_OK) {
-      listener_ = nullptr;
-      return Unavailable(
-          fmt::format("UCX cannot listen on '{}': {} (is the address local and "
-                      "the port free?)",
-                      options_.common.listen_address, ucs_status_string(st)));
-    }
-    ucp_listener_attr_t la{};
-    la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
-    st = ucp_listener_query(listener_, &la);
-    if (st != UCS_OK) return ucs_to_status(st, "UCX cannot tell the listener's address");
-    // Text, "127.0.0.1:41234": what a launcher builds from MASTER_ADDR and a
-    // port, and what logs and configuration files can carry.
-    listen_text_ = socket_address_string(la.sockaddr);
-    address_.assign(listen_text_.begin(), listen_text_.end());
-    PSLD_LOG_INFO("ucx: listening on {} (UCX_TLS {})", listen_text_,
+    // psld's own socket, not a UCX listener: nothing of UCX is reachable
+    // before a peer proved it knows the job's secret (bootstrap.cc).
+    PSLD_RETURN_IF_ERROR(start_listening(*listen, listen_len));
+    PSLD_LOG_INFO("ucx: listening on {} (psld bootstrap; UCX_TLS {})", listen_text_,
                   ucx.tls.empty() ? std::string("from the environment") : ucx.tls);
-    // UCX before 1.22 aborts the process when a connection to its listener
-    // sends a malformed connection request, before psld sees the
-    // connection (docs/reliability.md, "Known: UCX 1.13's listener").
-    unsigned major = 0, minor = 0, release = 0;
-    ucp_get_version(&major, &minor, &release);
-    if (!on_this_host && major == 1 && minor < 22) {
-      PSLD_LOG_WARN(
-          "ucx: UCX {}.{}.{} aborts this process if anyone who reaches {} sends it a malformed "
-          "connection request: keep this port on a network only the job's hosts can reach, or "
-          "run with UCX 1.22 or newer (docs/reliability.md)",
-          major, minor, release, listen_text_);
-    }
   }
   return Status::Ok();
 }

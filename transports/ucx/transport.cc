@@ -24,13 +24,21 @@ void UcxCore::shutdown() {
     MutexLock lock(mu_);
     shut_ = true;
     if (worker_ != nullptr) {
-      if (listener_ != nullptr) {
-        for (ucp_conn_request_h r : accepts_)
-          ucp_listener_reject(listener_, r);
-        ucp_listener_destroy(listener_);
-        listener_ = nullptr;
+      // No new connections: the listener and every bootstrap go first.
+      if (listen_fd_ >= 0) {
+        ::close(listen_fd_);
+        listen_fd_ = -1;
       }
-      accepts_.clear();
+      std::vector<int> boots;
+      for (auto& [fd, b] : boots_)
+        boots.push_back(fd);
+      for (int fd : boots) {
+        auto it = boots_.find(fd);
+        if (it == boots_.end()) continue;
+        ConnPtr conn = it->second->conn;
+        end_boot(fd);
+        if (conn) close_locked(*conn, Aborted("transport shut down"), false);
+      }
       std::vector<ConnPtr> conns;
       for (auto& [id, conn] : conns_)
         conns.push_back(conn);
@@ -51,6 +59,10 @@ void UcxCore::shutdown() {
       }
       for (auto& [id, conn] : conns_)
         to_close_.push_back(conn);
+      run_deferred();
+      // Then the endpoints to the peers.
+      for (auto& [ep, instance] : ep_peers_)
+        dead_eps_.push_back(ep);
       run_deferred();
       // Force-closing completes every request UCX still holds; wait (briefly)
       // for the close requests themselves.
@@ -79,7 +91,10 @@ void UcxCore::shutdown() {
       for (OpCtx* op : free_ops_)
         delete op;
       free_ops_.clear();
-      by_ep_.clear();
+      by_token_.clear();
+      peer_eps_.clear();
+      ep_peers_.clear();
+      dead_eps_.clear();
       conns_.clear();
       flushed_.clear();
       acks_.clear();

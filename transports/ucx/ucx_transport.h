@@ -64,6 +64,9 @@ struct UcxCounters {
   uint64_t notify_ring = 0;
   uint64_t notify_ring_full = 0;
   uint64_t ring_wakeups = 0;  // active messages sent to wake a receiver asleep in wait()
+  // Bootstrap connections turned away: a wrong secret, garbage, a flood beyond
+  // the cap of connections being set up, or silence until the deadline.
+  uint64_t refused_connections = 0;
 };
 
 // InvalidArgument when `transport` is not a UCX transport.

@@ -106,28 +106,14 @@ Result<ConnectionPtr> UcxCore::connect(std::span<const uint8_t> peer_address) {
     if (worker_ == nullptr || shut_) return Unavailable("UCX transport is shut down");
     conn =
         std::make_shared<UcxConnection>(this, weak_from_this(), true, fmt::format("ucx {}", where));
-    ucp_ep_params_t ep{};
-    ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
-                    UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
-    ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&sa);
-    ep.sockaddr.addrlen = sa_len;
-    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    ep.err_handler.cb = ep_error_cb;
-    ep.err_handler.arg = this;
-    ucs_status_t st = ucp_ep_create(worker_, &ep, &conn->ep_);
-    if (st != UCS_OK) {
-      return Unavailable(fmt::format("cannot connect to {}: {}", where, ucs_status_string(st)));
-    }
     conn->handshake_deadline_ = deadline();
+    // The bootstrap first (bootstrap.cc); the hello goes once it made the
+    // endpoint, and writes and sends issued meanwhile are queued.
+    PSLD_RETURN_IF_ERROR(start_dial(sa, sa_len, where, conn));
     ++handshaking_;
     conns_[conn->id()] = conn;
-    by_ep_[conn->ep_] = conn;
+    by_token_[conn->token_] = conn;
     conn->rx_ring_ = allocate_ring();
-    // UCX queues what is sent before wire-up completes, so the hello goes
-    // now; writes and sends wait for the answer, which tells us the lanes.
-    send_control(*conn, kAmHello, hello_payload(*conn), OpCtx::kControl);
-    run_deferred();
   }
   maybe_wake();
   return ConnectionPtr(conn);
@@ -146,44 +132,11 @@ std::vector<uint8_t> UcxCore::hello_payload(const UcxConnection& conn) const {
   return encode_hello(h);
 }
 
-void UcxCore::accept(ucp_conn_request_h request) {
-  if (shut_ || listener_ == nullptr) {
-    if (listener_ != nullptr) ucp_listener_reject(listener_, request);
-    return;
-  }
-  ucp_conn_request_attr_t attr{};
-  attr.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
-  std::string who = "unknown client";
-  if (ucp_conn_request_query(request, &attr) == UCS_OK) {
-    who = socket_address_string(attr.client_address);
-  }
-  ucp_ep_params_t ep{};
-  ep.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
-  ep.conn_request = request;
-  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-  ep.err_handler.cb = ep_error_cb;
-  ep.err_handler.arg = this;
-  auto conn =
-      std::make_shared<UcxConnection>(this, weak_from_this(), false, fmt::format("ucx {}", who));
-  ucs_status_t st = ucp_ep_create(worker_, &ep, &conn->ep_);
-  if (st != UCS_OK) {
-    PSLD_LOG_WARN("ucx: cannot accept a connection from {}: {}", who, ucs_status_string(st));
-    return;
-  }
-  // Invisible to the application until the client's hello arrives.
-  conn->handshake_deadline_ = deadline();
-  ++handshaking_;
-  conns_[conn->id()] = conn;
-  by_ep_[conn->ep_] = conn;
-  conn->rx_ring_ = allocate_ring();
-}
-
 bool UcxCore::accept_peer_hello(const ConnPtr& conn, std::span<const uint8_t> payload,
                                 bool from_server) {
   HelloFields h;
   if (conn->client_ != from_server || conn->state_ != UcxConnection::State::kHandshake ||
-      !decode_hello(payload, &h)) {
+      !decode_hello(payload, &h) || h.instance != conn->boot_instance_) {
     ++rejected_messages_;
     close_locked(*conn,
                  DataLoss(fmt::format("malformed {} from {}",
@@ -293,7 +246,7 @@ Result<std::shared_ptr<RemoteRegion>> UcxCore::import_region(UcxConnection& conn
   std::memcpy(padded.data(), k.packed.data(), k.packed.size());
 
   MutexLock lock(mu_);
-  if (worker_ == nullptr || conn.state_ == UcxConnection::State::kClosed || conn.ep_ == nullptr) {
+  if (worker_ == nullptr || conn.state_ == UcxConnection::State::kClosed) {
     return Unavailable("connection to " + conn.peer() + " is closed");
   }
   // Before the handshake answered the peer is not known yet; then the writes
@@ -301,25 +254,51 @@ Result<std::shared_ptr<RemoteRegion>> UcxCore::import_region(UcxConnection& conn
   if (conn.peer_instance_.load() != 0 && k.owner != conn.peer_instance_.load()) {
     return foreign_key(conn);
   }
+  // Before the bootstrap made the endpoint, the key is unpacked on the
+  // endpoint to its owner if there is one, else when a put first needs it
+  // (unpack_later; such a region is not mapped, so writes to it use am).
+  ucp_ep_h ep = conn.ep_;
+  if (ep == nullptr) {
+    if (auto it = peer_eps_.find(k.owner); it != peer_eps_.end()) ep = it->second;
+  }
   ucp_rkey_h rkey = nullptr;
-  ucs_status_t st = ucp_ep_rkey_unpack(conn.ep_, padded.data(), &rkey);
-  if (st != UCS_OK) {
-    return DataLoss(fmt::format("UCX could not unpack the remote key: {}", ucs_status_string(st)));
+  if (ep != nullptr) {
+    ucs_status_t st = ucp_ep_rkey_unpack(ep, padded.data(), &rkey);
+    if (st != UCS_OK) {
+      return DataLoss(
+          fmt::format("UCX could not unpack the remote key: {}", ucs_status_string(st)));
+    }
   }
   // Shared memory the peer allocated (UCP_MEM_MAP_ALLOCATE) is attached by
   // the unpack; ucp_rkey_ptr says where.
   // Device memory is never mapped for the CPU.
   void* mapped_at = nullptr;
-  const bool mapped = k.kind == MemoryKind::kHost &&
+  const bool mapped = rkey != nullptr && k.kind == MemoryKind::kHost &&
                       ucp_rkey_ptr(rkey, k.base, &mapped_at) == UCS_OK && mapped_at != nullptr;
   auto remote = std::make_shared<UcxRemoteRegion>(
       k.length, k.region, k.kind, conn.id(), k.owner, k.base, k.secret,
       mapped ? static_cast<uint8_t*>(mapped_at) : nullptr, rkey, weak_from_this());
+  if (rkey == nullptr) remote->unpack_later_ = std::move(padded);
   {
     MutexLock rlock(rkey_mu_);
     live_remotes_.insert(remote.get());
   }
   return std::shared_ptr<RemoteRegion>(remote);
+}
+
+Status UcxCore::unpack_late(UcxConnection& conn, UcxRemoteRegion& remote) {
+  MutexLock rlock(rkey_mu_);
+  if (remote.rkey_ != nullptr) return Status::Ok();
+  if (remote.unpack_later_.empty() || conn.ep_ == nullptr) {
+    return Unavailable("connection to " + conn.peer() + " is closed");
+  }
+  ucs_status_t st = ucp_ep_rkey_unpack(conn.ep_, remote.unpack_later_.data(), &remote.rkey_);
+  if (st != UCS_OK) {
+    remote.rkey_ = nullptr;
+    return DataLoss(fmt::format("UCX could not unpack the remote key: {}", ucs_status_string(st)));
+  }
+  remote.unpack_later_.clear();
+  return Status::Ok();
 }
 
 void UcxCore::release_rkey(UcxRemoteRegion* remote) {
