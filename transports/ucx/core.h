@@ -123,7 +123,11 @@ constexpr size_t kMaxWorkerAddress = 16 << 10;
 constexpr size_t kMaxBootReason = 512;
 constexpr size_t kMaxBootFrame = kMaxWorkerAddress + 256;
 // Bootstraps being accepted at once; connections beyond are closed at once.
-constexpr size_t kMaxAcceptingBoots = 64;
+// Above the runtime's own caps of connections that have not said their hello
+// (64): a good dialer finishes its bootstrap in a round trip, and the
+// runtime's door then counts and refuses the excess itself. Each holds at
+// most ~2 * kMaxBootFrame of buffers.
+constexpr size_t kMaxAcceptingBoots = 256;
 
 enum class BootType : uint8_t { kChallenge = 1, kRequest, kAccept, kRefuse };
 using BootNonce = std::array<uint8_t, kBootNonceBytes>;
