@@ -449,17 +449,19 @@ bool UcxCore::on_boot_frame(Boot& b, const BootFrame& f) {
                          b.peer)));
         return false;
       }
+      // end_boot destroys `b`: what is needed of it is taken first.
       ConnPtr conn = b.conn;
+      const uint64_t instance = b.challenge.instance;
       end_boot(fd);
       if (conn->state_ != UcxConnection::State::kHandshake) return false;  // closed meanwhile
-      Result<ucp_ep_h> ep = peer_ep(b.challenge.instance, f.address);
+      Result<ucp_ep_h> ep = peer_ep(instance, f.address);
       if (!ep.ok()) {
         close_locked(*conn, ep.status(), false);
         return false;
       }
       conn->ep_ = *ep;
       conn->peer_token_ = f.token;
-      conn->boot_instance_ = b.challenge.instance;
+      conn->boot_instance_ = instance;
       // Writes and sends wait for the hello's answer, which tells us the
       // lanes.
       send_control(*conn, kAmHello, hello_payload(*conn), OpCtx::kControl);
