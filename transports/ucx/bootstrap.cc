@@ -179,9 +179,10 @@ Status UcxCore::start_listening(const sockaddr_storage& listen, socklen_t listen
   setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
   if (::bind(fd, reinterpret_cast<const sockaddr*>(&listen), listen_len) != 0 ||
       ::listen(fd, 128) != 0) {
-    return Unavailable(fmt::format("UCX transport cannot listen on '{}': {} (is the address local "
-                                   "and the port free?)",
-                                   options_.common.listen_address, std::strerror(errno)));
+    return Unavailable(
+        fmt::format("UCX transport cannot listen on '{}': {} (is the address local "
+                    "and the port free?)",
+                    options_.common.listen_address, std::strerror(errno)));
   }
   sockaddr_storage bound{};
   socklen_t bound_len = sizeof(bound);
@@ -253,7 +254,7 @@ Status UcxCore::start_dial(const sockaddr_storage& sa, socklen_t sa_len, const s
   b->dialer = true;
   b->stage = connected ? Boot::Stage::kAwaitChallenge : Boot::Stage::kConnecting;
   b->peer = where;
-  b->deadline = conn->handshake_deadline_;
+  b->deadline = deadline();
   b->conn = conn;
   epoll_event ev{};
   ev.events = connected ? EPOLLIN : EPOLLOUT;
@@ -346,8 +347,8 @@ void UcxCore::step_boot(int fd, uint32_t events) {
     socklen_t len = sizeof(err);
     if (::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
     if (err != 0) {
-      return fail_boot(b, Unavailable(fmt::format("cannot connect to {}: {}", b.peer,
-                                                  std::strerror(err))));
+      return fail_boot(
+          b, Unavailable(fmt::format("cannot connect to {}: {}", b.peer, std::strerror(err))));
     }
     if ((events & (EPOLLOUT | EPOLLERR | EPOLLHUP)) == 0) return;
     b.stage = Boot::Stage::kAwaitChallenge;
@@ -356,8 +357,8 @@ void UcxCore::step_boot(int fd, uint32_t events) {
   if (s.ok()) s = b.chan.read_available();
   if (!s.ok()) {
     if (b.stage == Boot::Stage::kClosing) return end_boot(fd);
-    return fail_boot(b, Unavailable(fmt::format("the bootstrap with {} failed: {}", b.peer,
-                                                s.message())));
+    return fail_boot(
+        b, Unavailable(fmt::format("the bootstrap with {} failed: {}", b.peer, s.message())));
   }
   for (;;) {
     BootFrame f;
@@ -388,8 +389,8 @@ void UcxCore::step_boot(int fd, uint32_t events) {
     }
   } else if (b.chan.eof()) {
     if (!b.dialer) return end_boot(fd);
-    return fail_boot(b, Unavailable(fmt::format("{} closed the connection during the bootstrap",
-                                                b.peer)));
+    return fail_boot(
+        b, Unavailable(fmt::format("{} closed the connection during the bootstrap", b.peer)));
   }
   const uint32_t want = EPOLLIN | (b.chan.has_pending_output() ? EPOLLOUT : 0u);
   if (want != b.events) {
@@ -416,8 +417,8 @@ bool UcxCore::on_boot_frame(Boot& b, const BootFrame& f) {
       b.request.proof = boot_proof(secret, b.challenge, b.request, nullptr);
       const Status s = b.chan.send(encode_boot_frame(b.request));
       if (!s.ok()) {
-        fail_boot(b, Unavailable(fmt::format("the bootstrap with {} failed: {}", b.peer,
-                                             s.message())));
+        fail_boot(
+            b, Unavailable(fmt::format("the bootstrap with {} failed: {}", b.peer, s.message())));
         return false;
       }
       b.stage = Boot::Stage::kAwaitAccept;
@@ -435,8 +436,8 @@ bool UcxCore::on_boot_frame(Boot& b, const BootFrame& f) {
     case Boot::Stage::kAwaitAccept: {
       if (f.type == BootType::kRefuse) {
         // Not retried: the member's dial loop gives up on FailedPrecondition.
-        fail_boot(b, FailedPrecondition(
-                         fmt::format("{} refused the connection: {}", b.peer, f.reason)));
+        fail_boot(
+            b, FailedPrecondition(fmt::format("{} refused the connection: {}", b.peer, f.reason)));
         return false;
       }
       if (f.type != BootType::kAccept) break;
@@ -505,20 +506,17 @@ bool UcxCore::accept_boot(Boot& b, const BootFrame& request) {
   Result<ucp_ep_h> ep = peer_ep(request.instance, request.address);
   if (!ep.ok()) {
     PSLD_LOG_WARN("ucx: cannot accept a connection from {}: {}", b.peer, ep.status().message());
-    refuse_boot(b, "the acceptor cannot reach this process's UCX worker", "its worker is unreachable");
+    refuse_boot(b, "the acceptor cannot reach this process's UCX worker",
+                "its worker is unreachable");
     return true;
   }
-  auto conn = std::make_shared<UcxConnection>(this, weak_from_this(), false,
-                                              fmt::format("ucx {}", b.peer));
+  auto conn =
+      std::make_shared<UcxConnection>(this, weak_from_this(), false, fmt::format("ucx {}", b.peer));
   conn->ep_ = *ep;
   conn->peer_token_ = request.token;
   conn->boot_instance_ = request.instance;
   // Invisible to the application until the dialer's hello arrives.
-  conn->handshake_deadline_ = deadline();
-  ++handshaking_;
-  conns_[conn->id()] = conn;
-  by_token_[conn->token_] = conn;
-  conn->rx_ring_ = allocate_ring();
+  track_handshake(conn);
 
   BootFrame accept;
   accept.type = BootType::kAccept;

@@ -1037,6 +1037,8 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   // Ends a boot (closing its socket); fail_boot also fails its connection.
   void end_boot(int fd) REQUIRES(mu_);
   void fail_boot(Boot& b, const Status& why) REQUIRES(mu_);
+  // A new connection in its handshake: its deadline, the tables, its ring.
+  void track_handshake(const ConnPtr& conn) REQUIRES(mu_);
   void expire_boots(Clock::time_point now) REQUIRES(mu_);
   // The endpoint shared by every connection to the peer transport
   // `instance`, made from its worker address the first time.

@@ -33,11 +33,9 @@ void UcxCore::shutdown() {
       for (auto& [fd, b] : boots_)
         boots.push_back(fd);
       for (int fd : boots) {
-        auto it = boots_.find(fd);
-        if (it == boots_.end()) continue;
-        ConnPtr conn = it->second->conn;
-        end_boot(fd);
-        if (conn) close_locked(*conn, Aborted("transport shut down"), false);
+        if (auto it = boots_.find(fd); it != boots_.end()) {
+          fail_boot(*it->second, Aborted("transport shut down"));
+        }
       }
       std::vector<ConnPtr> conns;
       for (auto& [id, conn] : conns_)

@@ -106,17 +106,21 @@ Result<ConnectionPtr> UcxCore::connect(std::span<const uint8_t> peer_address) {
     if (worker_ == nullptr || shut_) return Unavailable("UCX transport is shut down");
     conn =
         std::make_shared<UcxConnection>(this, weak_from_this(), true, fmt::format("ucx {}", where));
-    conn->handshake_deadline_ = deadline();
     // The bootstrap first (bootstrap.cc); the hello goes once it made the
     // endpoint, and writes and sends issued meanwhile are queued.
     PSLD_RETURN_IF_ERROR(start_dial(sa, sa_len, where, conn));
-    ++handshaking_;
-    conns_[conn->id()] = conn;
-    by_token_[conn->token_] = conn;
-    conn->rx_ring_ = allocate_ring();
+    track_handshake(conn);
   }
   maybe_wake();
   return ConnectionPtr(conn);
+}
+
+void UcxCore::track_handshake(const ConnPtr& conn) {
+  conn->handshake_deadline_ = deadline();
+  ++handshaking_;
+  conns_[conn->id()] = conn;
+  by_token_[conn->token_] = conn;
+  conn->rx_ring_ = allocate_ring();
 }
 
 std::vector<uint8_t> UcxCore::hello_payload(const UcxConnection& conn) const {
