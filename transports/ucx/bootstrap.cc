@@ -14,6 +14,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 
 #include "base/log.h"
 #include "transports/ucx/core.h"
@@ -87,6 +88,8 @@ std::vector<uint8_t> ucx_detail::encode_boot_frame(const BootFrame& f) {
     case BootType::kRefuse:
       w.str(f.reason);
       break;
+    case BootType::kBye:
+      break;
   }
   std::vector<uint8_t> out = w.take();
   store_le(out.data(), out.size() - 4, 4);
@@ -133,6 +136,9 @@ ptrdiff_t ucx_detail::decode_boot_frame(std::span<const uint8_t> input, BootFram
       break;
     case BootType::kRefuse:
       ok = r.str(&f->reason, kMaxBootReason);
+      break;
+    case BootType::kBye:
+      ok = true;
       break;
     default:
       return -1;
@@ -272,10 +278,13 @@ void UcxCore::poll_boots() {
   epoll_event ev[32];
   const int n = ::epoll_wait(boot_epfd_, ev, 32, 0);
   for (int i = 0; i < n; ++i) {
-    if (ev[i].data.fd == listen_fd_) {
+    const int fd = ev[i].data.fd;
+    if (fd == listen_fd_) {
       accept_boots();
+    } else if (watches_.count(fd) != 0) {
+      step_watch(fd);
     } else {
-      step_boot(ev[i].data.fd, ev[i].events);
+      step_boot(fd, ev[i].events);
     }
   }
 }
@@ -320,15 +329,30 @@ void UcxCore::accept_boots() {
   }
 }
 
-void UcxCore::end_boot(int fd) {
+std::unique_ptr<Boot> UcxCore::detach_boot(int fd) {
   auto it = boots_.find(fd);
-  if (it == boots_.end()) return;
+  if (it == boots_.end()) return nullptr;
   std::unique_ptr<Boot> b = std::move(it->second);
   boots_.erase(it);
-  ::epoll_ctl(boot_epfd_, EPOLL_CTL_DEL, fd, nullptr);
   if (!b->dialer) --accepting_boots_;
   if (b->conn && b->conn->boot_fd_ == fd) b->conn->boot_fd_ = -1;
+  return b;
+}
+
+void UcxCore::end_boot(int fd) {
+  std::unique_ptr<Boot> b = detach_boot(fd);
+  if (!b) return;
+  ::epoll_ctl(boot_epfd_, EPOLL_CTL_DEL, fd, nullptr);
   b->chan.close();
+}
+
+void UcxCore::set_boot_events(int fd, uint32_t* have, uint32_t want) {
+  if (want == *have) return;
+  epoll_event ev{};
+  ev.events = want;
+  ev.data.fd = fd;
+  ::epoll_ctl(boot_epfd_, EPOLL_CTL_MOD, fd, &ev);
+  *have = want;
 }
 
 void UcxCore::fail_boot(Boot& b, const Status& why) {
@@ -392,14 +416,7 @@ void UcxCore::step_boot(int fd, uint32_t events) {
     return fail_boot(
         b, Unavailable(fmt::format("{} closed the connection during the bootstrap", b.peer)));
   }
-  const uint32_t want = EPOLLIN | (b.chan.has_pending_output() ? EPOLLOUT : 0u);
-  if (want != b.events) {
-    epoll_event ev{};
-    ev.events = want;
-    ev.data.fd = fd;
-    ::epoll_ctl(boot_epfd_, EPOLL_CTL_MOD, fd, &ev);
-    b.events = want;
-  }
+  set_boot_events(fd, &b.events, EPOLLIN | (b.chan.has_pending_output() ? EPOLLOUT : 0u));
 }
 
 bool UcxCore::on_boot_frame(Boot& b, const BootFrame& f) {
@@ -450,11 +467,17 @@ bool UcxCore::on_boot_frame(Boot& b, const BootFrame& f) {
                          b.peer)));
         return false;
       }
-      // end_boot destroys `b`: what is needed of it is taken first.
+      // detach_boot destroys `b`: what is needed of it is taken first.
       ConnPtr conn = b.conn;
       const uint64_t instance = b.challenge.instance;
-      end_boot(fd);
-      if (conn->state_ != UcxConnection::State::kHandshake) return false;  // closed meanwhile
+      std::unique_ptr<Boot> done = detach_boot(fd);
+      if (conn->state_ != UcxConnection::State::kHandshake) {  // closed meanwhile
+        ::epoll_ctl(boot_epfd_, EPOLL_CTL_DEL, fd, nullptr);
+        return false;
+      }
+      // The socket stays, as the connection's watch: closing the connection
+      // (close_locked) closes it.
+      start_watch(conn, std::move(done->chan), done->peer);
       Result<ucp_ep_h> ep = peer_ep(instance, f.address);
       if (!ep.ok()) {
         close_locked(*conn, ep.status(), false);
@@ -523,14 +546,96 @@ bool UcxCore::accept_boot(Boot& b, const BootFrame& request) {
   accept.token = conn->token_;
   accept.address = worker_address_;
   accept.proof = boot_proof(options_.common.secret, b.challenge, request, &accept);
+  const int fd = b.chan.fd();
   const Status s = b.chan.send(encode_boot_frame(accept));
   if (!s.ok()) {
+    end_boot(fd);
     close_locked(*conn, s, false);
-    end_boot(b.chan.fd());
     return false;
   }
-  b.stage = Boot::Stage::kClosing;
-  return true;
+  // The socket stays, as the connection's watch (the accept may still be
+  // in its output: the watch sends it).
+  std::unique_ptr<Boot> done = detach_boot(fd);
+  start_watch(conn, std::move(done->chan), done->peer);
+  return false;
+}
+
+// ---------------------------------------------------------------------------
+// Watches
+
+void UcxCore::start_watch(const ConnPtr& conn, SideChannel chan, const std::string& peer) {
+  auto w = std::make_unique<Watch>();
+  const int fd = chan.fd();
+  w->chan = std::move(chan);
+  w->conn = conn;
+  w->peer = peer;
+  w->events = 0;  // set below: epoll_ctl MOD needs a change to make
+  conn->watch_fd_ = fd;
+  Watch& watch = *w;
+  watches_[fd] = std::move(w);
+  set_boot_events(fd, &watch.events, EPOLLIN | (watch.chan.has_pending_output() ? EPOLLOUT : 0u));
+}
+
+void UcxCore::step_watch(int fd) {
+  auto it = watches_.find(fd);
+  if (it == watches_.end()) return;
+  Watch& w = *it->second;
+  Status s = w.chan.flush();
+  if (s.ok()) s = w.chan.read_available();
+  bool garbage = false;
+  for (;;) {
+    BootFrame f;
+    const ptrdiff_t n = decode_boot_frame(w.chan.input(), &f);
+    if (n == 0) break;
+    if (n < 0 || f.type != BootType::kBye) {
+      garbage = true;
+      break;
+    }
+    w.chan.consume(static_cast<size_t>(n));
+    w.bye_seen = true;
+  }
+  if (garbage) {
+    ++rejected_messages_;
+    ConnPtr conn = w.conn;
+    close_locked(*conn,
+                 DataLoss(fmt::format("{} sent bytes on the connection's bootstrap socket that "
+                                      "are not psld's (the socket is closed with the connection)",
+                                      w.peer)),
+                 false);
+    return;
+  }
+  if (!s.ok() || w.chan.eof()) {
+    if (w.bye_seen) return end_watch(fd, false);  // its UCX bye closes the connection
+    // Gone without a word: its process ended (the kernel closed the socket)
+    // or it dropped the connection. What it published before is delivered
+    // first, as with a bye.
+    ConnPtr conn = w.conn;
+    const std::string peer = w.peer;
+    drain_ring(conn, std::numeric_limits<uint64_t>::max(), false);
+    close_locked(*conn,
+                 Unavailable(fmt::format("connection to {} lost: the peer's process ended, or it "
+                                         "dropped the connection (its bootstrap socket closed "
+                                         "without a goodbye)",
+                                         peer)),
+                 false);
+    return;
+  }
+  set_boot_events(fd, &w.events, EPOLLIN | (w.chan.has_pending_output() ? EPOLLOUT : 0u));
+}
+
+void UcxCore::end_watch(int fd, bool say_bye) {
+  auto it = watches_.find(fd);
+  if (it == watches_.end()) return;
+  std::unique_ptr<Watch> w = std::move(it->second);
+  watches_.erase(it);
+  if (say_bye) {
+    BootFrame bye;
+    bye.type = BootType::kBye;
+    (void)w->chan.send(encode_boot_frame(bye));  // 10 bytes into an idle socket: best effort
+  }
+  ::epoll_ctl(boot_epfd_, EPOLL_CTL_DEL, fd, nullptr);
+  if (w->conn && w->conn->watch_fd_ == fd) w->conn->watch_fd_ = -1;
+  w->chan.close();
 }
 
 void UcxCore::expire_boots(Clock::time_point now) {

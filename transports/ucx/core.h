@@ -109,6 +109,16 @@ constexpr size_t kTokenBytes = 8;
 //               proof_d
 //   kAccept     acceptor -> dialer: token_a, address_a, proof_a
 //   kRefuse     acceptor -> dialer: why (text), then the acceptor closes
+//   kBye        either way, after the bootstrap: this side closes the
+//               connection (its active-message bye follows over UCX)
+//
+// After the accept the socket stays open for the connection's life, as its
+// watch (Watch): the kernel closes it when the process ends, however it
+// ends, so an end of stream without a kBye before it says the peer is gone,
+// within milliseconds. UCX alone found that only by keep-alive over shared
+// memory (op_timeout / 4), which left workers waiting on a killed server for
+// seconds. A stopped or cut-off peer keeps its socket open: liveness
+// heartbeats find that one (lib/runtime).
 //
 // A proof is an HMAC-SHA256 keyed by the secret (CommonOptions::secret, may
 // be empty) over a label, the side, both nonces, both instances, the tokens
@@ -129,7 +139,7 @@ constexpr size_t kMaxBootFrame = kMaxWorkerAddress + 256;
 // most ~2 * kMaxBootFrame of buffers.
 constexpr size_t kMaxAcceptingBoots = 256;
 
-enum class BootType : uint8_t { kChallenge = 1, kRequest, kAccept, kRefuse };
+enum class BootType : uint8_t { kChallenge = 1, kRequest, kAccept, kRefuse, kBye };
 using BootNonce = std::array<uint8_t, kBootNonceBytes>;
 using BootProof = std::array<uint8_t, kBootProofBytes>;
 
@@ -648,9 +658,11 @@ class UcxConnection final : public Connection, public std::enable_shared_from_th
   const uint64_t token_ = random_token();
   uint64_t peer_token_ = 0;  // guarded by UcxCore::mu_
   // The peer's instance as the bootstrap authenticated it (its hello must
-  // say the same), and the bootstrap's socket while it runs (-1 after).
+  // say the same), the bootstrap's socket while it runs (-1 after), and the
+  // same socket as the connection's watch once it ran (-1 before and after).
   uint64_t boot_instance_ = 0;
   int boot_fd_ = -1;
+  int watch_fd_ = -1;
   std::weak_ptr<UcxCore> core_;
   // The same core, for UcxCore::write_through_ring only, which uses it only
   // while this connection's tx_ring_ is set (see there).
@@ -787,6 +799,16 @@ struct Boot {
   std::shared_ptr<UcxConnection> conn;  // the dialer's connection
   BootFrame challenge;                  // acceptor: sent; dialer: received
   BootFrame request;                    // dialer: sent
+};
+
+// A finished bootstrap's socket, kept open while its connection lives (see
+// kBye): its end of stream without a kBye is the peer's death.
+struct Watch {
+  SideChannel chan;
+  std::shared_ptr<UcxConnection> conn;
+  std::string peer;
+  bool bye_seen = false;  // the peer closes the connection; its UCX bye follows
+  uint32_t events = 0;
 };
 
 // ---------------------------------------------------------------------------
@@ -1032,10 +1054,19 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   void step_boot(int fd, uint32_t events) REQUIRES(mu_);
   // Handles one frame; false when the boot ended.
   bool on_boot_frame(Boot& b, const BootFrame& f) REQUIRES(mu_);
+  // Accepts (the boot becomes a watch) or refuses; true while the boot goes on.
   bool accept_boot(Boot& b, const BootFrame& request) REQUIRES(mu_);
   void refuse_boot(Boot& b, const char* tell, const char* log) REQUIRES(mu_);
   // Ends a boot (closing its socket); fail_boot also fails its connection.
   void end_boot(int fd) REQUIRES(mu_);
+  // Takes a boot off the tables, its socket still open (still in the epoll set).
+  std::unique_ptr<Boot> detach_boot(int fd) REQUIRES(mu_);
+  // The watch of a connection whose bootstrap finished (struct Watch).
+  void start_watch(const ConnPtr& conn, SideChannel chan, const std::string& peer) REQUIRES(mu_);
+  void step_watch(int fd) REQUIRES(mu_);
+  // Closes a watch's socket, after a kBye if `say_bye`.
+  void end_watch(int fd, bool say_bye) REQUIRES(mu_);
+  void set_boot_events(int fd, uint32_t* have, uint32_t want) REQUIRES(mu_);
   void fail_boot(Boot& b, const Status& why) REQUIRES(mu_);
   // A new connection in its handshake: its deadline, the tables, its ring.
   void track_handshake(const ConnPtr& conn) REQUIRES(mu_);
@@ -1099,6 +1130,9 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   std::vector<ucp_ep_h> dead_eps_ GUARDED_BY(mu_);
   std::map<int, std::unique_ptr<Boot>> boots_ GUARDED_BY(mu_);
   size_t accepting_boots_ GUARDED_BY(mu_) = 0;
+  // Not in boots_: boots_ being empty is what lets progress() and wait() go
+  // back to their idle pace.
+  std::map<int, std::unique_ptr<Watch>> watches_ GUARDED_BY(mu_);
   // Hosts whose refusal was logged (bounded): a flood is one line.
   std::set<std::string> refused_hosts_ GUARDED_BY(mu_);
   std::vector<Event> events_ GUARDED_BY(mu_);

@@ -158,6 +158,7 @@ void UcxCore::close_locked(UcxConnection& conn, const Status& why, bool send_bye
   conn.state_ = UcxConnection::State::kClosed;
   conn.open_ = false;
   if (conn.boot_fd_ >= 0) end_boot(conn.boot_fd_);
+  if (conn.watch_fd_ >= 0) end_watch(conn.watch_fd_, send_bye);
   release_rings(conn);
   for (auto& r : pending_.fail_connection(conn.id(), why))
     push_completion(std::move(r));
