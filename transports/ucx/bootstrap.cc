@@ -281,8 +281,8 @@ void UcxCore::poll_boots() {
     const int fd = ev[i].data.fd;
     if (fd == listen_fd_) {
       accept_boots();
-    } else if (watches_.count(fd) != 0) {
-      step_watch(fd);
+    } else if (auto w = watches_.find(fd); w != watches_.end()) {
+      step_watch(*w->second);
     } else {
       step_boot(fd, ev[i].events);
     }
@@ -346,12 +346,13 @@ void UcxCore::end_boot(int fd) {
   b->chan.close();
 }
 
-void UcxCore::set_boot_events(int fd, uint32_t* have, uint32_t want) {
+void UcxCore::watch_socket(const SideChannel& chan, uint32_t* have) {
+  const uint32_t want = EPOLLIN | (chan.has_pending_output() ? EPOLLOUT : 0u);
   if (want == *have) return;
   epoll_event ev{};
   ev.events = want;
-  ev.data.fd = fd;
-  ::epoll_ctl(boot_epfd_, EPOLL_CTL_MOD, fd, &ev);
+  ev.data.fd = chan.fd();
+  ::epoll_ctl(boot_epfd_, EPOLL_CTL_MOD, chan.fd(), &ev);
   *have = want;
 }
 
@@ -416,7 +417,7 @@ void UcxCore::step_boot(int fd, uint32_t events) {
     return fail_boot(
         b, Unavailable(fmt::format("{} closed the connection during the bootstrap", b.peer)));
   }
-  set_boot_events(fd, &b.events, EPOLLIN | (b.chan.has_pending_output() ? EPOLLOUT : 0u));
+  watch_socket(b.chan, &b.events);
 }
 
 bool UcxCore::on_boot_frame(Boot& b, const BootFrame& f) {
@@ -467,17 +468,16 @@ bool UcxCore::on_boot_frame(Boot& b, const BootFrame& f) {
                          b.peer)));
         return false;
       }
-      // detach_boot destroys `b`: what is needed of it is taken first.
+      // start_watch destroys `b`: what is needed of it is taken first.
       ConnPtr conn = b.conn;
       const uint64_t instance = b.challenge.instance;
-      std::unique_ptr<Boot> done = detach_boot(fd);
       if (conn->state_ != UcxConnection::State::kHandshake) {  // closed meanwhile
-        ::epoll_ctl(boot_epfd_, EPOLL_CTL_DEL, fd, nullptr);
+        end_boot(fd);
         return false;
       }
       // The socket stays, as the connection's watch: closing the connection
       // (close_locked) closes it.
-      start_watch(conn, std::move(done->chan), done->peer);
+      start_watch(fd, conn);
       Result<ucp_ep_h> ep = peer_ep(instance, f.address);
       if (!ep.ok()) {
         close_locked(*conn, ep.status(), false);
@@ -555,31 +555,28 @@ bool UcxCore::accept_boot(Boot& b, const BootFrame& request) {
   }
   // The socket stays, as the connection's watch (the accept may still be
   // in its output: the watch sends it).
-  std::unique_ptr<Boot> done = detach_boot(fd);
-  start_watch(conn, std::move(done->chan), done->peer);
+  start_watch(fd, conn);
   return false;
 }
 
 // ---------------------------------------------------------------------------
 // Watches
 
-void UcxCore::start_watch(const ConnPtr& conn, SideChannel chan, const std::string& peer) {
+void UcxCore::start_watch(int fd, const ConnPtr& conn) {
+  std::unique_ptr<Boot> b = detach_boot(fd);
   auto w = std::make_unique<Watch>();
-  const int fd = chan.fd();
-  w->chan = std::move(chan);
+  w->chan = std::move(b->chan);
   w->conn = conn;
-  w->peer = peer;
-  w->events = 0;  // set below: epoll_ctl MOD needs a change to make
+  w->peer = std::move(b->peer);
+  w->events = b->events;  // what epoll watches already
   conn->watch_fd_ = fd;
   Watch& watch = *w;
   watches_[fd] = std::move(w);
-  set_boot_events(fd, &watch.events, EPOLLIN | (watch.chan.has_pending_output() ? EPOLLOUT : 0u));
+  watch_socket(watch.chan, &watch.events);
 }
 
-void UcxCore::step_watch(int fd) {
-  auto it = watches_.find(fd);
-  if (it == watches_.end()) return;
-  Watch& w = *it->second;
+void UcxCore::step_watch(Watch& w) {
+  const int fd = w.chan.fd();
   Status s = w.chan.flush();
   if (s.ok()) s = w.chan.read_available();
   bool garbage = false;
@@ -620,7 +617,7 @@ void UcxCore::step_watch(int fd) {
                  false);
     return;
   }
-  set_boot_events(fd, &w.events, EPOLLIN | (w.chan.has_pending_output() ? EPOLLOUT : 0u));
+  watch_socket(w.chan, &w.events);
 }
 
 void UcxCore::end_watch(int fd, bool say_bye) {

@@ -1061,12 +1061,14 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   void end_boot(int fd) REQUIRES(mu_);
   // Takes a boot off the tables, its socket still open (still in the epoll set).
   std::unique_ptr<Boot> detach_boot(int fd) REQUIRES(mu_);
-  // The watch of a connection whose bootstrap finished (struct Watch).
-  void start_watch(const ConnPtr& conn, SideChannel chan, const std::string& peer) REQUIRES(mu_);
-  void step_watch(int fd) REQUIRES(mu_);
+  // Turns the finished boot on `fd` into the watch of `conn` (struct Watch).
+  void start_watch(int fd, const ConnPtr& conn) REQUIRES(mu_);
+  void step_watch(Watch& w) REQUIRES(mu_);
   // Closes a watch's socket, after a kBye if `say_bye`.
   void end_watch(int fd, bool say_bye) REQUIRES(mu_);
-  void set_boot_events(int fd, uint32_t* have, uint32_t want) REQUIRES(mu_);
+  // What epoll watches on a boot's or a watch's socket: input, and room for
+  // output while some waits.
+  void watch_socket(const SideChannel& chan, uint32_t* have) REQUIRES(mu_);
   void fail_boot(Boot& b, const Status& why) REQUIRES(mu_);
   // A new connection in its handshake: its deadline, the tables, its ring.
   void track_handshake(const ConnPtr& conn) REQUIRES(mu_);
