@@ -126,12 +126,17 @@ TEST(EmulatedLink, IngressShapingPacesNotifications) {
 }
 
 // A heartbeat on one connection must not queue behind another connection's
-// bulk backlog: the link serves connections in turn, one operation each, so
-// a message on an idle connection waits for at most one write of each busy
-// one. (One FIFO for the whole link once held a server's control messages
-// for seconds behind 256 MiB of pushes, and the failure detector declared
-// the slow server dead.) Within a connection, order is kept.
-void expect_message_overtakes_backlog(bool shape_egress) {
+// bulk backlog: the link shares itself among connections by bytes (fair
+// queuing), so a message on an idle connection waits for at most about one
+// write of each busy one. (One FIFO for the whole link once held a server's
+// control messages for seconds behind 256 MiB of pushes, and the failure
+// detector declared the slow server dead.) A connection that sends many
+// small messages gets its share by bytes too, not one message per turn:
+// served one operation each, a coordinator's four messages a second queued
+// behind 4 MiB writes without bound, and a slow server's coordinator fell
+// silent for longer than the heartbeat timeout. Within a connection, order
+// is kept.
+void expect_messages_overtake_backlog(bool shape_egress, size_t messages) {
   LinkOptions slow;
   (shape_egress ? slow.egress_bytes_per_second : slow.ingress_bytes_per_second) = 100e6;
   LinkOptions unlimited;
@@ -143,26 +148,36 @@ void expect_message_overtakes_backlog(bool shape_egress) {
   constexpr uint64_t kWrites = 40;  // ~10.5 MB: ~0.1 s at 100 MB/s
   p.issue(kWrites);
   const uint8_t heartbeat[] = {7};
-  ASSERT_TRUE(control->send(heartbeat, nullptr).ok());
+  for (size_t i = 0; i < messages; ++i)
+    ASSERT_TRUE(control->send(heartbeat, nullptr).ok());
   p.writes_at(t0);  // everything reaches the link now
   // Delivered after the first write or two (those the burst let through and
   // the one in service), long before the backlog ends.
   const auto backlog_done = t0 + carry(kWrites * kOpBytes - kBurst, 100'000'000);
   p.writes_at(t0 + carry(2 * kOpBytes, 100'000'000));
-  EXPECT_EQ(p.server_rec.num_messages(), 1u);
+  EXPECT_EQ(p.server_rec.num_messages(), messages);
   EXPECT_LE(p.server_rec.num_writes(), 3u);
   // The bulk connection's writes still arrive in order and all of them, by
-  // the time the link has carried them and the heartbeat's few bytes.
-  p.writes_at(backlog_done + carry(LinkOptions{}.per_op_overhead_bytes + 1, 100'000'000));
+  // the time the link has carried them and the heartbeats' few bytes.
+  p.writes_at(backlog_done +
+              carry(messages * (LinkOptions{}.per_op_overhead_bytes + 1), 100'000'000));
   EXPECT_EQ(p.server_rec.num_writes(), kWrites);
 }
 
 TEST(EmulatedLink, AMessageOnAnIdleConnectionOvertakesAnotherConnectionsBacklogOnEgress) {
-  expect_message_overtakes_backlog(true);
+  expect_messages_overtake_backlog(true, 1);
 }
 
 TEST(EmulatedLink, AMessageOnAnIdleConnectionOvertakesAnotherConnectionsBacklogOnIngress) {
-  expect_message_overtakes_backlog(false);
+  expect_messages_overtake_backlog(false, 1);
+}
+
+TEST(EmulatedLink, ManySmallMessagesShareTheLinkByBytesOnEgress) {
+  expect_messages_overtake_backlog(true, 20);
+}
+
+TEST(EmulatedLink, ManySmallMessagesShareTheLinkByBytesOnIngress) {
+  expect_messages_overtake_backlog(false, 20);
 }
 
 TEST(EmulatedLink, LatencyIsAddedToEveryOperation) {
@@ -237,7 +252,7 @@ TEST(EmulatedLink, ShutdownFailsHeldOperationsOnce) {
   for (int i = 0; i < 8; ++i) {
     ASSERT_TRUE(p.conn
                     ->write({p.src.get(), 0, p.remote.get(), 0, kChunk, static_cast<uint32_t>(i)},
-                            [&, i](Status s) {
+                            [&, i](const Status& s) {
                               ++calls[i];
                               results[i] = s;
                             })

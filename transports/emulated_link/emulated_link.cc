@@ -152,7 +152,7 @@ class LinkTransport final : public ForwardingTransport<std::unique_ptr<Transport
       std::lock_guard<std::mutex> lock(mu_);
       auto next = queue_.empty() ? Clock::time_point::max() : queue_.begin()->first.first;
       for (const Direction* d : {&egress_, &ingress_}) {
-        if (!d->queues.empty()) next = std::min(next, d->shaper.free_at());
+        if (!d->flows.empty()) next = std::min(next, d->shaper.free_at());
       }
       if (next != Clock::time_point::max()) {
         const auto until = next - time_.now();
@@ -174,12 +174,12 @@ class LinkTransport final : public ForwardingTransport<std::unique_ptr<Transport
       for (auto& [when, action] : queue_)
         held.push_back(std::move(action));
       queue_.clear();
-      for (auto& [conn, ops] : egress_.queues) {
-        for (auto& op : ops)
+      for (auto& [conn, flow] : egress_.flows) {
+        for (auto& op : flow.ops)
           held.push_back(std::move(op.action));
       }
-      egress_.queues.clear();
-      ingress_.queues.clear();
+      egress_.flows.clear();
+      ingress_.flows.clear();
     }
     if (inner_) inner_->shutdown();
     for (auto& action : held) {
@@ -233,22 +233,33 @@ class LinkTransport final : public ForwardingTransport<std::unique_ptr<Transport
     std::shared_ptr<HeldCompletion> held;  // egress only
   };
   // One direction of the link. Operations wait in per-connection FIFOs and
-  // the link serves the connections in turn, one operation each, as a NIC's
-  // queues and the kernel's fair queuing serve flows; within a connection
-  // order is kept. So a heartbeat on the coordinator's connection waits for
-  // at most one operation of each busy connection, never for the whole bulk
-  // backlog behind a slow link (liveness must not depend on how full the
-  // data path is).
+  // the link shares itself among the connections by bytes, as fair queuing
+  // does (self-clocked: each operation is tagged with its connection's
+  // finish time in bytes, counted from the tag of the one in service when
+  // it arrived, and the smallest tag goes next); within a connection order
+  // is kept. So a heartbeat on the coordinator's connection waits for at
+  // most about one operation of each busy connection, and a connection that
+  // sends many small messages gets its share of the bytes rather than one
+  // message per turn: served one operation each, the coordinator's messages
+  // (four a second) queued behind 4 MiB writes at 0.4 s each, without
+  // bound, until a slow server's coordinator fell silent for seconds.
   struct Pending {
     uint64_t bytes;
     Clock::time_point queued;
+    uint64_t tag;  // its connection's finish time, in bytes
+    uint64_t seq;  // ties go to the one queued first
     Action action;
+  };
+  struct Flow {
+    std::deque<Pending> ops;
+    uint64_t last_tag = 0;
   };
   struct Direction {
     Shaper shaper;
     Clock::duration latency{0};
-    std::map<uint64_t, std::deque<Pending>> queues;  // by connection id
-    uint64_t last_served = 0;
+    std::map<uint64_t, Flow> flows;  // by connection id; only those with something waiting
+    uint64_t virtual_bytes = 0;      // the tag of the operation served last
+    uint64_t seq = 0;
   };
 
   void ingress(uint64_t conn, uint64_t bytes, std::function<void()> fn) {
@@ -259,22 +270,32 @@ class LinkTransport final : public ForwardingTransport<std::unique_ptr<Transport
   // Called with mu_ held.
   void enqueue(Direction& d, uint64_t conn, uint64_t bytes, Action action) {
     const auto now = time_.now();
-    d.queues[conn].push_back(Pending{bytes, now, std::move(action)});
+    Flow& flow = d.flows[conn];
+    // A connection that had emptied its queue starts again from the link's
+    // present, not from its own past (which would let it catch up a burst).
+    flow.last_tag = std::max(flow.last_tag, d.virtual_bytes) + bytes;
+    flow.ops.push_back(Pending{bytes, now, flow.last_tag, d.seq++, std::move(action)});
     serve(d, now);
   }
 
-  // Hands the link, while it is free by `now`, to the next connection after
-  // the last one served that has something waiting: its operation is released
-  // when its last byte would have left, counted from when it was queued (a
-  // progress() call that comes late changes nothing). Called with mu_ held.
+  // Hands the link, while it is free by `now`, to the waiting operation with
+  // the smallest tag: it is released when its last byte would have left,
+  // counted from when it was queued (a progress() call that comes late
+  // changes nothing). A connection leaves `flows` when its queue empties:
+  // its last tag is then no later than virtual_bytes, so nothing is lost.
+  // Called with mu_ held.
   void serve(Direction& d, Clock::time_point now) {
-    while (!d.queues.empty() && d.shaper.free_at() <= now) {
-      auto it = d.queues.upper_bound(d.last_served);
-      if (it == d.queues.end()) it = d.queues.begin();
-      d.last_served = it->first;
-      Pending op = std::move(it->second.front());
-      it->second.pop_front();
-      if (it->second.empty()) d.queues.erase(it);
+    while (!d.flows.empty() && d.shaper.free_at() <= now) {
+      auto next = d.flows.begin();
+      for (auto it = std::next(next); it != d.flows.end(); ++it) {
+        const Pending& a = it->second.ops.front();
+        const Pending& b = next->second.ops.front();
+        if (a.tag < b.tag || (a.tag == b.tag && a.seq < b.seq)) next = it;
+      }
+      Pending op = std::move(next->second.ops.front());
+      next->second.ops.pop_front();
+      if (next->second.ops.empty()) d.flows.erase(next);
+      d.virtual_bytes = std::max(d.virtual_bytes, op.tag);
       const auto at = d.shaper.release(op.bytes, op.queued) + d.latency;
       queue_.emplace(std::make_pair(at, seq_++), std::move(op.action));
     }
