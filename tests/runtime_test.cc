@@ -480,12 +480,14 @@ TEST_P(Runtime, StalenessBoundsHowFarAheadAFastWorkerRuns) {
 // a WorkerService never does: requests for keys the server does not own.
 class RawWorker final : public ProcessRuntime {
  public:
-  // listen: also accepts connections (a stand-in for a coordinator).
-  static Result<std::unique_ptr<RawWorker>> start(const NetOptions& options, bool listen = false) {
+  // listen: also accepts connections (a stand-in for a coordinator). The
+  // job's secret gets it past the transport's own door (the ucx bootstrap),
+  // so that what it says is the protocol's to judge.
+  static Result<std::unique_ptr<RawWorker>> start(const RuntimeOptions& job, bool listen = false) {
     std::unique_ptr<RawWorker> r(new RawWorker);
-    NetOptions ep = options;
+    NetOptions ep = job.net;
     if (!listen) ep.options.common.listen_address.clear();
-    PSLD_RETURN_IF_ERROR(r->ProcessRuntime::start(ep));
+    PSLD_RETURN_IF_ERROR(r->ProcessRuntime::start(ep, job.secret));
     return r;
   }
   Result<transport::ConnectionPtr> next_accepted(std::chrono::milliseconds timeout) {
@@ -526,6 +528,15 @@ class RawWorker final : public ProcessRuntime {
     std::lock_guard<std::mutex> lock(mu_);
     return writes_.count(tag) > 0;
   }
+  // Why the transport closed `conn`; nothing while it is still open.
+  std::optional<Status> closed_why(const transport::ConnectionPtr& conn,
+                                   std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!cv_.wait_for(lock, timeout, [&] { return closed_.count(conn->id()) > 0; })) {
+      return std::nullopt;
+    }
+    return closed_[conn->id()];
+  }
 
  private:
   RawWorker() = default;
@@ -550,6 +561,13 @@ class RawWorker final : public ProcessRuntime {
     }
     cv_.notify_all();
   }
+  void on_disconnect(const transport::ConnectionPtr& conn, const Status& why) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      closed_[conn->id()] = why;
+    }
+    cv_.notify_all();
+  }
   std::string describe_inbox() const {  // mu_ held
     std::string out;
     for (const auto& m : inbox_)
@@ -562,6 +580,7 @@ class RawWorker final : public ProcessRuntime {
   std::vector<protocol::Message> inbox_;
   std::map<uint32_t, uint64_t> writes_;  // notify tag -> length
   std::vector<transport::ConnectionPtr> accepted_;
+  std::map<uint64_t, Status> closed_;  // connection id -> why
 };
 
 // docs/runtime.md: "A request for a key the server does not own is answered
@@ -590,7 +609,7 @@ TEST_P(Runtime, ARequestForAKeyTheServerDoesNotOwnIsAnsweredMoved) {
   std::vector<float> source(tensor.size());
   for (size_t i = 0; i < source.size(); ++i)
     source[i] = static_cast<float>(i % 1000);
-  auto raw_or = RawWorker::start(c.base.net);
+  auto raw_or = RawWorker::start(c.base);
   ASSERT_TRUE(raw_or.ok()) << raw_or.status().to_string();
   RawWorker& raw = **raw_or;
   auto conn_or = connect_text(raw.transport(), server.address());
@@ -772,9 +791,20 @@ TEST_P(Runtime, WrongSecretIsRefused) {
   RuntimeOptions o = c.base;
   o.coordinator_address = (*coord)->address();
   o.secret = "wrong";
+  const auto started = std::chrono::steady_clock::now();
   auto w = WorkerService::start(o);
   ASSERT_FALSE(w.ok());
-  EXPECT_NE(w.status().message().find("secret"), std::string::npos) << w.status().to_string();
+  EXPECT_EQ(w.status().code(), StatusCode::kFailedPrecondition) << w.status().to_string();
+  EXPECT_NE(w.status().message().find("wrong job secret"), std::string::npos)
+      << w.status().to_string();
+  // Refused, not retried until the connect timeout.
+  EXPECT_LT(std::chrono::steady_clock::now() - started, o.connect_timeout)
+      << w.status().to_string();
+  if (GetParam() == "ucx") {
+    // By the transport's bootstrap, before any UCX endpoint existed.
+    EXPECT_NE(w.status().message().find("refused the connection"), std::string::npos)
+        << w.status().to_string();
+  }
   (*coord)->shutdown();
 }
 
@@ -802,7 +832,7 @@ TEST_P(Runtime, UnadmittedConnectionsAreCappedAndClosedAtTheHelloDeadline) {
   ASSERT_TRUE(coord.ok()) << coord.status().to_string();
   c.coordinator = std::move(coord).value();
   c.base.coordinator_address = c.coordinator->address();
-  auto raw = RawWorker::start(c.base.net);
+  auto raw = RawWorker::start(c.base);
   ASSERT_TRUE(raw.ok()) << raw.status().to_string();
   constexpr size_t kCap = CoordinatorService::kMaxUnadmitted;
   std::vector<transport::ConnectionPtr> conns;
@@ -839,7 +869,7 @@ TEST_P(Runtime, AServerAdmitsOnlyPeersThatProveTheJobSecret) {
       1, 1, [](RuntimeOptions& o) { o.secret = "right"; }, GetParam());
   ASSERT_TRUE(c.start().ok());
   ServerService& server = *c.servers[0];
-  auto raw_or = RawWorker::start(c.base.net);
+  auto raw_or = RawWorker::start(c.base);
   ASSERT_TRUE(raw_or.ok()) << raw_or.status().to_string();
   RawWorker& raw = **raw_or;
   auto dial = [&] {
@@ -909,6 +939,32 @@ TEST_P(Runtime, AServerAdmitsOnlyPeersThatProveTheJobSecret) {
   expect_one_exact_push_pull(*c.workers[0]);
 }
 
+// Over ucx the job's secret is the transport's too: a dial to a server's
+// data port with another secret is refused by the server's bootstrap before
+// any UCX endpoint exists, so the protocol's own door never sees it.
+TEST(RuntimeUcx, TheServersBootstrapRefusesADialWithAnotherSecret) {
+  const auto backends = test_backends();
+  if (std::find(backends.begin(), backends.end(), "ucx") == backends.end()) {
+    GTEST_SKIP() << "this build has no ucx backend";
+  }
+  Cluster c(
+      1, 1, [](RuntimeOptions& o) { o.secret = "right"; }, "ucx");
+  ASSERT_TRUE(c.start().ok());
+  ServerService& server = *c.servers[0];
+  RuntimeOptions intruder = c.base;
+  intruder.secret = "wrong";
+  auto raw = RawWorker::start(intruder);
+  ASSERT_TRUE(raw.ok()) << raw.status().to_string();
+  auto conn = connect_text((*raw)->transport(), server.address());
+  ASSERT_TRUE(conn.ok()) << conn.status().to_string();
+  auto why = (*raw)->closed_why(*conn, 10s);
+  ASSERT_TRUE(why) << "the intruder's connection is still open after 10 s";
+  EXPECT_EQ(why->code(), StatusCode::kFailedPrecondition) << why->to_string();
+  EXPECT_NE(why->message().find("wrong job secret"), std::string::npos) << why->to_string();
+  EXPECT_EQ(server.num_refused(), 0u) << "the protocol's door saw the intruder";
+  expect_one_exact_push_pull(*c.workers[0]);
+}
+
 // The data port's door, as the coordinator's: kMaxWaiting connections may
 // wait for their handshake, more are refused at once, and the rest are
 // closed one heartbeat timeout (2 s) after they connected.
@@ -916,7 +972,7 @@ TEST_P(Runtime, AServerCapsAndTimesOutConnectionsThatDoNotShakeHands) {
   Cluster c(1, 1, nullptr, GetParam());
   ASSERT_TRUE(c.start().ok());
   ServerService& server = *c.servers[0];
-  auto raw = RawWorker::start(c.base.net);
+  auto raw = RawWorker::start(c.base);
   ASSERT_TRUE(raw.ok()) << raw.status().to_string();
   constexpr size_t kCap = Door::kMaxWaiting;
   std::vector<transport::ConnectionPtr> conns;
@@ -945,7 +1001,7 @@ TEST_P(Runtime, AServerCapsAndTimesOutConnectionsThatDoNotShakeHands) {
 TEST_P(Runtime, AMemberRefusesACoordinatorThatCannotProveTheSecret) {
   Cluster c(
       1, 1, [](RuntimeOptions& o) { o.secret = "right"; }, GetParam());
-  auto fake = RawWorker::start(c.base.net, /*listen=*/true);
+  auto fake = RawWorker::start(c.base, /*listen=*/true);
   ASSERT_TRUE(fake.ok()) << fake.status().to_string();
   RuntimeOptions o = c.base;
   o.coordinator_address = (*fake)->address();

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "base/log.h"
+#include "base/secret.h"
 #include "base/thread.h"
 #include "lib/placement/epoch_log.h"
 
@@ -50,7 +51,7 @@ Result<std::unique_ptr<CoordinatorService>> CoordinatorService::start(
     }
   }
   std::unique_ptr<CoordinatorService> c(new CoordinatorService(options));
-  PSLD_RETURN_IF_ERROR(c->ProcessRuntime::start(options.net));
+  PSLD_RETURN_IF_ERROR(c->ProcessRuntime::start(options.net, options.secret));
   if (options.balancer_enabled) {
     PSLD_ASSIGN_OR_RETURN(auto b, Balancer::make(options.balancer));
     MutexLock lock(c->mu_);
@@ -261,9 +262,7 @@ void CoordinatorService::handle_hello(Member& m, const protocol::Hello& hello) {
                               protocol::hello_proof(options_.secret, m.nonce, hello))) {
     // Told why, then closed: it has no business here, and a flood of them
     // is logged once per host (refuse).
-    post(m.conn, protocol::Reject{
-                     "wrong job secret (PSLD_JOB_SECRET or PSLD_SECRET_FILE must be the same on "
-                     "every process of the job)"});
+    post(m.conn, protocol::Reject{fmt::format("wrong job secret ({})", kSameSecretEverywhere)});
     door_.refuse("coordinator", m.conn, "it does not know the job secret");
     return;
   }

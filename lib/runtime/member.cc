@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include "base/log.h"
+#include "base/secret.h"
 #include "base/thread.h"
 
 namespace psld {
@@ -73,6 +74,12 @@ Status MemberSession::join(std::vector<uint8_t> listen_address) {
       coordinator_.reset();
       lock.unlock();
       (*conn)->close();
+      // A refusal (the transport's bootstrap heard a wrong job secret) is
+      // final: redialling until the deadline would only hide it.
+      if (last.code() == StatusCode::kFailedPrecondition) {
+        return FailedPrecondition(fmt::format("cannot join the coordinator at {}: {}",
+                                              options_.coordinator_address, last.message()));
+      }
     } else {
       last = conn.status();
     }
@@ -204,8 +211,8 @@ bool MemberSession::handle(const ConnectionPtr& conn, protocol::Message& message
                    w->proof, protocol::welcome_proof(options_.secret, *challenge_, hello_, *w))) {
       rejected_ = fmt::format(
           "the coordinator at {} did not prove it knows the job secret: another job's, or the "
-          "secret differs (PSLD_JOB_SECRET or PSLD_SECRET_FILE must be the same on every process)",
-          options_.coordinator_address);
+          "secret differs ({})",
+          options_.coordinator_address, kSameSecretEverywhere);
     } else {
       welcome_ = *w;
       welcomed_ = true;

@@ -8,7 +8,8 @@ ProcessRuntime::~ProcessRuntime() {
   stop();
 }
 
-Status ProcessRuntime::start(const NetOptions& options) {
+Status ProcessRuntime::start(NetOptions options, const std::string& job_secret) {
+  options.options.common.secret = job_secret;
   Result<std::unique_ptr<transport::Transport>> t =
       options.emulate_link
           ? transport::create_emulated_link(options.transport, options.options, options.link, this)

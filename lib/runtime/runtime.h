@@ -31,8 +31,11 @@ class ProcessRuntime : public transport::Handler {
   ~ProcessRuntime() override;
 
   // Creates the transport and starts its progress thread. Call once, from
-  // the subclass's factory, after the subclass is fully constructed.
-  Status start(const NetOptions& options);
+  // the subclass's factory, after the subclass is fully constructed. The
+  // job's secret is the transport's too (a backend with a bootstrap of its
+  // own, ucx, refuses a peer that does not know it before any endpoint
+  // exists), whatever options.options.common.secret says.
+  Status start(NetOptions options, const std::string& job_secret);
   // Stops the progress thread and shuts the transport down; idempotent.
   void stop();
 

@@ -10,6 +10,7 @@
 #include <unordered_map>
 
 #include "base/log.h"
+#include "base/secret.h"
 #include "lib/server/key_state.h"
 
 namespace psld {
@@ -65,9 +66,7 @@ void ServerService::admit(const ConnectionPtr& conn, const std::shared_ptr<Worke
   }
   if (!protocol::proofs_equal(proof->proof,
                               protocol::peer_proof(options_.secret, challenge, hello))) {
-    return refuse(
-        "it does not know the job secret (PSLD_JOB_SECRET or PSLD_SECRET_FILE must be the same on "
-        "every process of the job)");
+    return refuse(fmt::format("it does not know the job secret ({})", kSameSecretEverywhere));
   }
   protocol::Grant grant;
   if (hello.role == Role::kWorker) {

@@ -10,6 +10,7 @@
 #include <unordered_map>
 
 #include "base/log.h"
+#include "base/secret.h"
 #include "lib/server/key_state.h"
 
 namespace psld {
@@ -82,8 +83,7 @@ bool ServerService::handle_dialing(const ConnectionPtr& conn, protocol::Message&
         release = std::move(d.queued);
       } else {
         refused = FailedPrecondition(
-            "it did not prove it knows the job secret (PSLD_JOB_SECRET or PSLD_SECRET_FILE must "
-            "be the same on every process of the job)");
+            fmt::format("it did not prove it knows the job secret ({})", kSameSecretEverywhere));
       }
       dialing_.erase(it);
     } else if (auto* e = std::get_if<protocol::Error>(&message)) {

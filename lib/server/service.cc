@@ -41,7 +41,7 @@ Result<std::unique_ptr<ServerService>> ServerService::start(const RuntimeOptions
     s->device_ = std::move(device).value();
   }
   PSLD_ASSIGN_OR_RETURN(s->load_, LoadRecorder::make(Role::kServer));
-  PSLD_RETURN_IF_ERROR(s->ProcessRuntime::start(options.net));
+  PSLD_RETURN_IF_ERROR(s->ProcessRuntime::start(options.net, options.secret));
   for (uint32_t i = 0; i < options.server_threads; ++i) {
     s->shards_.push_back(std::make_unique<Shard>());
     s->shards_.back()->index = i;

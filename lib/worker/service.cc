@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "base/log.h"
+#include "base/secret.h"
 #include "gpu/cuda_copy_engine.h"
 #include "kernels/dispatch.h"
 
@@ -54,7 +55,7 @@ Result<std::unique_ptr<WorkerService>> WorkerService::start(const RuntimeOptions
   PSLD_ASSIGN_OR_RETURN(w->load_, LoadRecorder::make(Role::kWorker));
   NetOptions ep = options.net;
   ep.options.common.listen_address.clear();  // workers only dial
-  PSLD_RETURN_IF_ERROR(w->ProcessRuntime::start(ep));
+  PSLD_RETURN_IF_ERROR(w->ProcessRuntime::start(ep, options.secret));
   w->session_.on_epoch([wk = w.get()](const protocol::EpochChange& e) { wk->on_epoch_change(e); });
   w->session_.on_tick([wk = w.get()] { wk->on_tick(); });
   PSLD_RETURN_IF_ERROR(w->session_.join({}));
@@ -166,9 +167,8 @@ void WorkerService::handshake(ServerConn& s, protocol::Message& message) {
     return;
   }
   if (!s.dial->proves(options_.secret, *g)) {
-    s.refused = FailedPrecondition(
-        "the server did not prove it knows the job secret (PSLD_JOB_SECRET or PSLD_SECRET_FILE "
-        "must be the same on every process of the job)");
+    s.refused = FailedPrecondition(fmt::format(
+        "the server did not prove it knows the job secret ({})", kSameSecretEverywhere));
     return;
   }
   if (g->num_slots == 0) {

@@ -17,6 +17,7 @@
 #include <limits>
 
 #include "base/log.h"
+#include "base/secret.h"
 #include "transports/ucx/core.h"
 
 namespace psld::transport {
@@ -44,10 +45,6 @@ std::string host_of(const std::string& host_port) {
   const size_t colon = host_port.rfind(':');
   return colon == std::string::npos ? host_port : host_port.substr(0, colon);
 }
-
-constexpr const char* kWrongSecret =
-    "wrong job secret (PSLD_JOB_SECRET or PSLD_SECRET_FILE must be the same on every process of "
-    "the job)";
 
 }  // namespace
 
@@ -446,7 +443,8 @@ bool UcxCore::on_boot_frame(Boot& b, const BootFrame& f) {
       if (f.type != BootType::kRequest) break;
       const BootProof want = boot_proof(secret, b.challenge, f, nullptr);
       if (crypto_verify_32(want.data(), f.proof.data()) != 0) {
-        refuse_boot(b, kWrongSecret, "it does not know the job secret");
+        refuse_boot(b, fmt::format("wrong job secret ({})", kSameSecretEverywhere),
+                    "it does not know the job secret");
         return true;
       }
       return accept_boot(b, f);
@@ -463,9 +461,8 @@ bool UcxCore::on_boot_frame(Boot& b, const BootFrame& f) {
       if (crypto_verify_32(want.data(), f.proof.data()) != 0) {
         fail_boot(b, FailedPrecondition(fmt::format(
                          "{} did not prove it knows the job secret: another job's, or the secret "
-                         "differs (PSLD_JOB_SECRET or PSLD_SECRET_FILE must be the same on every "
-                         "process)",
-                         b.peer)));
+                         "differs ({})",
+                         b.peer, kSameSecretEverywhere)));
         return false;
       }
       // start_watch destroys `b`: what is needed of it is taken first.
@@ -505,7 +502,7 @@ bool UcxCore::on_boot_frame(Boot& b, const BootFrame& f) {
   return false;
 }
 
-void UcxCore::refuse_boot(Boot& b, const char* tell, const char* log) {
+void UcxCore::refuse_boot(Boot& b, const std::string& tell, const char* log) {
   const uint64_t n = ++refused_boots_;
   const std::string host = host_of(b.peer);
   if (refused_hosts_.size() < 1024 && refused_hosts_.insert(host).second) {

@@ -1056,7 +1056,7 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   bool on_boot_frame(Boot& b, const BootFrame& f) REQUIRES(mu_);
   // Accepts (the boot becomes a watch) or refuses; true while the boot goes on.
   bool accept_boot(Boot& b, const BootFrame& request) REQUIRES(mu_);
-  void refuse_boot(Boot& b, const char* tell, const char* log) REQUIRES(mu_);
+  void refuse_boot(Boot& b, const std::string& tell, const char* log) REQUIRES(mu_);
   // Ends a boot (closing its socket); fail_boot also fails its connection.
   void end_boot(int fd) REQUIRES(mu_);
   // Takes a boot off the tables, its socket still open (still in the epoll set).
