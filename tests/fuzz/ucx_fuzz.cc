@@ -1,8 +1,9 @@
 // The UCX backend's wire formats (transports/ucx/core.h): the remote key a
 // peer hands over (checked before UCX unpacks it), the hello and its answer
 // with the notification ring offer, a notification batch (kAmNotify), and a
-// record of the notification ring in shared memory. The first byte picks
-// the decoder. What decodes must encode to the same bytes; a write that
+// record of the notification ring in shared memory, and a frame of the
+// bootstrap (the first bytes anyone who reaches a job's port can send). The
+// first byte picks the decoder. What decodes must encode to the same bytes; a write that
 // in_region() lets through must lie inside the region.
 #include <cstring>
 #include <string>
@@ -17,7 +18,7 @@ namespace {
 using namespace psld::transport::ucx_detail;
 
 // The first byte of an input: which decoder (dispatch, in this order).
-enum Selector : uint8_t { kKey = 0, kHello = 1, kNotify = 2, kRingRecord = 3 };
+enum Selector : uint8_t { kKey = 0, kHello = 1, kNotify = 2, kRingRecord = 3, kBootFrame = 4 };
 
 __extension__ typedef unsigned __int128 u128;
 
@@ -79,6 +80,24 @@ void fuzz_ring_record(std::span<const uint8_t> in) {
   PSLD_FUZZ_CHECK(std::memcmp(again, in.data(), sizeof(again)) == 0);
 }
 
+// The front of a byte stream: a frame, not yet one (only ever a short
+// prefix), or refused. A frame encodes back to its bytes, and any prefix of
+// it is never a frame.
+void fuzz_boot_frame(std::span<const uint8_t> in) {
+  BootFrame f;
+  const ptrdiff_t n = decode_boot_frame(in, &f);
+  PSLD_FUZZ_CHECK(n >= -1 && n <= static_cast<ptrdiff_t>(in.size()));
+  if (n == 0) {
+    PSLD_FUZZ_CHECK(in.size() < 4 + kMaxBootFrame);  // buffering is bounded
+    return;
+  }
+  if (n < 0) return;
+  PSLD_FUZZ_CHECK(f.address.size() <= kMaxWorkerAddress && f.reason.size() <= kMaxBootReason);
+  PSLD_FUZZ_CHECK(same_bytes(encode_boot_frame(f), in.first(static_cast<size_t>(n))));
+  BootFrame g;
+  PSLD_FUZZ_CHECK(decode_boot_frame(in.first(static_cast<size_t>(n) - 1), &g) <= 0);
+}
+
 std::vector<uint8_t> notify_batch(size_t n) {
   std::vector<uint8_t> b(4 + n * kWriteHeaderBytes);
   store_le(b.data(), n, 4);
@@ -114,7 +133,30 @@ std::vector<Seed> seeds() {
   std::vector<uint8_t> record(kRingRecordBytes, 0);
   encode_header({7, 0x5ec7e7, 128, 64, 9, 41}, record.data());
   store_le(record.data() + kRingStampAt, 42, 8);
+  BootFrame challenge;
+  challenge.type = BootType::kChallenge;
+  challenge.nonce.fill(0x11);
+  challenge.instance = 0x1111'2222'3333'4444;
+  BootFrame request;
+  request.type = BootType::kRequest;
+  request.nonce.fill(0x22);
+  request.instance = 0x5555'6666'7777'8888;
+  request.token = 0xabcd;
+  request.address.assign(64, 0x33);
+  request.proof.fill(0x44);
+  BootFrame accept = request;
+  accept.type = BootType::kAccept;
+  BootFrame refuse;
+  refuse.type = BootType::kRefuse;
+  refuse.reason = "wrong job secret";
+  BootFrame bye;
+  bye.type = BootType::kBye;
   return {
+      tagged("boot_challenge", kBootFrame, encode_boot_frame(challenge)),
+      tagged("boot_request", kBootFrame, encode_boot_frame(request)),
+      tagged("boot_accept", kBootFrame, encode_boot_frame(accept)),
+      tagged("boot_refuse", kBootFrame, encode_boot_frame(refuse)),
+      tagged("boot_bye", kBootFrame, encode_boot_frame(bye)),
       tagged("remote_key_host", kKey, encode_remote_key(key)),
       tagged("remote_key_cuda", kKey, encode_remote_key(cuda_key)),
       tagged("hello", kHello, encode_hello(hello)),
@@ -129,5 +171,6 @@ std::vector<Seed> seeds() {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace psld::fuzz;
-  return dispatch(data, size, {fuzz_key, fuzz_hello, fuzz_notify, fuzz_ring_record});
+  return dispatch(data, size,
+                  {fuzz_key, fuzz_hello, fuzz_notify, fuzz_ring_record, fuzz_boot_frame});
 }
