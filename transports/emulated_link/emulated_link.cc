@@ -174,8 +174,8 @@ class LinkTransport final : public ForwardingTransport<std::unique_ptr<Transport
       for (auto& [when, action] : queue_)
         held.push_back(std::move(action));
       queue_.clear();
-      for (auto& [conn, flow] : egress_.flows) {
-        for (auto& op : flow.ops)
+      for (auto& [conn, ops] : egress_.flows) {
+        for (auto& op : ops)
           held.push_back(std::move(op.action));
       }
       egress_.flows.clear();
@@ -250,16 +250,12 @@ class LinkTransport final : public ForwardingTransport<std::unique_ptr<Transport
     uint64_t seq;  // ties go to the one queued first
     Action action;
   };
-  struct Flow {
-    std::deque<Pending> ops;
-    uint64_t last_tag = 0;
-  };
   struct Direction {
     Shaper shaper;
     Clock::duration latency{0};
-    std::map<uint64_t, Flow> flows;  // by connection id; only those with something waiting
-    uint64_t virtual_bytes = 0;      // the tag of the operation served last
-    uint64_t seq = 0;
+    // By connection id; only those with something waiting.
+    std::map<uint64_t, std::deque<Pending>> flows;
+    uint64_t virtual_bytes = 0;  // the tag of the operation served last
   };
 
   void ingress(uint64_t conn, uint64_t bytes, std::function<void()> fn) {
@@ -270,31 +266,32 @@ class LinkTransport final : public ForwardingTransport<std::unique_ptr<Transport
   // Called with mu_ held.
   void enqueue(Direction& d, uint64_t conn, uint64_t bytes, Action action) {
     const auto now = time_.now();
-    Flow& flow = d.flows[conn];
-    // A connection that had emptied its queue starts again from the link's
-    // present, not from its own past (which would let it catch up a burst).
-    flow.last_tag = std::max(flow.last_tag, d.virtual_bytes) + bytes;
-    flow.ops.push_back(Pending{bytes, now, flow.last_tag, d.seq++, std::move(action)});
+    std::deque<Pending>& flow = d.flows[conn];
+    // After the connection's last waiting operation; a connection with none
+    // waiting starts from the link's present, not from its own past (which
+    // would let it catch up a burst). Waiting tags are never below
+    // virtual_bytes: the smallest is served first.
+    const uint64_t tag = (flow.empty() ? d.virtual_bytes : flow.back().tag) + bytes;
+    flow.push_back(Pending{bytes, now, tag, seq_++, std::move(action)});
     serve(d, now);
   }
 
   // Hands the link, while it is free by `now`, to the waiting operation with
   // the smallest tag: it is released when its last byte would have left,
   // counted from when it was queued (a progress() call that comes late
-  // changes nothing). A connection leaves `flows` when its queue empties:
-  // its last tag is then no later than virtual_bytes, so nothing is lost.
+  // changes nothing). A connection leaves `flows` when its queue empties.
   // Called with mu_ held.
   void serve(Direction& d, Clock::time_point now) {
     while (!d.flows.empty() && d.shaper.free_at() <= now) {
       auto next = d.flows.begin();
       for (auto it = std::next(next); it != d.flows.end(); ++it) {
-        const Pending& a = it->second.ops.front();
-        const Pending& b = next->second.ops.front();
+        const Pending& a = it->second.front();
+        const Pending& b = next->second.front();
         if (a.tag < b.tag || (a.tag == b.tag && a.seq < b.seq)) next = it;
       }
-      Pending op = std::move(next->second.ops.front());
-      next->second.ops.pop_front();
-      if (next->second.ops.empty()) d.flows.erase(next);
+      Pending op = std::move(next->second.front());
+      next->second.pop_front();
+      if (next->second.empty()) d.flows.erase(next);
       d.virtual_bytes = std::max(d.virtual_bytes, op.tag);
       const auto at = d.shaper.release(op.bytes, op.queued) + d.latency;
       queue_.emplace(std::make_pair(at, seq_++), std::move(op.action));
@@ -324,7 +321,7 @@ class LinkTransport final : public ForwardingTransport<std::unique_ptr<Transport
   LinkOptions link_;
   Direction egress_;
   Direction ingress_;
-  uint64_t seq_ = 0;
+  uint64_t seq_ = 0;  // orders operations queued or released at the same moment
   // Operations the link has served, by release time.
   std::map<std::pair<Clock::time_point, uint64_t>, Action> queue_;
   std::map<uint64_t, std::shared_ptr<LinkConnection>> conns_;
