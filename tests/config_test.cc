@@ -19,9 +19,12 @@
 
 #include "lib/balancer/balancer.h"
 #include "lib/config/runtime_options.h"
+#include "tests/temp_dir.h"
 
 namespace psld {
 namespace {
+
+using psld::testing::TempDir;
 
 using ::testing::AnyOf;
 using ::testing::HasSubstr;
@@ -53,34 +56,6 @@ class FakeEnv {
 
  private:
   std::map<std::string, std::string> vars_;
-};
-
-// A fresh directory under $TMPDIR (or /tmp), removed with everything in it.
-class TempDir {
- public:
-  TempDir() {
-    std::string base = std::filesystem::temp_directory_path() / "psld-config-XXXXXX";
-    std::vector<char> buf(base.begin(), base.end());
-    buf.push_back('\0');
-    char* made = mkdtemp(buf.data());
-    EXPECT_NE(made, nullptr);
-    path_ = made != nullptr ? made : "";
-  }
-  ~TempDir() {
-    std::error_code ec;
-    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-
-  std::string write(const std::string& name, const std::string& text) const {
-    std::string p = path_ + "/" + name;
-    std::ofstream(p) << text;
-    return p;
-  }
-
- private:
-  std::string path_;
 };
 
 Result<Config> load(const FakeEnv& env, std::vector<std::string> args = {}) {
@@ -248,7 +223,7 @@ TEST(Config, EveryKeyCanBeSetFromEachSource) {
   for (const auto& [section, lines] : tables) {
     if (!section.empty()) toml += "[" + section + "]\n" + lines;
   }
-  TempDir dir;
+  TempDir dir("psld-config");
   std::string path = dir.write("all.toml", toml);
   FakeEnv file_env{{"PSLD_CONFIG", path}};
 
@@ -278,7 +253,7 @@ TEST(Config, EveryKeyCanBeSetFromEachSource) {
 // ---- precedence --------------------------------------------------------------
 
 TEST(Config, FileThenEnvThenFlags) {
-  TempDir dir;
+  TempDir dir("psld-config");
   std::string path = dir.write("job.toml",
                                "# a job\n"
                                "[job]\n"
@@ -316,7 +291,7 @@ TEST(Config, FileThenEnvThenFlags) {
 }
 
 TEST(Config, ConfigFlagWinsOverPsldConfig) {
-  TempDir dir;
+  TempDir dir("psld-config");
   std::string a = dir.write("a.toml", "[job]\nnum_workers = 2\n");
   std::string b = dir.write("b.toml", "[job]\nnum_workers = 7\n");
   FakeEnv env{{"PSLD_CONFIG", a}};
@@ -332,7 +307,7 @@ TEST(Config, ConfigFlagWinsOverPsldConfig) {
 }
 
 TEST(Config, TopLevelKeysAndDottedKeysInTheFile) {
-  TempDir dir;
+  TempDir dir("psld-config");
   FakeEnv env{{"PSLD_CONFIG", dir.write("c.toml",
                                         "log = \"info\"\n"
                                         "job.num_workers = 3\n"
@@ -425,7 +400,7 @@ TEST(Config, SlurmStep) {
                        {"SLURM_NTASKS", "4"},
                        {"SLURM_STEP_ID", "2"},
                        {"SLURM_LAUNCH_NODE_IPADDR", "10.1.2.3"}};
-  TempDir dir;
+  TempDir dir("psld-config");
   no_step_size.set("PSLD_CONFIG", dir.write("c.toml", "[job]\ncoordinator = \"head:7000\"\n"));
   auto s = load(no_step_size);
   ASSERT_TRUE(s.ok()) << s.status().to_string();
@@ -499,7 +474,7 @@ TEST(Config, PsldVariablesWinOverTheLauncher) {
 }
 
 TEST(Config, LauncherWinsOverTheFile) {
-  TempDir dir;
+  TempDir dir("psld-config");
   FakeEnv env{{"PSLD_CONFIG", dir.write("c.toml", "[job]\nnum_workers = 2\nrank = 1\n")},
               {"OMPI_COMM_WORLD_RANK", "6"},
               {"OMPI_COMM_WORLD_SIZE", "8"}};
@@ -775,7 +750,7 @@ TEST(Config, WrongValuesNameKeySourceAndAcceptedValues) {
               HasSubstr("job.coordinator: 'head' from flag --job.coordinator is not host:port "
                         "with a port in 1..65535 (no ':port')"));
 
-  TempDir dir;
+  TempDir dir("psld-config");
   std::string path = dir.write("t.toml",
                                "[job]\n"
                                "num_workers = 1.5\n"
@@ -814,7 +789,7 @@ TEST(Config, ASecretOnACommandLineIsRefused) {
 }
 
 TEST(Config, TheSecretComesFromAFileOnlyItsOwnerCanRead) {
-  TempDir dir;
+  TempDir dir("psld-config");
   const std::string path = dir.write("secret", "hunter2\n");
   ASSERT_EQ(chmod(path.c_str(), 0600), 0);
   auto r = load(FakeEnv{{"PSLD_SECRET_FILE", path}});
@@ -851,7 +826,7 @@ TEST(Config, TheSecretComesFromAFileOnlyItsOwnerCanRead) {
 }
 
 TEST(Config, SecretIsNeverEchoed) {
-  TempDir dir;
+  TempDir dir("psld-config");
   std::string path = dir.write("s.toml", "[job]\nsecret = 12345\n");
   std::string msg = error_of(load(FakeEnv{{"PSLD_CONFIG", path}}));
   EXPECT_THAT(msg, HasSubstr("job.secret: <redacted> from file"));
@@ -906,7 +881,7 @@ TEST(Config, UnknownFlagsSuggestTheKey) {
 }
 
 TEST(Config, UnknownFileKeysSuggestTheKey) {
-  TempDir dir;
+  TempDir dir("psld-config");
   std::string path = dir.write("u.toml",
                                "[job]\n"
                                "num_workers = 2\n"
@@ -926,7 +901,7 @@ TEST(Config, UnknownFileKeysSuggestTheKey) {
 // ---- the file itself -------------------------------------------------------------------
 
 TEST(Config, MalformedTomlGivesTheLine) {
-  TempDir dir;
+  TempDir dir("psld-config");
   std::string path = dir.write("bad.toml", "[job]\nnum_workers = 2\nrole = worker\n");
   auto r = load(FakeEnv{{"PSLD_CONFIG", path}});
   std::string msg = error_of(r);
@@ -1024,7 +999,7 @@ Config everything_changed() {
 }
 
 TEST(Config, PrintedTextLoadsBackToTheSameConfig) {
-  TempDir dir;
+  TempDir dir("psld-config");
   Config c = everything_changed();
   ASSERT_TRUE(validate(c).ok()) << validate(c).to_string();
   for (const ConfigKeyInfo& k : config_keys()) {
@@ -1061,7 +1036,7 @@ TEST(Config, SecretIsNeverPrinted) {
   }
   EXPECT_THAT(to_string(Config{}), HasSubstr("# secret = <unset>"));
   // The printed text loads, without the secret: it has to be given again.
-  TempDir dir;
+  TempDir dir("psld-config");
   auto back = load(FakeEnv{}, {"--config=" + dir.write("s.toml", to_string(*r))});
   ASSERT_TRUE(back.ok()) << back.status().to_string();
   EXPECT_EQ(back->job.secret, "");
