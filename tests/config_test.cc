@@ -198,6 +198,12 @@ TEST(Config, EveryKeyCanBeSetFromEachSource) {
       {"link.egress_bytes_per_second", "125000000"},
       {"link.ingress_bytes_per_second", "250000000"},
       {"link.latency_us", "100"},
+      {"checkpoint.dir", "/var/lib/psld/ckpt"},
+      // 0 and false: data.sync is staleness above, and checkpoints need bsp
+      // (EveryValidationRuleNamesItsKey has their rules).
+      {"checkpoint.every_rounds", "0"},
+      {"checkpoint.keep", "5"},
+      {"checkpoint.resume", "false"},
   };
   ASSERT_EQ(values.size(), config_keys().size()) << "a key was added: give it a test value";
 
@@ -676,6 +682,20 @@ TEST(Config, EveryValidationRuleNamesItsKey) {
        "balancer.scale_in_utilisation", "must be below balancer.scale_out_utilisation"},
       {"min active 0", [](Config& c) { c.balancer.min_active_servers = 0; },
        "balancer.min_active_servers", "1..65536"},
+      {"checkpoints nowhere", [](Config& c) { c.checkpoint.every_rounds = 10; }, "checkpoint.dir",
+       "checkpoint.every_rounds (10) needs it"},
+      {"resume from nowhere", [](Config& c) { c.checkpoint.resume = true; }, "checkpoint.dir",
+       "checkpoint.resume (true) needs it"},
+      {"checkpoints async",
+       [](Config& c) {
+         c.checkpoint.dir = "/ckpt";
+         c.checkpoint.every_rounds = 10;
+         c.data.sync = SyncMode::kAsync;
+       },
+       "checkpoint.every_rounds", "needs data.sync = bsp"},
+      {"keep 0", [](Config& c) { c.checkpoint.keep = 0; }, "checkpoint.keep", "1..1000000"},
+      {"dir newline", [](Config& c) { c.checkpoint.dir = "/a\nb"; }, "checkpoint.dir",
+       "a newline or NUL"},
   };
   for (const Rule& rule : rules) {
     SCOPED_TRACE(rule.name);

@@ -226,6 +226,23 @@ struct LinkConfig {
   bool operator==(const LinkConfig&) const = default;
 };
 
+// [checkpoint]: consistent checkpoints of every server's keys
+// (docs/checkpoint.md). Needs data.sync = bsp.
+struct CheckpointConfig {
+  // Where checkpoints go: DIR/round-R/ holds one file per server and a
+  // MANIFEST, written last. Servers and the coordinator must all see it (a
+  // shared file system on a cluster). Empty: no checkpoints.
+  std::string dir;
+  uint32_t every_rounds = 0;  // a checkpoint after every this many rounds; 0: none
+  uint32_t keep = 2;          // complete checkpoints kept; older ones are removed
+  // Start from the newest complete checkpoint in dir (psld launch --resume
+  // DIR): every key's parameter and optimizer state as they were, and every
+  // tensor's round where it stopped (Worker::round).
+  bool resume = false;
+
+  bool operator==(const CheckpointConfig&) const = default;
+};
+
 struct Config {
   // Log level: "error", "warn", "info" or "debug" (key `log`, PSLD_LOG).
   std::string log = "warn";
@@ -239,6 +256,7 @@ struct Config {
   UcxConfig ucx;
   VerbsConfig verbs;
   LinkConfig link;
+  CheckpointConfig checkpoint;
 
   // Where the values came from; filled by load_config, printed by to_string,
   // ignored by validate's checks and by ==.

@@ -140,7 +140,8 @@ bool operator==(const Config& a, const Config& b) {
   // Every section; a new one must be added here.
   return a.log == b.log && a.job == b.job && a.data == b.data && a.server == b.server &&
          a.optimizer == b.optimizer && a.liveness == b.liveness && a.stats == b.stats &&
-         a.balancer == b.balancer && a.ucx == b.ucx && a.verbs == b.verbs && a.link == b.link;
+         a.balancer == b.balancer && a.ucx == b.ucx && a.verbs == b.verbs && a.link == b.link &&
+         a.checkpoint == b.checkpoint;
 }
 
 Status validate(const Config& c) {
@@ -214,6 +215,21 @@ Status validate(const Config& c) {
         "optimizer.nesterov: {} needs optimizer.momentum > 0 (it is {}) and "
         "optimizer.dampening = 0 (it is {})",
         shown("optimizer.nesterov"), shown("optimizer.momentum"), shown("optimizer.dampening")));
+  }
+  const CheckpointConfig& ck = c.checkpoint;
+  if ((ck.every_rounds != 0 || ck.resume) && ck.dir.empty()) {
+    errors.push_back(
+        fmt::format("checkpoint.dir: empty, but checkpoint.{} ({}) needs it",
+                    ck.resume ? "resume" : "every_rounds",
+                    ck.resume ? shown("checkpoint.resume") : shown("checkpoint.every_rounds")));
+  }
+  if ((ck.every_rounds != 0 || ck.resume) && c.data.sync != SyncMode::kBsp) {
+    errors.push_back(fmt::format(
+        "checkpoint.{}: {} needs data.sync = bsp ({}): only BSP rounds give every key one state "
+        "at the same round",
+        ck.resume ? "resume" : "every_rounds",
+        ck.resume ? shown("checkpoint.resume") : shown("checkpoint.every_rounds"),
+        shown("data.sync")));
   }
   return errors_status(errors);
 }

@@ -176,6 +176,13 @@ std::string check_device(std::string_view v) {
   return "";
 }
 
+std::string check_path(std::string_view v) {
+  for (char c : v) {
+    if (c == '\0' || c == '\n' || c == '\r') return "a newline or NUL in the path";
+  }
+  return "";
+}
+
 std::string check_any(std::string_view) {
   return "";
 }
@@ -322,6 +329,17 @@ const std::vector<Field>& fields() {
               "emulated link: receive rate limit; 0: unlimited"),
       integer(PSLD_KEY(link.latency_us), 0, 10000000,
               "emulated link: one-way latency added to everything sent"),
+
+      string_field(PSLD_KEY(checkpoint.dir), check_path, "a directory path (a string), or empty",
+                   "where consistent checkpoints are written (and read with checkpoint.resume); "
+                   "every server and the coordinator must see it; empty: none"),
+      integer(PSLD_KEY(checkpoint.every_rounds), 0, 1000000000,
+              "a checkpoint after every this many rounds (needs checkpoint.dir and data.sync = "
+              "bsp); 0: none"),
+      integer(PSLD_KEY(checkpoint.keep), 1, 1000000, "complete checkpoints kept in checkpoint.dir"),
+      plain(PSLD_KEY(checkpoint.resume),
+            "start from the newest complete checkpoint in checkpoint.dir: parameters, optimizer "
+            "state and rounds as they were"),
   };
   return kFields;
 }

@@ -67,6 +67,8 @@ struct RuntimeOptions {
   std::chrono::milliseconds balancer_interval{BalancerConfig{}.interval_ms};
   BalancerOptions balancer;
   GpuPath gpu_path = GpuPath::kAuto;
+  // Consistent checkpoints and resuming from them (docs/checkpoint.md).
+  CheckpointConfig checkpoint;
 
   // In-process jobs only (benchmarks, tests), never from a Config:
   // The coordinator's epoch 0 instead of Placement::initial over servers
