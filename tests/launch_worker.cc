@@ -4,7 +4,7 @@
 //
 //   launch_worker [--rounds N] [--fail-rank R] [--fail-code C] [--die-rank R]
 //                 [--print-every K] [--spam BYTES] [--spam-raw BYTES] [--big BYTES]
-//                 [--stop-file PATH]
+//                 [--stop-file PATH] [--no-check] [--dump PATH]
 //
 // --print-every K prints "worker R: round N" every K rounds; --spam prints
 // BYTES of text lines per round, --spam-raw BYTES with no newline at all
@@ -13,6 +13,14 @@
 // once PATH holds a round number ahead of every worker, that round is the
 // last one (a test ends an open-ended job cleanly, every worker at the same
 // round).
+//
+// In a job resumed from a checkpoint the rounds go on from the checkpoint's
+// (Worker::round), which it prints ("worker R: resumed at round N").
+// --no-check skips the exact-sum check (server.mode = optimizer: the
+// parameters are no sums); --dump PATH: worker 0 writes its tensors' final
+// contents to PATH, raw fp32 one after another (a test compares two runs
+// bit for bit).
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -26,16 +34,26 @@ int main(int argc, char** argv) {
   int rounds = 20, fail_rank = -1, fail_code = 3, die_rank = -1, print_every = 0;
   size_t spam = 0, spam_raw = 0, big = 0;
   const char* stop_file = nullptr;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--rounds")) rounds = std::atoi(argv[i + 1]);
-    if (!std::strcmp(argv[i], "--fail-rank")) fail_rank = std::atoi(argv[i + 1]);
-    if (!std::strcmp(argv[i], "--fail-code")) fail_code = std::atoi(argv[i + 1]);
-    if (!std::strcmp(argv[i], "--die-rank")) die_rank = std::atoi(argv[i + 1]);
-    if (!std::strcmp(argv[i], "--print-every")) print_every = std::atoi(argv[i + 1]);
-    if (!std::strcmp(argv[i], "--spam")) spam = std::strtoull(argv[i + 1], nullptr, 10);
-    if (!std::strcmp(argv[i], "--spam-raw")) spam_raw = std::strtoull(argv[i + 1], nullptr, 10);
-    if (!std::strcmp(argv[i], "--big")) big = std::strtoull(argv[i + 1], nullptr, 10);
-    if (!std::strcmp(argv[i], "--stop-file")) stop_file = argv[i + 1];
+  const char* dump = nullptr;
+  bool check = true;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--no-check") {
+      check = false;
+      continue;
+    }
+    if (i + 1 >= argc) break;
+    const char* v = argv[++i];
+    if (flag == "--dump") dump = v;
+    if (flag == "--rounds") rounds = std::atoi(v);
+    if (flag == "--fail-rank") fail_rank = std::atoi(v);
+    if (flag == "--fail-code") fail_code = std::atoi(v);
+    if (flag == "--die-rank") die_rank = std::atoi(v);
+    if (flag == "--print-every") print_every = std::atoi(v);
+    if (flag == "--spam") spam = std::strtoull(v, nullptr, 10);
+    if (flag == "--spam-raw") spam_raw = std::strtoull(v, nullptr, 10);
+    if (flag == "--big") big = std::strtoull(v, nullptr, 10);
+    if (flag == "--stop-file") stop_file = v;
   }
   std::string line(79, 'x');
   line += '\n';
@@ -73,7 +91,18 @@ int main(int argc, char** argv) {
     }
     handles.push_back(*h);
   }
-  for (int r = 1; r <= rounds; ++r) {
+  auto resumed = w.round(handles[0]);
+  if (!resumed.ok()) {
+    std::fprintf(stderr, "round: %s\n", resumed.status().to_string().c_str());
+    return 1;
+  }
+  if (*resumed > 0) {
+    std::printf("worker %d: resumed at round %llu\n", rank,
+                static_cast<unsigned long long>(*resumed));
+    std::fflush(stdout);
+  }
+  const auto started = std::chrono::steady_clock::now();
+  for (int r = static_cast<int>(*resumed) + 1; r <= rounds; ++r) {
     if (stop_file != nullptr) {
       if (std::FILE* f = std::fopen(stop_file, "r")) {
         int last = 0;
@@ -112,7 +141,7 @@ int main(int argc, char** argv) {
         return 1;
       }
     }
-    for (size_t t = 0; t < sizes.size(); ++t) {
+    for (size_t t = 0; check && t < sizes.size(); ++t) {
       for (size_t i = 0; i < sizes[t]; ++i) {
         const float want = static_cast<float>(n * (n - 1) / 2 + n * (r + static_cast<int>(i % 5)));
         if (data[t][i] != want) {
@@ -123,6 +152,20 @@ int main(int argc, char** argv) {
       }
     }
   }
-  std::printf("worker %d: %d rounds exact\n", rank, rounds);
+  if (dump != nullptr && rank == 0) {
+    std::FILE* f = std::fopen(dump, "wb");
+    bool ok = f != nullptr;
+    for (size_t t = 0; ok && t < sizes.size(); ++t)
+      ok = std::fwrite(data[t].data(), 4, sizes[t], f) == sizes[t];
+    if (f != nullptr) ok = std::fclose(f) == 0 && ok;
+    if (!ok) {
+      std::fprintf(stderr, "cannot write %s\n", dump);
+      return 1;
+    }
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  std::printf("worker %d: %d rounds %s (%.3f s)\n", rank, rounds, check ? "exact" : "done",
+              seconds);
   return w.shutdown().ok() ? 0 : 1;
 }

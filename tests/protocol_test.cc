@@ -28,12 +28,12 @@ std::vector<Message> examples() {
   return {
       Challenge{nonce_of(1)},
       Hello{Role::kServer, 3, nonce_of(2), proof_of(3), {1, 2, 3}, 777, "node-7"},
-      Welcome{Role::kWorker, 2, 4, 3, 1, 4 << 20, proof_of(4)},
+      Welcome{Role::kWorker, 2, 4, 3, 1, 4 << 20, 300, proof_of(4)},
       Reject{"wrong secret"},
       ServerList{{{0, {9, 9}}, {1, {8}}, {2, {}}}},
       PlacementChunk{5, 1, 3, {1, 2, 3, 4}},
       RegisterTensor{7, "fc1.weight", DType::kBFloat16, 123456, true},
-      TensorInfo{7, "fc1.weight", 12, DType::kFloat16, 123456, 4 << 20},
+      TensorInfo{7, "fc1.weight", 12, DType::kFloat16, 123456, 4 << 20, 300},
       BarrierEnter{3},
       BarrierRelease{3},
       Heartbeat{99},
@@ -73,6 +73,8 @@ std::vector<Message> examples() {
       WorkerProgress{12, {{1, 118}, {5, 60}}},
       LowWatermark{12, {{1, 117}, {5, 59}, {6, 117}}},
       PeerProof{proof_of(7)},
+      CheckpointSeal{300},
+      CheckpointSealed{300, 1 << 20, 17, std::string(64, 'a'), ""},
   };
 }
 

@@ -285,6 +285,7 @@ std::optional<std::pair<int, uint64_t>> parse_slow_server(const std::string& tex
 int cmd_launch(int argc, char** argv, const char* kUsage) {
   int workers = 0, servers = 0, standby = 0;
   std::string transport;
+  std::string resume;            // --resume DIR
   std::map<int, uint64_t> slow;  // server rank -> link bytes/s
   int i = 2;
   auto need = [&](const char* flag) -> const char* {
@@ -312,6 +313,11 @@ int cmd_launch(int argc, char** argv, const char* kUsage) {
     } else if (a == "--transport") {
       if (!(v = need("--transport"))) return 2;
       transport = v;
+    } else if (a == "--resume") {
+      if (!(v = need("--resume"))) return 2;
+      resume = v;
+      if (resume.empty())
+        return fail("--resume needs a checkpoint directory\n" + std::string(kUsage));
     } else if (a == "--slow-server") {
       if (!(v = need("--slow-server"))) return 2;
       auto parsed = parse_slow_server(v);
@@ -346,6 +352,13 @@ int cmd_launch(int argc, char** argv, const char* kUsage) {
   config->job.num_servers = servers;
   config->job.num_standby = standby;
   if (!transport.empty()) config->job.transport = transport;
+  if (!resume.empty()) {
+    // The newest complete checkpoint in DIR, which the job goes on writing
+    // into (with checkpoint.every_rounds): docs/checkpoint.md.
+    config->checkpoint.dir = resume;
+    config->checkpoint.resume = true;
+    if (psld::Status valid = psld::validate(*config); !valid.ok()) return fail(valid.message());
+  }
   // Every job has a secret: without one given (PSLD_JOB_SECRET,
   // PSLD_SECRET_FILE, a config file), a random one for this job alone. The
   // children get it in their environment, which only their user can read
@@ -370,6 +383,10 @@ int cmd_launch(int argc, char** argv, const char* kUsage) {
       {"PSLD_JOB_TRANSPORT", config->job.transport},
   };
   if (made_secret) env["PSLD_JOB_SECRET"] = *made_secret;
+  if (!resume.empty()) {
+    env["PSLD_CHECKPOINT_DIR"] = resume;
+    env["PSLD_CHECKPOINT_RESUME"] = "true";
+  }
   int wake[2];
   if (pipe2(wake, O_CLOEXEC | O_NONBLOCK) != 0) return fail("cannot make a pipe");
   g_wake_fd = wake[1];

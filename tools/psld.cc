@@ -1,6 +1,7 @@
 // psld — the command-line tool.
 //
-//   psld launch -w N -s M [--standby K] [--transport T] [--slow-server R:RATE] [--] PROGRAM ARGS...
+//   psld launch -w N -s M [--standby K] [--transport T] [--slow-server R:RATE] [--resume DIR]
+//               [--] PROGRAM ARGS...
 //   psld coordinator [--key=value ...]
 //   psld server [--key=value ...]
 //   psld config [--key=value ...]
@@ -29,7 +30,7 @@ using namespace std::chrono_literals;
 
 constexpr const char* kUsage = R"(usage:
   psld launch -w N -s M [--standby K] [--transport ucx|verbs]
-              [--slow-server R:RATE] [--] PROGRAM [ARGS...]
+              [--slow-server R:RATE] [--resume DIR] [--] PROGRAM [ARGS...]
       Runs a job on this machine: a coordinator (in this process), M servers
       and K standby servers (`psld server`), and N copies of PROGRAM as
       workers, each with PSLD_* variables that tell it its role and rank.
@@ -39,6 +40,9 @@ constexpr const char* kUsage = R"(usage:
       bytes/s each way (suffixes K, M, G: 25M), a bandwidth straggler;
       repeatable. The job's secret comes from PSLD_JOB_SECRET or
       PSLD_SECRET_FILE; without either, a random one for this job alone.
+      --resume DIR starts the job from the newest complete checkpoint in DIR
+      (parameters, optimizer state and rounds as they were; set
+      PSLD_CHECKPOINT_EVERY_ROUNDS to go on checkpointing there).
   psld coordinator [--key=value ...]   run the coordinator of a job
   psld server [--key=value ...]        run one parameter server
   psld config [--key=value ...]        print the effective configuration

@@ -123,6 +123,12 @@ class Worker {
   // push, then the result of that round written back into the same memory.
   Result<Request> push_pull(TensorHandle tensor);
 
+  // Rounds of the tensor pushed so far: its next push is of round + 1. In a
+  // job resumed from a checkpoint (checkpoint.resume) every tensor starts at
+  // the checkpoint's round, and register_tensor has pulled the parameters
+  // of that round into the tensor's memory: a trainer skips its data ahead
+  // to there (docs/checkpoint.md).
+  Result<uint64_t> round(TensorHandle tensor) const;
   // server.mode=optimizer: the learning rate of the updates that the pushes
   // submitted from now on are part of, instead of the servers' optimizer.lr
   // (0 goes back to it): what an LR schedule changes between steps. Each

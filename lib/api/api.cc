@@ -124,6 +124,10 @@ Result<Request> Worker::push_pull(TensorHandle t) {
   return Request(std::move(state));
 }
 
+Result<uint64_t> Worker::round(TensorHandle t) const {
+  return impl_->tensor_round(t.index);
+}
+
 Status Worker::barrier(std::chrono::milliseconds timeout) {
   return impl_->barrier(timeout);
 }

@@ -216,6 +216,7 @@ void CoordinatorService::server_lost(const Member& m, const std::string& what) {
                  : std::string("ranges it owned before, maybe not all shipped")));
   }
   lost_servers_.insert(m.rank);
+  seal_lost_server(m.rank);
   PSLD_LOG_WARN(
       "coordinator: {}; it held nothing but keys in transfer, so the job goes on without it", what);
   if (switch_) {

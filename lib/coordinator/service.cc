@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "base/log.h"
 #include "base/secret.h"
@@ -51,6 +52,7 @@ Result<std::unique_ptr<CoordinatorService>> CoordinatorService::start(
     }
   }
   std::unique_ptr<CoordinatorService> c(new CoordinatorService(options));
+  if (options.checkpoint.resume) PSLD_RETURN_IF_ERROR(c->load_resume());
   PSLD_RETURN_IF_ERROR(c->ProcessRuntime::start(options.net, options.secret));
   if (options.balancer_enabled) {
     PSLD_ASSIGN_OR_RETURN(auto b, Balancer::make(options.balancer));
@@ -226,6 +228,8 @@ void CoordinatorService::handle_control(const ConnectionPtr& conn, protocol::Mes
     handle_vote(m, *vote);
   } else if (auto* done = std::get_if<protocol::TransferDone>(&message)) {
     handle_transfer_done(m, *done);
+  } else if (auto* sealed = std::get_if<protocol::CheckpointSealed>(&message)) {
+    handle_sealed(m, *sealed);
   } else if (auto* p = std::get_if<protocol::WorkerProgress>(&message)) {
     if (m.role != Role::kWorker) return;
     // The next switch round is chosen above max_round_: keeping it at or
@@ -234,6 +238,7 @@ void CoordinatorService::handle_control(const ConnectionPtr& conn, protocol::Mes
     for (const auto& r : p->low)
       max_round_ = std::max(max_round_, r.round);
     progress_[m.rank] = std::move(*p);
+    maybe_seal();
   } else if (std::holds_alternative<protocol::Shutdown>(message)) {
     m.said_goodbye = true;
     // The acknowledgement lets the member close knowing its goodbye arrived:
@@ -316,7 +321,8 @@ void CoordinatorService::handle_hello(Member& m, const protocol::Hello& hello) {
                             options_.num_workers,
                             options_.num_servers,
                             options_.num_standby,
-                            options_.chunk_bytes};
+                            options_.chunk_bytes,
+                            resume_round_};
   welcome.proof = protocol::welcome_proof(options_.secret, m.nonce, hello, welcome);
   post(m.conn, welcome);
   PSLD_LOG_INFO("coordinator admitted {}", describe(m));
@@ -366,6 +372,17 @@ void CoordinatorService::send_job_state(const Member& m) {
 void CoordinatorService::handle_register(Member& m, const protocol::RegisterTensor& reg) {
   if (m.role != Role::kWorker) return;
   auto it = tensors_.find(reg.name);
+  if (it == tensors_.end() && resume_round_ > 0) {
+    std::string names;
+    for (const auto& [name, t] : tensors_)
+      names += fmt::format("{}'{}'", names.empty() ? "" : ", ", name);
+    post(m.conn,
+         protocol::Error{0, reg.request, static_cast<uint8_t>(StatusCode::kFailedPrecondition),
+                         fmt::format("tensor '{}' is not in the checkpoint of round {} "
+                                     "this job resumes from (it has {})",
+                                     reg.name, resume_round_, names)});
+    return;
+  }
   if (it == tensors_.end()) {
     if (reg.bytes % protocol::dtype_bytes(reg.dtype) != 0) {
       post(m.conn,
@@ -375,20 +392,25 @@ void CoordinatorService::handle_register(Member& m, const protocol::RegisterTens
                                        reg.name, reg.bytes, protocol::dtype_name(reg.dtype))});
       return;
     }
-    it = tensors_.emplace(reg.name, TensorRecord{next_tensor_++, reg.dtype, reg.bytes, m.rank})
+    it = tensors_
+             .emplace(reg.name, TensorRecord{next_tensor_++, reg.dtype, reg.bytes,
+                                             options_.chunk_bytes, m.rank})
              .first;
   } else if (it->second.dtype != reg.dtype || it->second.bytes != reg.bytes) {
-    post(m.conn,
-         protocol::Error{0, reg.request, static_cast<uint8_t>(StatusCode::kAlreadyExists),
-                         fmt::format("tensor '{}' was registered by worker {} as {} bytes of "
-                                     "{}, but worker {} registers it as {} bytes of {}",
-                                     reg.name, it->second.first_worker, it->second.bytes,
-                                     protocol::dtype_name(it->second.dtype), m.rank, reg.bytes,
-                                     protocol::dtype_name(reg.dtype))});
+    const std::string first =
+        it->second.first_worker == kFromCheckpoint
+            ? fmt::format("the checkpoint of round {} has it", resume_round_)
+            : fmt::format("it was registered by worker {}", it->second.first_worker);
+    post(m.conn, protocol::Error{0, reg.request, static_cast<uint8_t>(StatusCode::kAlreadyExists),
+                                 fmt::format("tensor '{}': {} as {} bytes of {}, but worker {} "
+                                             "registers it as {} bytes of {}",
+                                             reg.name, first, it->second.bytes,
+                                             protocol::dtype_name(it->second.dtype), m.rank,
+                                             reg.bytes, protocol::dtype_name(reg.dtype))});
     return;
   }
   post(m.conn, protocol::TensorInfo{reg.request, reg.name, it->second.id, reg.dtype, reg.bytes,
-                                    options_.chunk_bytes});
+                                    it->second.chunk_bytes, resume_round_});
 }
 
 void CoordinatorService::handle_load_report(const Member& m, const protocol::LoadReport& r) {
@@ -529,11 +551,15 @@ void CoordinatorService::monitor() {
     }
     // Every half heartbeat interval at most, and only when it moved.
     publish_watermark();
+    maybe_seal();
+    std::optional<checkpoint::Manifest> manifest = std::exchange(to_write_, std::nullopt);
     lock.unlock();
     flush();
     for (auto& conn : silent_servers)
       conn->close();
+    const Status written = manifest ? write_checkpoint(*manifest) : Status::Ok();
     lock.lock();
+    if (manifest) note_checkpoint(*manifest, written);
   }
 }
 
@@ -560,6 +586,17 @@ void CoordinatorService::shutdown() {
   flush();
   cv_.notify_all();
   if (monitor_.joinable()) monitor_.join();
+  // A checkpoint sealed as the job ended: its files are in place already.
+  std::optional<checkpoint::Manifest> manifest;
+  {
+    MutexLock lock(mu_);
+    manifest = std::exchange(to_write_, std::nullopt);
+  }
+  if (manifest) {
+    const Status written = write_checkpoint(*manifest);
+    MutexLock lock(mu_);
+    note_checkpoint(*manifest, written);
+  }
   stop();  // closing flushes what was sent
 }
 

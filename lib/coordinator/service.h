@@ -21,6 +21,7 @@
 
 #include "base/mutex.h"
 #include "lib/balancer/balancer.h"
+#include "lib/checkpoint/checkpoint.h"
 #include "lib/config/runtime_options.h"
 #include "lib/placement/placement.h"
 #include "lib/runtime/door.h"
@@ -71,6 +72,14 @@ class CoordinatorService final : public ProcessRuntime {
   uint64_t last_switch_round() const;
   // Transfers aborted because a server gaining keys died.
   uint64_t aborts() const;
+  // Checkpoints (docs/checkpoint.md): complete ones written by this job,
+  // the round of the newest, those skipped (a server could not write its
+  // file, or the files missed keys), and the round this job resumed from
+  // (0: a fresh start).
+  uint64_t checkpoints() const EXCLUDES(mu_);
+  uint64_t last_checkpoint_round() const EXCLUDES(mu_);
+  uint64_t checkpoints_skipped() const EXCLUDES(mu_);
+  uint64_t resumed_round() const EXCLUDES(mu_);
   // A copy of the committed placement, nullopt before there is one. (A
   // pointer into placement_ would race with the commit that replaces it.)
   std::optional<Placement> placement() const EXCLUDES(mu_) {
@@ -100,8 +109,10 @@ class CoordinatorService final : public ProcessRuntime {
     TensorId id = 0;
     DType dtype = DType::kFloat32;
     uint64_t bytes = 0;
-    uint32_t first_worker = 0;
+    uint64_t chunk_bytes = 0;
+    uint32_t first_worker = 0;  // kFromCheckpoint: the resumed checkpoint has it
   };
+  static constexpr uint32_t kFromCheckpoint = UINT32_MAX;
 
   void on_accept(const transport::ConnectionPtr& conn) override;
   void on_write(const transport::ConnectionPtr&, uint32_t, uint64_t) override {}
@@ -159,6 +170,22 @@ class CoordinatorService final : public ProcessRuntime {
   std::string describe(const Member& m) const REQUIRES(mu_);
 
   void monitor();
+
+  // Checkpoints (lib/coordinator/checkpoint.cc). Resuming: the newest
+  // complete checkpoint gives the tensors their ids, sizes and rounds.
+  Status load_resume() EXCLUDES(mu_);
+  // Seals the newest checkpoint round that every worker went past (none in
+  // flight); a server's answer; a server lost meanwhile.
+  void maybe_seal() REQUIRES(mu_);
+  void handle_sealed(const Member& m, const protocol::CheckpointSealed& sealed) REQUIRES(mu_);
+  void seal_lost_server(uint32_t rank) REQUIRES(mu_);
+  void finish_seal_if_done() REQUIRES(mu_);
+  // The monitor takes a sealed checkpoint's manifest (to_write_) and writes
+  // it without mu_ (it fsyncs), removing checkpoints beyond
+  // checkpoint.keep; then notes the outcome.
+  Status write_checkpoint(const checkpoint::Manifest& m) EXCLUDES(mu_);
+  void note_checkpoint(const checkpoint::Manifest& m, const Status& written) REQUIRES(mu_);
+  uint64_t expected_keys() const REQUIRES(mu_);
 
   const RuntimeOptions options_;
   mutable Mutex mu_;
@@ -222,6 +249,23 @@ class CoordinatorService final : public ProcessRuntime {
   Status job_status_ GUARDED_BY(mu_);
   bool stopping_ GUARDED_BY(mu_) = false;
   std::vector<std::pair<transport::ConnectionPtr, protocol::Message>> outbox_ GUARDED_BY(mu_);
+  // Checkpoints: the round resumed from, the seal in flight, and the
+  // manifest of a sealed one waiting for the monitor to write it.
+  uint64_t resume_round_ GUARDED_BY(mu_) = 0;
+  struct Sealing {
+    uint64_t round = 0;
+    uint64_t epoch = 0;
+    std::set<uint32_t> waiting;  // servers that have not answered
+    std::vector<checkpoint::FileEntry> files;
+    uint64_t records = 0;
+    std::string error;  // the first server's reason it could not write its file
+  };
+  std::optional<Sealing> sealing_ GUARDED_BY(mu_);
+  uint64_t sealed_through_ GUARDED_BY(mu_) = 0;  // the newest round sealed or skipped
+  std::optional<checkpoint::Manifest> to_write_ GUARDED_BY(mu_);
+  uint64_t checkpoints_ GUARDED_BY(mu_) = 0;
+  uint64_t last_checkpoint_round_ GUARDED_BY(mu_) = 0;
+  uint64_t checkpoints_skipped_ GUARDED_BY(mu_) = 0;
   Mutex flush_mu_;  // held while flushing: sends leave in posting order
   std::thread monitor_;
 };

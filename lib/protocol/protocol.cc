@@ -97,12 +97,13 @@ void put(WireWriter& w, const Welcome& m) {
   w.u32(m.num_servers);
   w.u32(m.num_standby);
   w.u64(m.chunk_bytes);
+  w.u64(m.resume_round);
   w.bytes(m.proof);
 }
 bool get(WireReader& r, Welcome* m) {
   return read_role(r, &m->role) && r.u32(&m->rank) && r.u32(&m->num_workers) &&
          r.u32(&m->num_servers) && r.u32(&m->num_standby) && r.u64(&m->chunk_bytes) &&
-         m->chunk_bytes > 0 && read_array(r, &m->proof);
+         m->chunk_bytes > 0 && r.u64(&m->resume_round) && read_array(r, &m->proof);
 }
 
 void put(WireWriter& w, const Reject& m) {
@@ -159,11 +160,12 @@ void put(WireWriter& w, const TensorInfo& m) {
   w.u8(static_cast<uint8_t>(m.dtype));
   w.u64(m.bytes);
   w.u64(m.chunk_bytes);
+  w.u64(m.round);
 }
 bool get(WireReader& r, TensorInfo* m) {
   return r.u64(&m->request) && r.str(&m->name, kMaxNameBytes) && r.u32(&m->id) &&
          read_dtype(r, &m->dtype) && r.u64(&m->bytes) && r.u64(&m->chunk_bytes) &&
-         m->chunk_bytes > 0;
+         m->chunk_bytes > 0 && r.u64(&m->round);
 }
 
 void put(WireWriter& w, const BarrierEnter& m) {
@@ -484,30 +486,102 @@ bool get(WireReader& r, LowWatermark* m) {
   return get_rounds(r, &m->tensors, &m->low);
 }
 
+void put(WireWriter& w, const CheckpointSeal& m) {
+  w.u64(m.round);
+}
+bool get(WireReader& r, CheckpointSeal* m) {
+  return r.u64(&m->round) && m->round > 0;
+}
+
+void put(WireWriter& w, const CheckpointSealed& m) {
+  w.u64(m.round);
+  w.u64(m.bytes);
+  w.u64(m.records);
+  w.str(m.blake2b);
+  w.str(m.error);
+}
+bool get(WireReader& r, CheckpointSealed* m) {
+  return r.u64(&m->round) && m->round > 0 && r.u64(&m->bytes) && r.u64(&m->records) &&
+         r.str(&m->blake2b, 64) &&
+         std::all_of(m->blake2b.begin(), m->blake2b.end(),
+                     [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); }) &&
+         r.str(&m->error, kMaxReasonBytes);
+}
+
 // The wire type of each alternative of Message, in variant order.
 constexpr Type kTypes[] = {
-    Type::kChallenge,      Type::kHello,        Type::kWelcome,
-    Type::kReject,         Type::kServerList,   Type::kPlacementChunk,
-    Type::kRegisterTensor, Type::kTensorInfo,   Type::kBarrierEnter,
-    Type::kBarrierRelease, Type::kHeartbeat,    Type::kJobFailed,
-    Type::kShutdown,       Type::kLoadReport,   Type::kPeerHello,
-    Type::kGrant,          Type::kTensorKey,    Type::kPushMeta,
-    Type::kPullRequest,    Type::kCredit,       Type::kMoved,
-    Type::kError,          Type::kAck,          Type::kEpochChange,
-    Type::kEpochVote,      Type::kStateRequest, Type::kStateOffer,
-    Type::kTransferDone,   Type::kEpochFinal,   Type::kWorkerProgress,
-    Type::kLowWatermark,   Type::kPeerProof,
+    Type::kChallenge,
+    Type::kHello,
+    Type::kWelcome,
+    Type::kReject,
+    Type::kServerList,
+    Type::kPlacementChunk,
+    Type::kRegisterTensor,
+    Type::kTensorInfo,
+    Type::kBarrierEnter,
+    Type::kBarrierRelease,
+    Type::kHeartbeat,
+    Type::kJobFailed,
+    Type::kShutdown,
+    Type::kLoadReport,
+    Type::kPeerHello,
+    Type::kGrant,
+    Type::kTensorKey,
+    Type::kPushMeta,
+    Type::kPullRequest,
+    Type::kCredit,
+    Type::kMoved,
+    Type::kError,
+    Type::kAck,
+    Type::kEpochChange,
+    Type::kEpochVote,
+    Type::kStateRequest,
+    Type::kStateOffer,
+    Type::kTransferDone,
+    Type::kEpochFinal,
+    Type::kWorkerProgress,
+    Type::kLowWatermark,
+    Type::kPeerProof,
+    Type::kCheckpointSeal,
+    Type::kCheckpointSealed,
 };
 static_assert(std::size(kTypes) == std::variant_size_v<Message>);
 
 constexpr const char* kNames[] = {
-    "Challenge",    "Hello",          "Welcome",      "Reject",       "ServerList",
-    "Placement",    "RegisterTensor", "TensorInfo",   "BarrierEnter", "BarrierRelease",
-    "Heartbeat",    "JobFailed",      "Shutdown",     "LoadReport",   "PeerHello",
-    "Grant",        "TensorKey",      "PushMeta",     "PullRequest",  "Credit",
-    "Moved",        "Error",          "Ack",          "EpochChange",  "EpochVote",
-    "StateRequest", "StateOffer",     "TransferDone", "EpochFinal",   "WorkerProgress",
-    "LowWatermark", "PeerProof",
+    "Challenge",
+    "Hello",
+    "Welcome",
+    "Reject",
+    "ServerList",
+    "Placement",
+    "RegisterTensor",
+    "TensorInfo",
+    "BarrierEnter",
+    "BarrierRelease",
+    "Heartbeat",
+    "JobFailed",
+    "Shutdown",
+    "LoadReport",
+    "PeerHello",
+    "Grant",
+    "TensorKey",
+    "PushMeta",
+    "PullRequest",
+    "Credit",
+    "Moved",
+    "Error",
+    "Ack",
+    "EpochChange",
+    "EpochVote",
+    "StateRequest",
+    "StateOffer",
+    "TransferDone",
+    "EpochFinal",
+    "WorkerProgress",
+    "LowWatermark",
+    "PeerProof",
+    "CheckpointSeal",
+    "CheckpointSealed",
 };
 static_assert(std::size(kNames) == std::variant_size_v<Message>);
 

@@ -58,7 +58,9 @@ namespace psld::protocol {
 // and StateOffer. 3: WorkerProgress and LowWatermark. 4: TensorKey.offset,
 // Ack.flags, kPushMapped. 5: PushMeta.lr. 6: HMAC proofs and CSPRNG nonces
 // (Challenge, Hello, Welcome, Grant), PeerHello (was WorkerHello) and PeerProof.
-inline constexpr uint16_t kVersion = 6;
+// 7: checkpoints (CheckpointSeal, CheckpointSealed, Welcome.resume_round,
+// TensorInfo.round).
+inline constexpr uint16_t kVersion = 7;
 
 // A member's psld::Role and a tensor's psld::DType travel as one byte each,
 // their enum values (protocol.cc checks them); psld::Role::kAuto never does.
@@ -105,6 +107,8 @@ enum class Type : uint16_t {
   kWorkerProgress = 35,
   kLowWatermark = 36,
   kPeerProof = 37,
+  kCheckpointSeal = 38,
+  kCheckpointSealed = 39,
 };
 
 // The acceptor's nonce: the coordinator sends it as soon as a member
@@ -130,6 +134,9 @@ struct Welcome {
   uint32_t num_servers = 0;
   uint32_t num_standby = 0;
   uint64_t chunk_bytes = 0;
+  // The job resumes from the checkpoint of this round (checkpoint.resume;
+  // the coordinator chose and verified it); 0: a fresh start.
+  uint64_t resume_round = 0;
   Proof proof{};  // welcome_proof(): the coordinator knows the secret too
 };
 
@@ -169,6 +176,9 @@ struct TensorInfo {
   DType dtype = DType::kFloat32;
   uint64_t bytes = 0;
   uint64_t chunk_bytes = 0;
+  // A resumed job: the tensor's state is that after this round (its next
+  // push is of round + 1, and no initial value is pushed); 0: fresh.
+  uint64_t round = 0;
 };
 
 struct BarrierEnter {
@@ -428,12 +438,30 @@ struct LowWatermark {
   std::vector<TensorRounds> low;
 };
 
-using Message =
-    std::variant<Challenge, Hello, Welcome, Reject, ServerList, PlacementChunk, RegisterTensor,
-                 TensorInfo, BarrierEnter, BarrierRelease, Heartbeat, JobFailed, Shutdown,
-                 LoadReport, PeerHello, Grant, TensorKey, PushMeta, PullRequest, Credit, Moved,
-                 Error, Ack, EpochChange, EpochVote, StateRequest, StateOffer, TransferDone,
-                 EpochFinal, WorkerProgress, LowWatermark, PeerProof>;
+// Checkpoints (docs/checkpoint.md). The coordinator to every server, once
+// every worker went past `round` of every tensor (so every key applied it):
+// finish the file of that round (each server wrote its keys' states into it
+// as it applied the round) and report it.
+struct CheckpointSeal {
+  uint64_t round = 0;
+};
+// A server's answer: its file of `round` is complete on disk (renamed into
+// place), with this size, record count and BLAKE2b; or `error` says why it
+// could not be written (the checkpoint is then skipped, the job goes on).
+struct CheckpointSealed {
+  uint64_t round = 0;
+  uint64_t bytes = 0;
+  uint64_t records = 0;
+  std::string blake2b;  // 64 hex digits
+  std::string error;
+};
+
+using Message = std::variant<Challenge, Hello, Welcome, Reject, ServerList, PlacementChunk,
+                             RegisterTensor, TensorInfo, BarrierEnter, BarrierRelease, Heartbeat,
+                             JobFailed, Shutdown, LoadReport, PeerHello, Grant, TensorKey, PushMeta,
+                             PullRequest, Credit, Moved, Error, Ack, EpochChange, EpochVote,
+                             StateRequest, StateOffer, TransferDone, EpochFinal, WorkerProgress,
+                             LowWatermark, PeerProof, CheckpointSeal, CheckpointSealed>;
 
 // Rounds of tensors 1..n (by_tensor[t - 1]) as at most kMaxRoundRanges
 // ranges: exact where neighbours share a round or there are few tensors,

@@ -202,6 +202,19 @@ bool MemberSession::handle(const ConnectionPtr& conn, protocol::Message& message
     if (fn) fn(*w);
     return true;
   }
+  if (auto* seal = std::get_if<protocol::CheckpointSeal>(&message)) {
+    SealFn fn;
+    {
+      MutexLock lock(mu_);
+      fn = on_seal_;
+    }
+    if (fn) {
+      fn(*seal);
+    } else {
+      PSLD_LOG_WARN("a checkpoint seal from the coordinator, and nobody to take it");
+    }
+    return true;
+  }
   MutexLock lock(mu_);
   if (auto* w = std::get_if<protocol::Welcome>(&message)) {
     if (welcomed_) {

@@ -85,6 +85,12 @@ class MemberSession {
     MutexLock lock(mu_);
     on_watermark_ = std::move(fn);
   }
+  // A CheckpointSeal from the coordinator (servers) goes to `fn`, like on_epoch.
+  using SealFn = std::function<void(const protocol::CheckpointSeal&)>;
+  void on_seal(SealFn fn) {
+    MutexLock lock(mu_);
+    on_seal_ = std::move(fn);
+  }
   // `fn` runs on the heartbeat thread once per heartbeat interval, from
   // join() until it is replaced: the owner's clock for deadlines that no
   // message may ever come to check (a transfer's fallback, a lost server's
@@ -138,6 +144,7 @@ class MemberSession {
   EpochFn on_epoch_ GUARDED_BY(mu_);
   FinalFn on_final_ GUARDED_BY(mu_);
   WatermarkFn on_watermark_ GUARDED_BY(mu_);
+  SealFn on_seal_ GUARDED_BY(mu_);
   Mutex tick_mu_;  // held while tick_ runs
   TickFn tick_ GUARDED_BY(tick_mu_);
   bool reports_stop_ GUARDED_BY(mu_) = false;

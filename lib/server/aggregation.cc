@@ -215,6 +215,12 @@ void ServerService::apply_round(Shard& shard, KeyState& k) {
     MutexLock lock(stats_mu_);
     ++stats_.rounds_applied;
   }
+  // Before any pull of the round is answered: the coordinator seals a
+  // checkpoint round once every worker pulled it (checkpointing.h).
+  if (const uint32_t every = options_.checkpoint.every_rounds;
+      every > 0 && options_.sync == SyncMode::kBsp && k.agg.version() % every == 0) {
+    save_checkpoint(shard, k);
+  }
   // Serve the pulls this round satisfies.
   serve_ready_pulls(shard, k);
   maybe_ship(shard, k);

@@ -58,6 +58,19 @@ Result<std::unique_ptr<ServerService>> ServerService::start(const RuntimeOptions
   s->session_.on_watermark(
       [srv = s.get()](const protocol::LowWatermark& w) { srv->dispatch_all(Trim{w}); });
   s->session_.on_tick([srv = s.get()] { srv->on_tick(); });
+  s->session_.on_seal([srv = s.get()](const protocol::CheckpointSeal& seal) {
+    if (CheckpointWriter* writer = srv->checkpoint_writer()) {
+      writer->seal(seal.round);
+      return;
+    }
+    protocol::CheckpointSealed answer;
+    answer.round = seal.round;
+    answer.error = fmt::format(
+        "server {} writes no checkpoints (checkpoint.every_rounds is 0 "
+        "here, or its writer could not start)",
+        srv->rank());
+    (void)srv->session_.send_to_coordinator(answer);
+  });
   PSLD_RETURN_IF_ERROR(s->session_.join(s->transport().address()));
   {
     MutexLock lock(s->epoch_mu_);
@@ -124,6 +137,11 @@ void ServerService::shutdown() {
     if (shard->thread.joinable()) shard->thread.join();
   }
   stop();  // no more handler calls after this
+  {
+    // Files of rounds not sealed are removed: never a torn one in place.
+    MutexLock lock(ckpt_mu_);
+    writer_.reset();
+  }
   MutexLock lock(conns_mu_);
   conns_.clear();
 }

@@ -22,9 +22,11 @@
 #include <vector>
 
 #include "base/mutex.h"
+#include "lib/checkpoint/checkpoint.h"
 #include "lib/placement/epoch_log.h"
 #include "lib/runtime/door.h"
 #include "lib/runtime/member.h"
+#include "lib/server/checkpointing.h"
 #include "lib/server/server_device.h"
 #include "lib/stats/load_stats.h"
 
@@ -245,6 +247,16 @@ class ServerService final : public ProcessRuntime {
   transport::ConnectionPtr peer(ServerId id);
   // The first hash of the arc that holds `key`: the subject of its load samples.
   uint64_t arc_of(Key key) const;
+  // Checkpoints (lib/server/checkpointing.h, docs/checkpoint.md): the key's
+  // state after a checkpoint round it just applied goes to the writer; a
+  // key this server holds from the start of a resumed job takes its state
+  // from the checkpoint.
+  void save_checkpoint(Shard& shard, KeyState& k);
+  Status restore_checkpoint(Shard& shard, KeyState& k);
+  // Made on first use (the rank and the resume round come with the Welcome):
+  // nullptr when checkpoints are off or the writer could not start.
+  CheckpointWriter* checkpoint_writer() EXCLUDES(ckpt_mu_);
+  Result<const checkpoint::Reader*> resume_reader() EXCLUDES(ckpt_mu_);
 
   const RuntimeOptions options_;
   MemberSession session_;
@@ -321,6 +333,10 @@ class ServerService final : public ProcessRuntime {
   Mutex compute_mu_;
   transport::Clock::time_point compute_free_ GUARDED_BY(compute_mu_){};
   std::unique_ptr<LoadRecorder> load_;
+  Mutex ckpt_mu_;
+  bool writer_tried_ GUARDED_BY(ckpt_mu_) = false;
+  std::unique_ptr<CheckpointWriter> writer_ GUARDED_BY(ckpt_mu_);
+  std::optional<Result<std::unique_ptr<checkpoint::Reader>>> resume_ GUARDED_BY(ckpt_mu_);
 };
 
 }  // namespace psld

@@ -197,6 +197,8 @@ ServerService::KeyState& ServerService::key_state(Shard& shard, Key key, DType d
   if (g) {
     k.awaiting_final = hold_until_final(k.owned_from);
     request_state(k, g->first, g->second);
+  } else if (made.ok() && session_.welcome().resume_round > 0) {
+    if (Status st = restore_checkpoint(shard, k); !st.ok()) fail_key(shard, k, st);
   }
   // A run that holds round out_round - 1 of a key leaving at out_round,
   // created after this shard looked for such keys: it ships too.

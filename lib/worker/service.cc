@@ -512,6 +512,7 @@ Result<uint32_t> WorkerService::register_tensor(const std::string& name, DType d
                                                               protocol::dtype_bytes(dtype)));
   t.id = info.id;
   t.layout = layout;
+  t.push_round = info.round;  // a resumed job goes on from its checkpoint
   if (bytes > 0) {
     // Every server learns where this tensor's pulls land, and confirms.
     std::vector<ConnectionPtr> conns;
@@ -551,6 +552,17 @@ Result<uint32_t> WorkerService::register_tensor(const std::string& name, DType d
     tensors_.push_back(std::move(t));
     tensor_by_name_[name] = handle;
   }
+  if (info.round > 0) {
+    // Resumed from a checkpoint: the servers hold the parameters of that
+    // round, and every worker's memory gets them now (no initial value).
+    if (bytes == 0) return handle;
+    PSLD_ASSIGN_OR_RETURN(auto req, submit(handle, RequestKind::kPull));
+    PSLD_RETURN_IF_ERROR(req->wait(options_.connect_timeout)
+                             .with_context(fmt::format("tensor '{}' from the checkpoint of "
+                                                       "round {}",
+                                                       name, info.round)));
+    return handle;
+  }
   // Worker 0 sets the initial value; the others get it with their first pull.
   if (init != nullptr && rank() == 0 && bytes > 0) {
     if (init != data && on_device) {
@@ -565,6 +577,12 @@ Result<uint32_t> WorkerService::register_tensor(const std::string& name, DType d
         req->wait(options_.connect_timeout).with_context("initial value of '" + name + "'"));
   }
   return handle;
+}
+
+Result<uint64_t> WorkerService::tensor_round(uint32_t handle) const {
+  MutexLock lock(mu_);
+  if (handle >= tensors_.size()) return InvalidArgument("unknown tensor handle");
+  return tensors_[handle].push_round;
 }
 
 Result<std::shared_ptr<RequestState>> WorkerService::submit(uint32_t handle, RequestKind kind) {

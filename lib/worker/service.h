@@ -70,6 +70,9 @@ class WorkerService final : public ProcessRuntime {
   Result<uint32_t> register_tensor(const std::string& name, DType dtype, uint64_t bytes, void* data,
                                    const void* init);
   Result<std::shared_ptr<RequestState>> submit(uint32_t tensor, RequestKind kind);
+  // Rounds of the tensor pushed so far (a resumed job's tensors start at
+  // the checkpoint's round).
+  Result<uint64_t> tensor_round(uint32_t tensor) const;
   Status barrier(std::chrono::milliseconds timeout) { return session_.barrier(timeout); }
   // The learning rate that pushes submitted from now on carry (psld/worker.h).
   void set_learning_rate(double lr) {
@@ -230,7 +233,7 @@ class WorkerService final : public ProcessRuntime {
   std::map<std::pair<uint32_t, uint64_t>, uint64_t> staging_ GUARDED_BY(mu_);
   std::atomic<uint64_t> max_round_{0};  // highest round pushed, for reports
 
-  Mutex mu_;
+  mutable Mutex mu_;
   std::condition_variable cv_;
   std::map<uint32_t, ServerConn> servers_ GUARDED_BY(mu_);     // by server rank
   std::map<uint32_t, ServerLoadStats> loads_ GUARDED_BY(mu_);  // by server rank

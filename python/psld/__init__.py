@@ -366,6 +366,13 @@ class Worker:
         where they differ, the lowest rank's wins. No effect with server.mode=sum."""
         self._native.set_learning_rate(float(lr))
 
+    def round(self, tensor: Union[Tensor, str]) -> int:
+        """Rounds of the tensor pushed so far: its next push is of round + 1. In a job resumed
+        from a checkpoint (``checkpoint.resume``, ``psld launch --resume DIR``) every tensor
+        starts at the checkpoint's round and ``register`` has pulled that round's parameters
+        into it: skip the trainer's data ahead to there (docs/checkpoint.md)."""
+        return self._native.round(self._index(tensor))
+
     def health(self) -> None:
         """Returns while the job runs; raises its failure (naming the process) otherwise."""
         self._native.health()

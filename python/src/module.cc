@@ -268,6 +268,7 @@ class PyWorker {
 
   void health() const { check(get().health()); }
   void set_learning_rate(double lr) { check(get().set_learning_rate(lr)); }
+  uint64_t round(uint32_t tensor) const { return take(get().round(psld::TensorHandle{tensor})); }
 
   nb::list server_loads() const {
     nb::list out;
@@ -407,6 +408,7 @@ NB_MODULE(_psld, m) {
       .def("barrier", &PyWorker::barrier, nb::arg("timeout").none() = nb::none())
       .def("health", &PyWorker::health)
       .def("set_learning_rate", &PyWorker::set_learning_rate, nb::arg("lr"))
+      .def("round", &PyWorker::round, nb::arg("tensor"))
       .def("server_loads", &PyWorker::server_loads)
       .def("shutdown", &PyWorker::shutdown)
       .def_prop_ro("is_shut_down", &PyWorker::is_shut_down);

@@ -83,6 +83,9 @@ std::vector<Seed> seeds() {
       {"epoch_final", EpochFinal{1, 100}},
       {"worker_progress", WorkerProgress{6, pack_rounds(rounds)}},
       {"low_watermark", LowWatermark{6, pack_rounds(rounds)}},
+      {"checkpoint_seal", CheckpointSeal{100}},
+      {"checkpoint_sealed", CheckpointSealed{100, 4096, 3, std::string(64, '0'), ""}},
+      {"checkpoint_failed", CheckpointSealed{100, 0, 0, "", "No space left on device"}},
   };
   std::vector<Seed> out;
   for (const auto& [name, m] : messages)
