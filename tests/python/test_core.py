@@ -118,6 +118,27 @@ def test_a_pull_writes_into_the_registered_memory_itself():
             assert t.array is tensor
 
 
+def test_a_resumed_job_starts_at_the_checkpoint_round_with_its_parameters(tmp_path):
+    settings = dict(checkpoint=dict(dir=str(tmp_path), every_rounds=2), stats=dict(interval_ms=20))
+    with job(**settings) as (w,):
+        t = w.register("t", np.zeros(1000, dtype=np.float32))
+        assert w.round(t) == 0
+        for r in range(1, 13):
+            t.array[:] = r  # sum mode, one worker: round r's parameter is r
+            w.push_pull(t).wait(10)
+            time.sleep(0.03)  # the coordinator seals the rounds every worker went past
+        assert w.round("t") == 12
+    settings["checkpoint"]["resume"] = True
+    with job(**settings) as (w,):
+        t = w.register("t", np.zeros(1000, dtype=np.float32))
+        resumed = w.round(t)
+        assert 2 <= resumed < 12 and resumed % 2 == 0
+        # register pulled the parameter of that round into the array
+        assert np.all(t.array == resumed)
+        with pytest.raises(psld.FailedPrecondition, match="not in the checkpoint"):
+            w.register("other", np.zeros(10, dtype=np.float32))
+
+
 def test_registering_a_tensor_that_requires_grad_shares_its_memory():
     with job() as (w,):
         p = torch.ones(100, requires_grad=True)
