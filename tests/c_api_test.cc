@@ -69,6 +69,12 @@ TEST(CApi, AWorkerPushPullsThroughTheCApi) {
     for (float v : x)
       ASSERT_EQ(v, static_cast<float>(round));  // one worker: the sum is its push
   }
+  uint64_t rounds = 0;
+  ASSERT_EQ(psld_tensor_round(w, t, &rounds), PSLD_OK) << psld_last_error();
+  EXPECT_EQ(rounds, 3u);
+  EXPECT_EQ(psld_tensor_round(w, 99, &rounds), PSLD_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(psld_last_error()).find("unknown tensor handle"), std::string::npos)
+      << psld_last_error();
 
   // A tensor in memory from psld_allocate, past the block's start.
   void* block = nullptr;

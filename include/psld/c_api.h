@@ -73,6 +73,9 @@ int psld_barrier(psld_worker* w, int64_t timeout_ms);
 /* Worker::set_learning_rate: the rate the next pushes' updates use
  * (server.mode=optimizer); 0 goes back to the servers' optimizer.lr. */
 int psld_set_learning_rate(psld_worker* w, double lr);
+/* Worker::round: rounds of the tensor pushed so far (a job resumed from a
+ * checkpoint starts at the checkpoint's round). */
+int psld_tensor_round(const psld_worker* w, uint32_t tensor, uint64_t* round);
 /* Says goodbye, disconnects and frees the worker. */
 int psld_worker_shutdown(psld_worker* w);
 

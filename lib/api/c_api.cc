@@ -193,6 +193,14 @@ int psld_set_learning_rate(psld_worker* w, double lr) {
   return s.ok() ? 0 : fail(s);
 }
 
+int psld_tensor_round(const psld_worker* w, uint32_t tensor, uint64_t* round) {
+  if (w == nullptr || round == nullptr) return fail_args("worker and round");
+  auto r = w->w->round(psld::TensorHandle{tensor});
+  if (!r.ok()) return fail(r.status());
+  *round = *r;
+  return 0;
+}
+
 int psld_worker_shutdown(psld_worker* w) {
   if (w == nullptr) return 0;
   return guarded([&] {
