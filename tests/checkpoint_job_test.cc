@@ -25,17 +25,17 @@ using psld::testing::TempDir;
 
 namespace fs = std::filesystem;
 
-
 const std::vector<size_t> kElems = {5, 20000, 40001};
 constexpr uint64_t kRounds = 100;
 constexpr uint32_t kEvery = 10;
 
 struct JobRun {
   Status status;
-  std::vector<std::vector<float>> params;               // worker 0's at the end
-  std::map<uint64_t, std::vector<std::vector<float>>> at;  // worker 0's after rounds kEvery, 2 kEvery, ...
-  std::vector<std::vector<float>> resumed;              // worker 0's right after registering
-  uint64_t first_round = 0;                             // rounds the tensors started at
+  std::vector<std::vector<float>> params;  // worker 0's at the end
+  std::map<uint64_t, std::vector<std::vector<float>>>
+      at;                                   // worker 0's after rounds kEvery, 2 kEvery, ...
+  std::vector<std::vector<float>> resumed;  // worker 0's right after registering
+  uint64_t first_round = 0;                 // rounds the tensors started at
   uint64_t checkpoints = 0;
   uint64_t last_checkpoint = 0;
   uint64_t skipped = 0;
@@ -46,7 +46,7 @@ struct JobRun {
 // (resuming from it with `resume`). Each round sleeps a little so that the
 // coordinator sees the job between checkpoint rounds.
 JobRun adam_run(const std::string& backend, const std::string& dir, bool resume,
-             uint32_t servers = 3) {
+                uint32_t servers = 3) {
   Cluster c(
       4, servers,
       [&](RuntimeOptions& o) {

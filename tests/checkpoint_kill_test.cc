@@ -20,8 +20,8 @@
 #include <vector>
 
 #include "lib/checkpoint/checkpoint.h"
-#include "tests/test_process.h"
 #include "tests/temp_dir.h"
+#include "tests/test_process.h"
 
 namespace {
 
@@ -65,7 +65,6 @@ std::string slurp(const std::string& path) {
   bytes << in.rdbuf();
   return bytes.str();
 }
-
 
 TEST(CheckpointKill, AJobKilledAtRandomAndResumedEndsBitIdentical) {
   TempDir tmp("psld-checkpoint-kill");
@@ -115,9 +114,10 @@ TEST(CheckpointKill, AJobKilledAtRandomAndResumedEndsBitIdentical) {
     torn += found->skipped.size();
     rounds += " " + std::to_string(at) + "->" + std::to_string(resumed_from);
   }
-  std::printf("%d kills (round seen before the kill -> newest whole checkpoint):%s; %zu torn checkpoints "
-              "passed over\n",
-              kills, rounds.c_str(), torn);
+  std::printf(
+      "%d kills (round seen before the kill -> newest whole checkpoint):%s; %zu torn checkpoints "
+      "passed over\n",
+      kills, rounds.c_str(), torn);
   ASSERT_GE(kills, 3);
   EXPECT_GE(torn, 1u) << "no kill landed while a checkpoint was being written";
 

@@ -117,8 +117,7 @@ void CoordinatorService::finish_seal_if_done() {
   }
   if (!done.error.empty()) {
     ++checkpoints_skipped_;
-    PSLD_LOG_WARN("coordinator: the checkpoint of round {} is skipped: {}", done.round,
-                  done.error);
+    PSLD_LOG_WARN("coordinator: the checkpoint of round {} is skipped: {}", done.round, done.error);
     return;
   }
   checkpoint::Manifest m;

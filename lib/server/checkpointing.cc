@@ -16,7 +16,8 @@ namespace psld {
 Result<std::unique_ptr<CheckpointWriter>> CheckpointWriter::start(Options options,
                                                                   SealedFn sealed) {
   std::unique_ptr<CheckpointWriter> w(new CheckpointWriter(std::move(options), std::move(sealed)));
-  PSLD_RETURN_IF_ERROR(start_thread(w->thread_, "checkpoint writer", [raw = w.get()] { raw->loop(); }));
+  PSLD_RETURN_IF_ERROR(
+      start_thread(w->thread_, "checkpoint writer", [raw = w.get()] { raw->loop(); }));
   return w;
 }
 
@@ -153,7 +154,8 @@ void CheckpointWriter::answer_seal(uint64_t round) {
     }
   }  // else: this server applied no key at that round; an empty answer
   if (!answer.error.empty()) {
-    if (answer.error.size() > protocol::kMaxReasonBytes) answer.error.resize(protocol::kMaxReasonBytes);
+    if (answer.error.size() > protocol::kMaxReasonBytes)
+      answer.error.resize(protocol::kMaxReasonBytes);
     PSLD_LOG_WARN("server {}: the checkpoint of round {} is not written: {}", options_.server,
                   round, answer.error);
   }
@@ -204,8 +206,8 @@ void ServerService::save_checkpoint(Shard& shard, KeyState& k) {
   r.elements = k.agg.size();
   r.state.resize(3 * r.elements);
   if (Status st = k.agg.save(shard.lane, r.state.data()); !st.ok()) {
-    writer->fail(round, fmt::format("server {}: the state of key {:#x}: {}", rank(), k.key,
-                                    st.to_string()));
+    writer->fail(
+        round, fmt::format("server {}: the state of key {:#x}: {}", rank(), k.key, st.to_string()));
     return;
   }
   r.state.resize(r.arrays * r.elements);
@@ -246,15 +248,15 @@ Status ServerService::restore_checkpoint(Shard& shard, KeyState& k) {
   PSLD_ASSIGN_OR_RETURN(const checkpoint::Reader* reader, resume_reader());
   auto record = reader->read(k.key);
   if (!record.ok()) {
-    return FailedPrecondition(fmt::format(
-        "key {:#x} (tensor {}, chunk {}) is not in the checkpoint of round {}: {}", k.key,
-        key_tensor(k.key), key_chunk(k.key), round, record.status().message()));
+    return FailedPrecondition(
+        fmt::format("key {:#x} (tensor {}, chunk {}) is not in the checkpoint of round {}: {}",
+                    k.key, key_tensor(k.key), key_chunk(k.key), round, record.status().message()));
   }
   if (record->dtype != k.agg.dtype() || record->bytes != k.agg.bytes() ||
       record->elements != k.agg.size()) {
     return FailedPrecondition(fmt::format(
-        "key {:#x} is {} bytes of {} in the checkpoint of round {}, but {} bytes of {} now",
-        k.key, record->bytes, protocol::dtype_name(record->dtype), round, k.agg.bytes(),
+        "key {:#x} is {} bytes of {} in the checkpoint of round {}, but {} bytes of {} now", k.key,
+        record->bytes, protocol::dtype_name(record->dtype), round, k.agg.bytes(),
         protocol::dtype_name(k.agg.dtype())));
   }
   // Parameter, then the moments (zeros when the checkpoint has none).
