@@ -868,11 +868,10 @@ Status check_file(const std::string& path, const FileEntry& f) {
   return Status::Ok();
 }
 
-// The round's manifest when the checkpoint is complete; else why not, as one
-// phrase for Found::skipped.
-Result<Manifest> check_round(const RoundDir& r) {
-  if (!r.is_dir) return FailedPrecondition("not a directory");
-  const std::string path = join(r.path, kManifestName);
+// The MANIFEST of the round directory `path`, decoded, naming `round`; else
+// why not, as one phrase for Found::skipped. Its files are not looked at.
+Result<Manifest> read_manifest(const std::string& path_of_round, uint64_t round) {
+  const std::string path = join(path_of_round, kManifestName);
   UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (!fd.valid()) {
     if (errno == ENOENT) {
@@ -905,16 +904,33 @@ Result<Manifest> check_round(const RoundDir& r) {
   text.resize(got);
   Result<Manifest> m = decode_manifest(text);
   if (!m.ok()) return m.status().with_context("MANIFEST");
-  if (m->round != r.round) {
+  if (m->round != round) {
     return DataLoss(fmt::format("MANIFEST says round {}", m->round));
   }
-  for (const FileEntry& f : m->files) {
+  return m;
+}
+
+// The round's manifest when the checkpoint is complete; else why not, as one
+// phrase for Found::skipped.
+Result<Manifest> check_round(const RoundDir& r) {
+  if (!r.is_dir) return FailedPrecondition("not a directory");
+  PSLD_ASSIGN_OR_RETURN(Manifest m, read_manifest(r.path, r.round));
+  for (const FileEntry& f : m.files) {
     PSLD_RETURN_IF_ERROR(check_file(join(r.path, f.name), f));
   }
   return m;
 }
 
 }  // namespace
+
+Result<Found> open_round(const std::string& dir, uint64_t round) {
+  Found found;
+  found.dir = round_dir(dir, round);
+  auto m = read_manifest(found.dir, round);
+  if (!m.ok()) return m.status().with_context(fmt::format("checkpoint: {}", found.dir));
+  found.manifest = std::move(m).value();
+  return found;
+}
 
 Result<Found> find_latest(const std::string& dir) {
   PSLD_ASSIGN_OR_RETURN(std::vector<RoundDir> rounds, list_rounds(dir));

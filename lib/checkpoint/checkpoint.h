@@ -249,6 +249,11 @@ struct Found {
 // none, NotFound naming dir when it does not exist.
 Result<Found> find_latest(const std::string& dir);
 
+// The checkpoint of `round` in dir, as find_latest found it before: its
+// MANIFEST read and decoded, the files not hashed again (a resumed job's
+// servers open the one its coordinator chose and checked).
+Result<Found> open_round(const std::string& dir, uint64_t round);
+
 // Reads a found checkpoint's files. open() scans every file's record headers
 // (scan_records), checks each file's header against the manifest (format,
 // server, round), its size and record count, and every record against the

@@ -4,6 +4,8 @@
 // server committed its file.
 #include <fmt/format.h>
 
+#include <utility>
+
 #include "base/log.h"
 #include "lib/coordinator/service.h"
 
@@ -115,11 +117,7 @@ void CoordinatorService::finish_seal_if_done() {
     done.error = fmt::format("the servers' files hold {} keys, the job's tensors have {}",
                              done.records, want);
   }
-  if (!done.error.empty()) {
-    ++checkpoints_skipped_;
-    PSLD_LOG_WARN("coordinator: the checkpoint of round {} is skipped: {}", done.round, done.error);
-    return;
-  }
+  if (!done.error.empty()) return skip_checkpoint(done.round, done.error);
   checkpoint::Manifest m;
   m.round = done.round;
   m.epoch = done.epoch;
@@ -135,29 +133,34 @@ void CoordinatorService::finish_seal_if_done() {
   cv_.notify_all();
 }
 
-Status CoordinatorService::write_checkpoint(const checkpoint::Manifest& m) {
-  const std::string& dir = options_.checkpoint.dir;
-  PSLD_RETURN_IF_ERROR(checkpoint::write_manifest(dir, m));
-  if (Status pruned = checkpoint::prune(dir, options_.checkpoint.keep); !pruned.ok()) {
-    PSLD_LOG_WARN("coordinator: cannot remove old checkpoints: {}", pruned.to_string());
-  }
-  return Status::Ok();
+void CoordinatorService::skip_checkpoint(uint64_t round, const std::string& why) {
+  ++checkpoints_skipped_;
+  PSLD_LOG_WARN("coordinator: the checkpoint of round {} is skipped: {}", round, why);
 }
 
-void CoordinatorService::note_checkpoint(const checkpoint::Manifest& m, const Status& written) {
-  if (!written.ok()) {
-    ++checkpoints_skipped_;
-    PSLD_LOG_WARN("coordinator: the checkpoint of round {} is skipped: {}", m.round,
-                  written.to_string());
-    return;
+void CoordinatorService::write_sealed_checkpoint() {
+  std::optional<checkpoint::Manifest> m;
+  {
+    MutexLock lock(mu_);
+    m = std::exchange(to_write_, std::nullopt);
   }
+  if (!m) return;
+  const std::string& dir = options_.checkpoint.dir;
+  const Status written = checkpoint::write_manifest(dir, *m);
+  if (written.ok()) {
+    if (Status pruned = checkpoint::prune(dir, options_.checkpoint.keep); !pruned.ok()) {
+      PSLD_LOG_WARN("coordinator: cannot remove old checkpoints: {}", pruned.to_string());
+    }
+  }
+  MutexLock lock(mu_);
+  if (!written.ok()) return skip_checkpoint(m->round, written.to_string());
   ++checkpoints_;
-  last_checkpoint_round_ = m.round;
+  last_checkpoint_round_ = m->round;
   uint64_t bytes = 0;
-  for (const auto& f : m.files)
+  for (const auto& f : m->files)
     bytes += f.bytes;
-  PSLD_LOG_INFO("coordinator: checkpoint of round {} complete: {} keys, {} bytes in {}", m.round,
-                m.keys, bytes, checkpoint::round_dir(options_.checkpoint.dir, m.round));
+  PSLD_LOG_INFO("coordinator: checkpoint of round {} complete: {} keys, {} bytes in {}", m->round,
+                m->keys, bytes, checkpoint::round_dir(dir, m->round));
 }
 
 uint64_t CoordinatorService::checkpoints() const {
@@ -173,11 +176,6 @@ uint64_t CoordinatorService::last_checkpoint_round() const {
 uint64_t CoordinatorService::checkpoints_skipped() const {
   MutexLock lock(mu_);
   return checkpoints_skipped_;
-}
-
-uint64_t CoordinatorService::resumed_round() const {
-  MutexLock lock(mu_);
-  return resume_round_;
 }
 
 }  // namespace psld

@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <utility>
 
 #include "base/log.h"
 #include "base/secret.h"
@@ -552,14 +551,12 @@ void CoordinatorService::monitor() {
     // Every half heartbeat interval at most, and only when it moved.
     publish_watermark();
     maybe_seal();
-    std::optional<checkpoint::Manifest> manifest = std::exchange(to_write_, std::nullopt);
     lock.unlock();
     flush();
     for (auto& conn : silent_servers)
       conn->close();
-    const Status written = manifest ? write_checkpoint(*manifest) : Status::Ok();
+    write_sealed_checkpoint();
     lock.lock();
-    if (manifest) note_checkpoint(*manifest, written);
   }
 }
 
@@ -587,16 +584,7 @@ void CoordinatorService::shutdown() {
   cv_.notify_all();
   if (monitor_.joinable()) monitor_.join();
   // A checkpoint sealed as the job ended: its files are in place already.
-  std::optional<checkpoint::Manifest> manifest;
-  {
-    MutexLock lock(mu_);
-    manifest = std::exchange(to_write_, std::nullopt);
-  }
-  if (manifest) {
-    const Status written = write_checkpoint(*manifest);
-    MutexLock lock(mu_);
-    note_checkpoint(*manifest, written);
-  }
+  write_sealed_checkpoint();
   stop();  // closing flushes what was sent
 }
 

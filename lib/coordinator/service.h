@@ -73,13 +73,11 @@ class CoordinatorService final : public ProcessRuntime {
   // Transfers aborted because a server gaining keys died.
   uint64_t aborts() const;
   // Checkpoints (docs/checkpoint.md): complete ones written by this job,
-  // the round of the newest, those skipped (a server could not write its
-  // file, or the files missed keys), and the round this job resumed from
-  // (0: a fresh start).
+  // the round of the newest, and those skipped (a server could not write
+  // its file, or the files missed keys).
   uint64_t checkpoints() const EXCLUDES(mu_);
   uint64_t last_checkpoint_round() const EXCLUDES(mu_);
   uint64_t checkpoints_skipped() const EXCLUDES(mu_);
-  uint64_t resumed_round() const EXCLUDES(mu_);
   // A copy of the committed placement, nullopt before there is one. (A
   // pointer into placement_ would race with the commit that replaces it.)
   std::optional<Placement> placement() const EXCLUDES(mu_) {
@@ -180,11 +178,11 @@ class CoordinatorService final : public ProcessRuntime {
   void handle_sealed(const Member& m, const protocol::CheckpointSealed& sealed) REQUIRES(mu_);
   void seal_lost_server(uint32_t rank) REQUIRES(mu_);
   void finish_seal_if_done() REQUIRES(mu_);
-  // The monitor takes a sealed checkpoint's manifest (to_write_) and writes
-  // it without mu_ (it fsyncs), removing checkpoints beyond
-  // checkpoint.keep; then notes the outcome.
-  Status write_checkpoint(const checkpoint::Manifest& m) EXCLUDES(mu_);
-  void note_checkpoint(const checkpoint::Manifest& m, const Status& written) REQUIRES(mu_);
+  // The manifest of a sealed checkpoint (to_write_), written without mu_
+  // (it fsyncs), then checkpoints beyond checkpoint.keep removed; by the
+  // monitor, and by shutdown() for one sealed as the job ended.
+  void write_sealed_checkpoint() EXCLUDES(mu_);
+  void skip_checkpoint(uint64_t round, const std::string& why) REQUIRES(mu_);
   uint64_t expected_keys() const REQUIRES(mu_);
 
   const RuntimeOptions options_;

@@ -4,9 +4,6 @@
 
 #include <unistd.h>
 
-#include <fstream>
-#include <sstream>
-
 #include "base/log.h"
 #include "base/thread.h"
 #include "lib/server/key_state.h"
@@ -65,11 +62,6 @@ void CheckpointWriter::seal(uint64_t round) {
   MutexLock lock(mu_);
   queue_.push_back(Item{Kind::kSeal, round, {}, {}});
   cv_.notify_all();
-}
-
-uint64_t CheckpointWriter::committed() const {
-  MutexLock lock(mu_);
-  return committed_;
 }
 
 void CheckpointWriter::loop() {
@@ -144,8 +136,6 @@ void CheckpointWriter::answer_seal(uint64_t round) {
         answer.bytes = entry->bytes;
         answer.records = entry->records;
         answer.blake2b = entry->blake2b;
-        MutexLock lock(mu_);
-        ++committed_;
       } else {
         answer.error = entry.status().to_string();
       }
@@ -221,13 +211,8 @@ Result<const checkpoint::Reader*> ServerService::resume_reader() {
     const std::string dir = checkpoint::round_dir(options_.checkpoint.dir, round);
     auto open = [&]() -> Result<std::unique_ptr<checkpoint::Reader>> {
       // The coordinator chose this checkpoint and checked every file's hash.
-      std::ifstream in(dir + "/MANIFEST", std::ios::binary);
-      if (!in) return NotFound(fmt::format("cannot read {}/MANIFEST", dir));
-      std::stringstream text;
-      text << in.rdbuf();
-      checkpoint::Found found;
-      PSLD_ASSIGN_OR_RETURN(found.manifest, checkpoint::decode_manifest(text.str()));
-      found.dir = dir;
+      PSLD_ASSIGN_OR_RETURN(checkpoint::Found found,
+                            checkpoint::open_round(options_.checkpoint.dir, round));
       PSLD_ASSIGN_OR_RETURN(checkpoint::Reader reader, checkpoint::Reader::open(found));
       PSLD_LOG_INFO("server {}: resuming from the checkpoint of round {} in {} ({} keys)", rank(),
                     round, dir, reader.keys());

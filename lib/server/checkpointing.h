@@ -59,8 +59,6 @@ class CheckpointWriter {
   // The coordinator's seal of `round`; files of older rounds not sealed are
   // given up (the coordinator moved past them).
   void seal(uint64_t round);
-  // Files committed so far.
-  uint64_t committed() const;
 
  private:
   CheckpointWriter(Options options, SealedFn sealed);
@@ -86,12 +84,11 @@ class CheckpointWriter {
 
   const Options options_;
   const SealedFn sealed_;
-  mutable Mutex mu_;
+  Mutex mu_;
   std::condition_variable cv_;
   std::deque<Item> queue_ GUARDED_BY(mu_);
   uint64_t queued_bytes_ GUARDED_BY(mu_) = 0;
   bool stop_ GUARDED_BY(mu_) = false;
-  uint64_t committed_ GUARDED_BY(mu_) = 0;
   // The writer's thread only.
   std::map<uint64_t, Open> open_;
   std::map<uint64_t, std::string> given_up_;  // round -> why, until its seal
