@@ -69,6 +69,9 @@ class Migration : public ::testing::TestWithParam<std::string> {};
 // move random chunks' arcs. `allocated`: the tensors are in Worker::allocate
 // memory, which loopback servers map, so push_pulls are read in place.
 void bsp_sums_through_migrations(const std::string& backend, bool allocated) {
+  // Per worker, declared before the cluster: a server may still write a pull
+  // into a tensor after a request failed, until the cluster stops.
+  std::vector<std::vector<std::vector<float>>> storage_of(4);
   Cluster c(
       4, 3, [](RuntimeOptions& o) { o.stats_interval = 20ms; }, backend);
   ASSERT_TRUE(c.start().ok());
@@ -84,7 +87,7 @@ void bsp_sums_through_migrations(const std::string& backend, bool allocated) {
   std::thread mover;
   Status s = on_all(c, [&](size_t wi) -> Status {
     WorkerService& w = *c.workers[wi];
-    std::vector<std::vector<float>> storage;
+    std::vector<std::vector<float>>& storage = storage_of[wi];
     std::vector<float*> data;
     std::vector<uint32_t> handles;
     if (allocated) {
@@ -208,6 +211,7 @@ Status runs_settle(Cluster& c, const std::vector<std::pair<TensorId, uint32_t>>&
 // per key it owns. Without freeing, each switch would leave one run per key
 // of the range behind on the server it takes the range from.
 TEST_P(Migration, OldRunsAreFreedWhileARangeMovesBackAndForth) {
+  std::vector<std::vector<std::vector<float>>> data_of(4);  // outlives the cluster
   Cluster c(
       4, 3, [](RuntimeOptions& o) { o.stats_interval = 20ms; }, GetParam());
   ASSERT_TRUE(c.start().ok());
@@ -252,7 +256,7 @@ TEST_P(Migration, OldRunsAreFreedWhileARangeMovesBackAndForth) {
   });
   Status s = on_all(c, [&](size_t wi) -> Status {
     WorkerService& w = *c.workers[wi];
-    std::vector<std::vector<float>> data;
+    std::vector<std::vector<float>>& data = data_of[wi];
     PSLD_ASSIGN_OR_RETURN(std::vector<uint32_t> handles, register_zeroed(w, elems, data));
     PSLD_RETURN_IF_ERROR(w.barrier(10s));
     ++started;
@@ -317,6 +321,7 @@ using Mover = std::function<void(Cluster&, const std::vector<std::pair<TensorId,
 // Runs `rounds` rounds; with rounds == 0, until `mover` is done and 5 more.
 AdamJob adam_job(const std::string& backend, uint32_t standby, uint64_t rounds, const Mover& mover,
                  const std::function<void(uint32_t, RuntimeOptions&)>& server_tweak = nullptr) {
+  std::vector<std::vector<std::vector<float>>> data_of(4);  // outlives the cluster
   Cluster c(
       4, 3,
       [standby](RuntimeOptions& o) {
@@ -352,7 +357,8 @@ AdamJob adam_job(const std::string& backend, uint32_t standby, uint64_t rounds, 
   }
   Status s = on_all(c, [&](size_t wi) -> Status {
     WorkerService& w = *c.workers[wi];
-    std::vector<std::vector<float>> data(elems.size());
+    std::vector<std::vector<float>>& data = data_of[wi];
+    data.resize(elems.size());
     std::vector<uint32_t> handles;
     for (size_t t = 0; t < elems.size(); ++t) {
       data[t].assign(elems[t], 0.0f);
@@ -433,6 +439,10 @@ TEST_P(Migration, AdamMovesBitExactlyBetweenGpuAndCpuServers) {
 }
 
 TEST_P(Migration, AsyncModeConservesEveryPushAcrossMigrations) {
+  constexpr size_t kN = 40000;  // three chunks
+  // Tensor memory outlives the workers' use of it (and the final pull) and
+  // the cluster: a pull that timed out may still land until it stops.
+  std::vector<std::vector<float>> xs(3, std::vector<float>(kN));
   Cluster c(
       3, 3,
       [](RuntimeOptions& o) {
@@ -441,7 +451,6 @@ TEST_P(Migration, AsyncModeConservesEveryPushAcrossMigrations) {
       },
       GetParam());
   ASSERT_TRUE(c.start().ok());
-  constexpr size_t kN = 40000;  // three chunks
   // Every worker pushes the same number of times: a switch in async mode
   // completes once every worker pushed the round before it (docs/migration.md).
   const std::vector<std::pair<TensorId, uint32_t>> chunks = {{1, 0}, {1, 1}, {1, 2}};
@@ -450,8 +459,6 @@ TEST_P(Migration, AsyncModeConservesEveryPushAcrossMigrations) {
   std::atomic<uint64_t> pushes{0};
   std::atomic<uint64_t> target{UINT64_MAX};
   std::atomic<uint64_t> furthest{0};
-  // Tensor memory outlives the workers' use of it (and the final pull).
-  std::vector<std::vector<float>> xs(3, std::vector<float>(kN));
   std::thread mover([&] {
     while (started.load() < 3)
       std::this_thread::sleep_for(1ms);
