@@ -490,6 +490,141 @@ TEST(Config, LauncherWinsOverTheFile) {
   EXPECT_EQ(r->job.rank, 6);
 }
 
+// BytePS: 2 worker machines of 4 GPU processes each, 3 servers; this is
+// machine 1's process 2.
+TEST(Config, BytepsWorker) {
+  FakeEnv env{{"DMLC_ROLE", "worker"},          {"DMLC_NUM_WORKER", "2"},
+              {"DMLC_NUM_SERVER", "3"},         {"DMLC_WORKER_ID", "1"},
+              {"DMLC_PS_ROOT_URI", "10.0.0.9"}, {"DMLC_PS_ROOT_PORT", "9000"},
+              {"BYTEPS_LOCAL_RANK", "2"},       {"BYTEPS_LOCAL_SIZE", "4"}};
+  auto r = load(env);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->launcher, "dmlc");
+  EXPECT_EQ(r->job.role, Role::kWorker);
+  EXPECT_EQ(r->sources.at("job.role"), "env DMLC_ROLE");
+  EXPECT_EQ(r->job.rank, 6);  // 1 x 4 + 2
+  EXPECT_EQ(r->job.local_rank, 2);
+  EXPECT_EQ(r->job.num_workers, 8);
+  EXPECT_EQ(r->sources.at("job.num_workers"), "env DMLC_NUM_WORKER x BYTEPS_LOCAL_SIZE");
+  EXPECT_EQ(r->job.num_servers, 3);
+  EXPECT_EQ(r->job.coordinator, "10.0.0.9:9000");
+  EXPECT_EQ(r->sources.at("job.coordinator"), "env DMLC_PS_ROOT_URI, DMLC_PS_ROOT_PORT");
+}
+
+// ps-lite: one process per worker, the scheduler is psld's coordinator, and
+// every role gets both counts.
+TEST(Config, PsLiteRoles) {
+  FakeEnv worker{{"DMLC_ROLE", "WORKER"},         {"DMLC_NUM_WORKER", "4"},
+                 {"DMLC_NUM_SERVER", "2"},        {"DMLC_WORKER_ID", "3"},
+                 {"DMLC_PS_ROOT_URI", "fd00::1"}, {"DMLC_PS_ROOT_PORT", "8000"}};
+  auto w = load(worker);
+  ASSERT_TRUE(w.ok()) << w.status().to_string();
+  EXPECT_EQ(w->job.rank, 3);
+  EXPECT_EQ(w->sources.at("job.rank"), "env DMLC_WORKER_ID");
+  EXPECT_EQ(w->job.num_workers, 4);
+  EXPECT_EQ(w->job.coordinator, "[fd00::1]:8000");
+
+  FakeEnv scheduler = worker;
+  scheduler.set("DMLC_ROLE", "scheduler");
+  auto c = load(scheduler);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_EQ(c->job.role, Role::kCoordinator);
+  EXPECT_EQ(c->job.rank, -1);  // a coordinator has no rank
+  EXPECT_EQ(c->job.num_workers, 4);
+  EXPECT_EQ(c->job.num_servers, 2);
+  EXPECT_EQ(c->job.coordinator, "[fd00::1]:8000");
+
+  FakeEnv server = worker;
+  server.set("DMLC_ROLE", "server");
+  auto s = load(server);
+  ASSERT_TRUE(s.ok()) << s.status().to_string();
+  EXPECT_EQ(s->job.role, Role::kServer);
+  EXPECT_EQ(s->job.rank, -1);  // assigned by the coordinator, as ps-lite's scheduler does
+  EXPECT_EQ(s->job.num_servers, 2);
+
+  // `psld server` (--job.role=server) in a worker's environment stays a
+  // server: the role from a flag or PSLD_JOB_ROLE outranks DMLC_ROLE.
+  auto f = load(worker, {"--job.role=server"});
+  ASSERT_TRUE(f.ok()) << f.status().to_string();
+  EXPECT_EQ(f->job.role, Role::kServer);
+  EXPECT_EQ(f->job.rank, -1);
+  EXPECT_EQ(f->sources.at("job.role"), "flag --job.role");
+}
+
+TEST(Config, DmlcValuesThatCannotBeReadAreRefusedByName) {
+  const std::vector<std::pair<FakeEnv, std::string>> cases = {
+      {FakeEnv{{"DMLC_ROLE", "joint"}},
+       "env DMLC_ROLE: 'joint' is not worker, server or scheduler"},
+      {FakeEnv{{"DMLC_ROLE", "worker"}, {"DMLC_NUM_WORKER", "two"}},
+       "env DMLC_NUM_WORKER: 'two' is not a number"},
+      {FakeEnv{{"DMLC_ROLE", "worker"}, {"BYTEPS_LOCAL_SIZE", "0"}},
+       "env BYTEPS_LOCAL_SIZE: '0' is not a count of 1 or more"},
+      {FakeEnv{{"DMLC_ROLE", "worker"}, {"BYTEPS_LOCAL_RANK", "1"}},
+       "BYTEPS_LOCAL_RANK is set without BYTEPS_LOCAL_SIZE"},
+      {FakeEnv{{"DMLC_ROLE", "worker"},
+               {"DMLC_WORKER_ID", "0"},
+               {"BYTEPS_LOCAL_RANK", "4"},
+               {"BYTEPS_LOCAL_SIZE", "4"}},
+       "env BYTEPS_LOCAL_RANK: '4' is not below BYTEPS_LOCAL_SIZE (4)"},
+      {FakeEnv{{"DMLC_ROLE", "worker"}, {"DMLC_NUM_WORKER", "70000"}}, "job.num_workers"},
+  };
+  for (const auto& [env, want] : cases) {
+    auto r = load(env);
+    ASSERT_FALSE(r.ok()) << want;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << want;
+    EXPECT_THAT(r.status().message(), HasSubstr(want));
+  }
+}
+
+TEST(Config, MpichMvapichPmixAndKubernetes) {
+  struct Case {
+    FakeEnv env;
+    std::string launcher;
+    int rank, num_workers, local_rank;
+  };
+  const int unset = Config{}.job.num_workers;
+  const std::vector<Case> cases = {
+      // MPICH's and Intel MPI's Hydra.
+      {FakeEnv{{"PMI_RANK", "5"}, {"PMI_SIZE", "6"}, {"MPI_LOCALRANKID", "1"}}, "mpich", 5, 6, 1},
+      {FakeEnv{{"MV2_COMM_WORLD_RANK", "2"},
+               {"MV2_COMM_WORLD_SIZE", "4"},
+               {"MV2_COMM_WORLD_LOCAL_RANK", "0"},
+               {"PMI_RANK", "2"},
+               {"PMI_SIZE", "4"}},
+       "mvapich", 2, 4, 0},
+      // PMIx gives no size in the environment: the count stays the config's.
+      {FakeEnv{{"PMIX_RANK", "3"}}, "pmix", 3, unset, -1},
+      // OpenMPI 5 sets PMIX_RANK too, and srun --mpi=pmix does: they win.
+      {FakeEnv{{"PMIX_RANK", "3"}, {"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "9"}},
+       "openmpi", 3, 9, -1},
+      {FakeEnv{{"PMIX_RANK", "1"},
+               {"SLURM_PROCID", "1"},
+               {"SLURM_NTASKS", "7"},
+               {"SLURM_STEP_ID", "0"}},
+       "slurm", 1, 7, -1},
+      // A Kubernetes Indexed Job's pod.
+      {FakeEnv{{"JOB_COMPLETION_INDEX", "4"}}, "kubernetes", 4, unset, -1},
+  };
+  for (const Case& c : cases) {
+    auto r = load(c.env, {"--job.num_workers=" + std::to_string(std::max(unset, 10))});
+    ASSERT_TRUE(r.ok()) << c.launcher << ": " << r.status().to_string();
+    EXPECT_EQ(r->launcher, c.launcher);
+    EXPECT_EQ(r->job.rank, c.rank) << c.launcher;
+    EXPECT_EQ(r->job.local_rank, c.local_rank) << c.launcher;
+    // The flag outranks a launcher's size; without it, the launcher's counts.
+    auto bare = load(c.env);
+    if (c.num_workers != unset) {
+      ASSERT_TRUE(bare.ok()) << c.launcher << ": " << bare.status().to_string();
+      EXPECT_EQ(bare->job.num_workers, c.num_workers) << c.launcher;
+    }
+  }
+  // As a server, the size is the server count.
+  auto s = load(FakeEnv{{"PMI_RANK", "1"}, {"PMI_SIZE", "2"}}, {"--job.role=server"});
+  ASSERT_TRUE(s.ok()) << s.status().to_string();
+  EXPECT_EQ(s->job.num_servers, 2);
+  EXPECT_EQ(s->sources.at("job.num_servers"), "env PMI_SIZE");
+}
+
 TEST(Config, PsldLaunch) {
   FakeEnv env{{"PSLD_JOB_RANK", "1"}, {"PSLD_JOB_NUM_WORKERS", "2"}, {"PSLD_JOB_ROLE", "worker"}};
   auto r = load(env);

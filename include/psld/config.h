@@ -6,8 +6,10 @@
 //
 //   1. the defaults below;
 //   2. a TOML file: `--config=PATH`, else the PSLD_CONFIG environment variable;
-//   3. the environment a launcher sets (OpenMPI mpirun, Slurm srun, torchrun):
-//      rank, world size, local rank and the coordinator's address;
+//   3. the environment a launcher sets (torchrun, BytePS/ps-lite's DMLC_*,
+//      OpenMPI, MVAPICH, MPICH/Intel MPI, Slurm srun, PMIx, a Kubernetes
+//      Indexed Job): rank, world size, local rank, the coordinator's address
+//      (and, from DMLC_ROLE, the role);
 //   4. PSLD_* environment variables, one per key;
 //   5. flags, `--key=value` or `--key value`.
 //
@@ -260,8 +262,9 @@ struct Config {
 
   // Where the values came from; filled by load_config, printed by to_string,
   // ignored by validate's checks and by ==.
-  // The launcher whose environment was read: "openmpi", "slurm", "torchrun",
-  // "psld" (PSLD_JOB_RANK set and no other launcher) or "none".
+  // The launcher whose environment was read: "torchrun", "dmlc", "openmpi",
+  // "mvapich", "mpich", "slurm", "pmix", "kubernetes", "psld" (PSLD_JOB_RANK
+  // set and no other launcher) or "none" (docs/configuration.md, Launchers).
   std::string launcher = "none";
   // Key -> "default", "file PATH:LINE", "env NAME", "flag --KEY", or a note
   // for a value derived from another key. Keys absent: set in code.

@@ -257,14 +257,18 @@ Result<Config> load_config(const ConfigSources& sources) {
   // The launcher maps its world size by role, and the role may come from a
   // source that outranks it: look at the role every source gives first.
   Config role_only = c;
+  bool role_given = false;
   std::vector<std::string> ignored;  // reported when applied below
   for (const auto* list : {&env_settings, &flags.settings}) {
     for (const TextSetting& s : *list) {
-      if (s.field->key == "job.role") apply(s, role_only, ignored);
+      if (s.field->key != "job.role") continue;
+      apply(s, role_only, ignored);
+      role_given = true;
     }
   }
-  Launcher launcher = detect_launcher(env, role_only.job.role, c.job.coordinator);
+  Launcher launcher = detect_launcher(env, role_only.job.role, role_given, c.job.coordinator);
   c.launcher = launcher.name;
+  errors.insert(errors.end(), launcher.errors.begin(), launcher.errors.end());
 
   for (const auto* list : {&launcher.settings, &env_settings, &flags.settings}) {
     for (const TextSetting& s : *list)

@@ -41,9 +41,14 @@ std::vector<TextSetting> read_psld_env(const Env& env, std::vector<std::string>&
 struct Launcher {
   std::string name = "none";
   std::vector<TextSetting> settings;
+  std::vector<std::string> errors;  // what it set that cannot be read
 };
 
-Launcher detect_launcher(const Env& env, Role role, const std::string& coordinator);
+// `role` as the sources that outrank the launcher give it (role_given) or
+// the file or the default do; a launcher that says each process's role
+// (DMLC_ROLE) sets it when role_given is false.
+Launcher detect_launcher(const Env& env, Role role, bool role_given,
+                         const std::string& coordinator);
 
 // The job secret's sources (secret_file.cc): PSLD_SECRET_FILE names a file
 // holding it (owned by this user, mode 0600 or stricter), and a flag among
