@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <cmath>
 #include <limits>
+#include <numeric>
 
 #include <random>
 
@@ -75,6 +76,7 @@ std::vector<Message> examples() {
       PeerProof{proof_of(7)},
       CheckpointSeal{300},
       CheckpointSealed{300, 1 << 20, 17, std::string(64, 'a'), ""},
+      JoinWaiting{2, 3, {1, 3}, {0, 2, 4}},
   };
 }
 
@@ -200,6 +202,16 @@ TEST(Protocol, BadEnumsAndHugeCountsAreRejected) {
   change[4] = 3;
   EXPECT_FALSE(decode(change).ok());
   EXPECT_FALSE(decode(encode(StateOffer{1, 0, DType::kFloat32, 4})).ok());
+
+  // Missing ranks: ascending, no repeats, at most kMaxMissingListed.
+  EXPECT_TRUE(decode(encode(JoinWaiting{0, 0, {0, 1}, {}})).ok());
+  EXPECT_FALSE(decode(encode(JoinWaiting{0, 0, {1, 1}, {}})).ok());
+  EXPECT_FALSE(decode(encode(JoinWaiting{0, 0, {}, {3, 2}})).ok());
+  std::vector<uint32_t> many(kMaxMissingListed + 1);
+  std::iota(many.begin(), many.end(), 0u);
+  EXPECT_FALSE(decode(encode(JoinWaiting{0, 0, many, {}})).ok());
+  many.pop_back();
+  EXPECT_TRUE(decode(encode(JoinWaiting{0, 0, {}, many})).ok());
 }
 
 TEST(Protocol, AnAbortNamesItsStepAndLostServer) {

@@ -808,6 +808,43 @@ TEST_P(Runtime, WrongSecretIsRefused) {
   (*coord)->shutdown();
 }
 
+// A job whose members do not all arrive: those that did give up after
+// connect_timeout, naming the ranks the coordinator still waited for.
+TEST_P(Runtime, AJobThatNeverStartsNamesWhoIsMissing) {
+  Cluster c(
+      3, 2,
+      [](RuntimeOptions& o) {
+        o.num_standby = 1;
+        o.connect_timeout = 3s;
+      },
+      GetParam());
+  auto coord = CoordinatorService::start(c.base);
+  ASSERT_TRUE(coord.ok()) << coord.status().to_string();
+  RuntimeOptions o = c.base;
+  o.coordinator_address = (*coord)->address();
+  RuntimeOptions server_options = o;
+  server_options.rank = 0;
+  auto server = std::async(std::launch::async,
+                           [server_options] { return ServerService::start(server_options); });
+  // And worker 1: workers 0 and 2 and servers 1 and 2 (the standby) never
+  // come. Both are in long before either gives up, and the coordinator
+  // tells every member each change.
+  o.rank = 1;
+  auto w = WorkerService::start(o);
+  ASSERT_FALSE(w.ok());
+  EXPECT_EQ(w.status().code(), StatusCode::kTimeout) << w.status().to_string();
+  EXPECT_NE(w.status().message().find("still waits for workers 0 and 2 and servers 1 and 2 (1 "
+                                      "of 3 workers and 1 of 3 servers joined)"),
+            std::string::npos)
+      << w.status().to_string();
+  auto s = server.get();
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kTimeout) << s.status().to_string();
+  EXPECT_NE(s.status().message().find("still waits for workers 0 and 2"), std::string::npos)
+      << s.status().to_string();
+  (*coord)->shutdown();
+}
+
 // A one-worker job still works: a push_pull of 1000 floats comes back exact.
 void expect_one_exact_push_pull(WorkerService& worker) {
   std::vector<std::vector<float>> data;

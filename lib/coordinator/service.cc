@@ -544,6 +544,7 @@ void CoordinatorService::monitor() {
       server_lost(m, what);
       if (job_over_) break;
     }
+    if (!job_started_) publish_join_waiting(now);
     if (balancer_ && job_started_ && !job_over_ && !switch_ && !transfer_ &&
         now - last_decision_ >= options_.balancer_interval) {
       balance();
@@ -557,6 +558,34 @@ void CoordinatorService::monitor() {
       conn->close();
     write_sealed_checkpoint();
     lock.lock();
+  }
+}
+
+void CoordinatorService::publish_join_waiting(transport::Clock::time_point now) {
+  protocol::JoinWaiting w;
+  w.workers_joined = static_cast<uint32_t>(workers_.size());
+  w.servers_joined = static_cast<uint32_t>(servers_.size());
+  const uint32_t all_servers = options_.num_servers + options_.num_standby;
+  for (uint32_t r = 0;
+       r < options_.num_workers && w.missing_workers.size() < protocol::kMaxMissingListed; ++r) {
+    if (!workers_.count(r)) w.missing_workers.push_back(r);
+  }
+  for (uint32_t r = 0; r < all_servers && w.missing_servers.size() < protocol::kMaxMissingListed;
+       ++r) {
+    if (!servers_.count(r)) w.missing_servers.push_back(r);
+  }
+  if (w != join_sent_ && now - join_sent_at_ >= options_.heartbeat_interval / 2) {
+    for (const auto& [id, m] : members_) {
+      if (m.welcomed) post(m.conn, w);
+    }
+    join_sent_ = w;
+    join_sent_at_ = now;
+  }
+  if (w != join_logged_ && now - join_logged_at_ >= kJoinLogInterval) {
+    PSLD_LOG_INFO("coordinator: the job waits for {}",
+                  protocol::waiting_for(w, options_.num_workers, all_servers));
+    join_logged_ = w;
+    join_logged_at_ = now;
   }
 }
 

@@ -144,6 +144,11 @@ class CoordinatorService final : public ProcessRuntime {
   // Sends the servers a LowWatermark when it moved (docs/migration.md,
   // "Freeing old runs").
   void publish_watermark() REQUIRES(mu_);
+  // Before the job starts: tells every admitted member whom the job waits
+  // for (protocol::JoinWaiting) when that changed, at most every half
+  // heartbeat interval, and logs it at most every kJoinLogInterval (a job
+  // that starts within that says nothing).
+  void publish_join_waiting(transport::Clock::time_point now) REQUIRES(mu_);
   void send_prepare() REQUIRES(mu_);
   // Commits the switch once every live server voted yes.
   void maybe_commit() REQUIRES(mu_);
@@ -233,6 +238,12 @@ class CoordinatorService final : public ProcessRuntime {
   // Each worker's last WorkerProgress, and the last LowWatermark sent.
   std::map<uint32_t, protocol::WorkerProgress> progress_ GUARDED_BY(mu_);
   std::optional<protocol::LowWatermark> watermark_ GUARDED_BY(mu_);
+  // The last JoinWaiting sent and logged, and when.
+  static constexpr std::chrono::seconds kJoinLogInterval{5};
+  std::optional<protocol::JoinWaiting> join_sent_ GUARDED_BY(mu_);
+  std::optional<protocol::JoinWaiting> join_logged_ GUARDED_BY(mu_);
+  transport::Clock::time_point join_sent_at_ GUARDED_BY(mu_){};
+  transport::Clock::time_point join_logged_at_ GUARDED_BY(mu_) = transport::Clock::now();
   // The balancer, when enabled, and what its last decision had seen.
   std::optional<Balancer> balancer_ GUARDED_BY(mu_);
   transport::Clock::time_point last_decision_ GUARDED_BY(mu_){};

@@ -508,6 +508,33 @@ bool get(WireReader& r, CheckpointSealed* m) {
          r.str(&m->error, kMaxReasonBytes);
 }
 
+void put_ranks(WireWriter& w, const std::vector<uint32_t>& ranks) {
+  w.u32(static_cast<uint32_t>(ranks.size()));
+  for (uint32_t r : ranks)
+    w.u32(r);
+}
+// At most kMaxMissingListed ranks, ascending.
+bool get_ranks(WireReader& r, std::vector<uint32_t>* ranks) {
+  uint32_t n = 0;
+  if (!r.u32(&n) || n > kMaxMissingListed) return false;
+  ranks->resize(n);
+  for (uint32_t i = 0; i < n; ++i) {
+    if (!r.u32(&(*ranks)[i]) || (i > 0 && (*ranks)[i] <= (*ranks)[i - 1])) return false;
+  }
+  return true;
+}
+
+void put(WireWriter& w, const JoinWaiting& m) {
+  w.u32(m.workers_joined);
+  w.u32(m.servers_joined);
+  put_ranks(w, m.missing_workers);
+  put_ranks(w, m.missing_servers);
+}
+bool get(WireReader& r, JoinWaiting* m) {
+  return r.u32(&m->workers_joined) && r.u32(&m->servers_joined) &&
+         get_ranks(r, &m->missing_workers) && get_ranks(r, &m->missing_servers);
+}
+
 // The wire type of each alternative of Message, in variant order.
 constexpr Type kTypes[] = {
     Type::kChallenge,
@@ -544,6 +571,7 @@ constexpr Type kTypes[] = {
     Type::kPeerProof,
     Type::kCheckpointSeal,
     Type::kCheckpointSealed,
+    Type::kJoinWaiting,
 };
 static_assert(std::size(kTypes) == std::variant_size_v<Message>);
 
@@ -582,6 +610,7 @@ constexpr const char* kNames[] = {
     "PeerProof",
     "CheckpointSeal",
     "CheckpointSealed",
+    "JoinWaiting",
 };
 static_assert(std::size(kNames) == std::variant_size_v<Message>);
 
@@ -679,6 +708,35 @@ Result<Message> decode(std::span<const uint8_t> bytes) {
 
 std::string_view message_name(const Message& message) {
   return kNames[message.index()];
+}
+
+namespace {
+
+// "worker 2", "workers 2 and 3", "servers 0, 1, ..., 15 and 9 more"; ""
+// for none. `missing` is the count, `listed` its lowest ranks.
+std::string ranks_text(const char* role, const std::vector<uint32_t>& listed, uint32_t missing) {
+  if (missing == 0 || listed.empty()) return "";
+  std::string out = fmt::format("{}{} ", role, missing == 1 ? "" : "s");
+  const bool more = missing > listed.size();
+  for (size_t i = 0; i < listed.size(); ++i) {
+    if (i > 0) out += (i + 1 == listed.size() && !more) ? " and " : ", ";
+    out += std::to_string(listed[i]);
+  }
+  if (more) out += fmt::format(" and {} more", missing - listed.size());
+  return out;
+}
+
+}  // namespace
+
+std::string waiting_for(const JoinWaiting& w, uint32_t num_workers, uint32_t num_servers) {
+  const uint32_t workers = num_workers > w.workers_joined ? num_workers - w.workers_joined : 0;
+  const uint32_t servers = num_servers > w.servers_joined ? num_servers - w.servers_joined : 0;
+  const std::string a = ranks_text("worker", w.missing_workers, workers);
+  const std::string b = ranks_text("server", w.missing_servers, servers);
+  if (a.empty() && b.empty()) return "";
+  return fmt::format("{}{}{} ({} of {} workers and {} of {} servers joined)", a,
+                     a.empty() || b.empty() ? "" : " and ", b, w.workers_joined, num_workers,
+                     w.servers_joined, num_servers);
 }
 
 namespace {

@@ -59,8 +59,8 @@ namespace psld::protocol {
 // Ack.flags, kPushMapped. 5: PushMeta.lr. 6: HMAC proofs and CSPRNG nonces
 // (Challenge, Hello, Welcome, Grant), PeerHello (was WorkerHello) and PeerProof.
 // 7: checkpoints (CheckpointSeal, CheckpointSealed, Welcome.resume_round,
-// TensorInfo.round).
-inline constexpr uint16_t kVersion = 7;
+// TensorInfo.round). 8: JoinWaiting.
+inline constexpr uint16_t kVersion = 8;
 
 // A member's psld::Role and a tensor's psld::DType travel as one byte each,
 // their enum values (protocol.cc checks them); psld::Role::kAuto never does.
@@ -109,6 +109,7 @@ enum class Type : uint16_t {
   kPeerProof = 37,
   kCheckpointSeal = 38,
   kCheckpointSealed = 39,
+  kJoinWaiting = 40,
 };
 
 // The acceptor's nonce: the coordinator sends it as soon as a member
@@ -456,12 +457,27 @@ struct CheckpointSealed {
   std::string error;
 };
 
-using Message = std::variant<Challenge, Hello, Welcome, Reject, ServerList, PlacementChunk,
-                             RegisterTensor, TensorInfo, BarrierEnter, BarrierRelease, Heartbeat,
-                             JobFailed, Shutdown, LoadReport, PeerHello, Grant, TensorKey, PushMeta,
-                             PullRequest, Credit, Moved, Error, Ack, EpochChange, EpochVote,
-                             StateRequest, StateOffer, TransferDone, EpochFinal, WorkerProgress,
-                             LowWatermark, PeerProof, CheckpointSeal, CheckpointSealed>;
+// The coordinator to every admitted member while the job has not started,
+// whenever who has joined changed (at most every half heartbeat interval):
+// how many workers and servers (standby included) joined, and the lowest
+// ranks still missing, so that a member that gives up waiting can say whom
+// it waited for.
+inline constexpr size_t kMaxMissingListed = 16;
+struct JoinWaiting {
+  uint32_t workers_joined = 0;
+  uint32_t servers_joined = 0;
+  std::vector<uint32_t> missing_workers;  // ascending, at most kMaxMissingListed
+  std::vector<uint32_t> missing_servers;
+  bool operator==(const JoinWaiting&) const = default;
+};
+
+using Message =
+    std::variant<Challenge, Hello, Welcome, Reject, ServerList, PlacementChunk, RegisterTensor,
+                 TensorInfo, BarrierEnter, BarrierRelease, Heartbeat, JobFailed, Shutdown,
+                 LoadReport, PeerHello, Grant, TensorKey, PushMeta, PullRequest, Credit, Moved,
+                 Error, Ack, EpochChange, EpochVote, StateRequest, StateOffer, TransferDone,
+                 EpochFinal, WorkerProgress, LowWatermark, PeerProof, CheckpointSeal,
+                 CheckpointSealed, JoinWaiting>;
 
 // Rounds of tensors 1..n (by_tensor[t - 1]) as at most kMaxRoundRanges
 // ranges: exact where neighbours share a round or there are few tensors,
@@ -477,6 +493,11 @@ Result<Message> decode(std::span<const uint8_t> bytes);
 
 // The name of a message's type, for logs and errors.
 std::string_view message_name(const Message& message);
+
+// Whom a job that has not started waits for, of num_workers workers and
+// num_servers servers (standby included): "workers 2 and 3 and server 1
+// (2 of 4 workers and 2 of 3 servers joined)"; "" when nobody is missing.
+std::string waiting_for(const JoinWaiting& w, uint32_t num_workers, uint32_t num_servers);
 
 // The proofs of the two handshakes (auth.h). Each binds both nonces and the
 // message it travels in (its encoding with the proof zeroed): a member's

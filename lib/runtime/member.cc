@@ -114,10 +114,14 @@ Status MemberSession::join(std::vector<uint8_t> listen_address) {
   });
   if (!health_.ok()) return health_;
   if (!started) {
+    const std::string missing =
+        waiting_ ? protocol::waiting_for(*waiting_, welcome_.num_workers,
+                                         welcome_.num_servers + welcome_.num_standby)
+                 : "";
     return Timeout(fmt::format(
-        "the job did not start within {} ms: the coordinator at {} admitted this {} but not "
-        "every worker and server joined",
-        options_.connect_timeout.count(), options_.coordinator_address, role_name(role_)));
+        "the job did not start within {} ms: the coordinator at {} admitted this {} but {}",
+        options_.connect_timeout.count(), options_.coordinator_address, role_name(role_),
+        missing.empty() ? "not every worker and server joined" : "still waits for " + missing));
   }
   return Status::Ok();
 }
@@ -232,6 +236,8 @@ bool MemberSession::handle(const ConnectionPtr& conn, protocol::Message& message
     }
   } else if (auto* r = std::get_if<protocol::Reject>(&message)) {
     rejected_ = r->reason;
+  } else if (auto* j = std::get_if<protocol::JoinWaiting>(&message)) {
+    waiting_ = std::move(*j);
   } else if (auto* s = std::get_if<protocol::ServerList>(&message)) {
     servers_ = s->servers;
     have_servers_ = true;

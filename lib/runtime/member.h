@@ -121,6 +121,8 @@ class MemberSession {
   std::condition_variable cv_;
   bool welcomed_ GUARDED_BY(mu_) = false;
   std::string rejected_ GUARDED_BY(mu_);
+  // Whom the job waited for, as the coordinator last said (before the start).
+  std::optional<protocol::JoinWaiting> waiting_ GUARDED_BY(mu_);
   protocol::Welcome welcome_ GUARDED_BY(mu_);
   // The coordinator's challenge and our answer, which its Welcome must prove.
   std::optional<protocol::Nonce> challenge_ GUARDED_BY(mu_);

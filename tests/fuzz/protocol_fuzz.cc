@@ -86,6 +86,7 @@ std::vector<Seed> seeds() {
       {"checkpoint_seal", CheckpointSeal{100}},
       {"checkpoint_sealed", CheckpointSealed{100, 4096, 3, std::string(64, '0'), ""}},
       {"checkpoint_failed", CheckpointSealed{100, 0, 0, "", "No space left on device"}},
+      {"join_waiting", JoinWaiting{3, 1, {0, 5, 6}, {1, 2}}},
   };
   std::vector<Seed> out;
   for (const auto& [name, m] : messages)
