@@ -669,7 +669,9 @@ TEST(Config, EveryValidationRuleNamesItsKey) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
   const double inf = std::numeric_limits<double>::infinity();
   const std::vector<Rule> rules = {
-      {"log", [](Config& c) { c.log = "verbose"; }, "log", "one of error, warn, info, debug"},
+      {"log", [](Config& c) { c.log = "verbose"; }, "log",
+       "'verbose' is not a level (error, warn, info, debug)"},
+      {"log component", [](Config& c) { c.log = "warn,ucx=loud"; }, "log", "'loud' is not a level"},
       {"role", [](Config& c) { c.job.role = static_cast<Role>(9); }, "job.role",
        "one of auto, worker, server, coordinator"},
       {"rank<-1", [](Config& c) { c.job.rank = -2; }, "job.rank", "an integer in -1..65535"},

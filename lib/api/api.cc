@@ -19,10 +19,13 @@ const char* version() {
 }
 
 namespace {
-Status check_config(const Config& config) {
+// Checks the config and applies its `log` levels; every log line names
+// `role` (and the rank, once known) from now on.
+Status check_config(const Config& config, std::string_view role) {
   PSLD_RETURN_IF_ERROR(validate(config).with_context("invalid configuration"));
-  LogLevel level;
-  if (parse_log_level(config.log, &level)) set_log_level(level);
+  LogSpec spec;
+  if (parse_log_spec(config.log, &spec).empty()) set_log_spec(spec);
+  set_log_identity(role, role == "coordinator" ? -1 : config.job.rank);
   return Status::Ok();
 }
 }  // namespace
@@ -40,11 +43,12 @@ bool Request::test() const {
 // ---- Worker
 
 Result<std::unique_ptr<Worker>> Worker::join(const Config& config) {
-  PSLD_RETURN_IF_ERROR(check_config(config));
+  PSLD_RETURN_IF_ERROR(check_config(config, "worker"));
   const RuntimeOptions options = runtime_options_from_config(config);
   std::unique_ptr<Worker> w(new Worker());
   if (!config.job.colocate_servers) {
     PSLD_ASSIGN_OR_RETURN(w->impl_, WorkerService::start(options));
+    set_log_identity("worker", w->impl_->rank());
     return w;
   }
   if (options.rank < 0) {
@@ -188,8 +192,9 @@ Status Worker::shutdown() {
 // ---- Server
 
 Result<std::unique_ptr<Server>> Server::start(const Config& config) {
-  PSLD_RETURN_IF_ERROR(check_config(config));
+  PSLD_RETURN_IF_ERROR(check_config(config, "server"));
   PSLD_ASSIGN_OR_RETURN(auto impl, ServerService::start(runtime_options_from_config(config)));
+  set_log_identity("server", impl->rank());
   return std::unique_ptr<Server>(new Server(std::move(impl)));
 }
 
@@ -213,7 +218,7 @@ void Server::shutdown() {
 // ---- Coordinator
 
 Result<std::unique_ptr<Coordinator>> Coordinator::start(const Config& config) {
-  PSLD_RETURN_IF_ERROR(check_config(config));
+  PSLD_RETURN_IF_ERROR(check_config(config, "coordinator"));
   RuntimeOptions o = runtime_options_from_config(config);
   o.net.options.common.listen_address = config.job.coordinator;
   PSLD_ASSIGN_OR_RETURN(auto impl, CoordinatorService::start(o));

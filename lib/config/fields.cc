@@ -16,6 +16,8 @@
 #include <cmath>
 #include <limits>
 
+#include "base/log.h"
+
 namespace psld::config_detail {
 namespace {
 
@@ -23,7 +25,6 @@ constexpr std::array<std::string_view, 4> kRoleNames = {"auto", "worker", "serve
 constexpr std::array<std::string_view, 3> kSyncNames = {"bsp", "async", "staleness"};
 constexpr std::array<std::string_view, 2> kServerModeNames = {"sum", "optimizer"};
 constexpr std::array<std::string_view, 4> kOptimizerNames = {"sgd", "momentum", "adam", "adamw"};
-constexpr std::array<std::string_view, 4> kLogNames = {"error", "warn", "info", "debug"};
 constexpr std::array<std::string_view, 3> kTransportNames = {"ucx", "verbs", "loopback"};
 constexpr std::array<std::string_view, 3> kWritePathNames = {"auto", "put", "am"};
 constexpr std::array<std::string_view, 3> kGpuPathNames = {"auto", "direct", "staged"};
@@ -176,6 +177,11 @@ std::string check_device(std::string_view v) {
   return "";
 }
 
+std::string check_log(std::string_view v) {
+  LogSpec spec;
+  return parse_log_spec(v, &spec);
+}
+
 std::string check_path(std::string_view v) {
   for (char c : v) {
     if (c == '\0' || c == '\n' || c == '\r') return "a newline or NUL in the path";
@@ -193,7 +199,11 @@ std::string check_any(std::string_view) {
 // any [table]), then one table per section.
 const std::vector<Field>& fields() {
   static const std::vector<Field> kFields = {
-      named(PSLD_KEY(log), kLogNames, "level of the messages psld writes on stderr"),
+      string_field(PSLD_KEY(log), check_log,
+                   "a comma-separated list: a level (error, warn, info, debug) and/or "
+                   "component=level items",
+                   "levels of the messages psld writes (on stderr, or to PSLD_LOG_FILE): a "
+                   "default and by component, e.g. warn,ucx=debug (docs/logging.md)"),
 
       plain(PSLD_KEY(job.role),
             "what this process is; auto: decided at start (a launched trainer process is a "
