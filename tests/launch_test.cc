@@ -93,7 +93,9 @@ std::string tail(const std::string& s, size_t n = 6000) {
   return kept;
 }
 
-// Every "lanes ..." line the ucx transport logs at info level, one per connection.
+// Every "lanes ..." line the ucx transport logs at info level: one per
+// distinct lane summary per process (connections with a summary already
+// said go to debug), so every kind of connection the job made is here.
 std::vector<std::string> lane_lines(const std::string& output) {
   std::vector<std::string> out;
   std::istringstream in(output);
@@ -109,8 +111,9 @@ RunResult run_exact(const std::string& tls, const std::vector<std::string>& args
                     const std::vector<std::string>& extra_env = {}) {
   std::vector<std::string> argv = {psld(), "launch", "-w", "4", "-s", "3", "--", exact_worker()};
   argv.insert(argv.end(), args.begin(), args.end());
-  // PSLD_LOG=info makes every connection log its UCX lanes, so the test can
-  // tell that the transport it asked for is the one that carried the data.
+  // PSLD_LOG=info makes each process log every distinct set of UCX lanes its
+  // connections use, so the test can tell that the transport it asked for
+  // is the one that carried the data.
   // A generous heartbeat timeout: the workers share 2 cores with 3 servers.
   std::vector<std::string> env = {"PSLD_SERVER_MODE=sum", "PSLD_UCX_TLS=" + tls, "PSLD_LOG=info",
                                   "PSLD_LIVENESS_HEARTBEAT_TIMEOUT_MS=20000",

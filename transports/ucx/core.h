@@ -1144,6 +1144,10 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   size_t live_count_ GUARDED_BY(mu_) = 0;
   std::vector<OpCtx*> free_ops_ GUARDED_BY(mu_);
   size_t handshaking_ GUARDED_BY(mu_) = 0;  // connections with a handshake deadline
+  // The lane summaries said at info (bounded): every connection of a job
+  // usually has the same, and the rest are said at debug.
+  static constexpr size_t kMaxLanesSaid = 32;
+  std::set<std::string> lanes_said_ GUARDED_BY(mu_);
   // Deferred work (see the comment at the top of the file).
   struct Flushed {
     ConnPtr conn;

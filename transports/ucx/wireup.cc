@@ -237,9 +237,14 @@ void UcxCore::connection_ready(UcxConnection& conn) {
       ring_word(conn.rx_ring_->base(), kRingSleepingAt).store(1, std::memory_order_seq_cst);
     }
   }
-  PSLD_LOG_INFO("ucx: connection {} ({}): lanes {}; writes use {} ({}); notify ring: {}", conn.id(),
-                conn.peer(), lanes.text, path == WritePath::kPut ? "put" : "am", why,
-                conn.ring_note_);
+  std::string summary = fmt::format("lanes {}; writes use {} ({}); notify ring: {}", lanes.text,
+                                    path == WritePath::kPut ? "put" : "am", why, conn.ring_note_);
+  if (lanes_said_.size() < kMaxLanesSaid && lanes_said_.insert(summary).second) {
+    PSLD_LOG_INFO("ucx: connection {} ({}): {} (later connections with these lanes: at debug)",
+                  conn.id(), conn.peer(), summary);
+  } else {
+    PSLD_LOG_DEBUG("ucx: connection {} ({}): {}", conn.id(), conn.peer(), summary);
+  }
   PSLD_LOG_DEBUG("ucx: connection {} endpoint:\n{}", conn.id(), info);
 }
 
