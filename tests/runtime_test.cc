@@ -40,6 +40,9 @@ TEST_P(Runtime, ClusterStartsAndAllWorkersGetRanks) {
 }
 
 TEST_P(Runtime, BspSumModeGivesExactSumsEveryRound) {
+  // Per worker, declared before the cluster: a pull may still land after a
+  // request failed, until the cluster stops.
+  std::vector<std::vector<std::vector<float>>> storage_of(4);
   Cluster c(4, 3, nullptr, GetParam());
   ASSERT_TRUE(c.start().ok());
   // Odd sizes: single element, less than a chunk, several chunks with a tail.
@@ -47,7 +50,7 @@ TEST_P(Runtime, BspSumModeGivesExactSumsEveryRound) {
   constexpr int kRounds = 30;
   Status s = on_all(c, [&](size_t wi) -> Status {
     WorkerService& w = *c.workers[wi];
-    std::vector<std::vector<float>> storage;
+    std::vector<std::vector<float>>& storage = storage_of[wi];
     PSLD_ASSIGN_OR_RETURN(std::vector<uint32_t> handles, register_zeroed(w, elems, storage));
     std::vector<float*> data;
     for (auto& v : storage)
