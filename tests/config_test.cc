@@ -154,6 +154,7 @@ TEST(Config, EveryKeyCanBeSetFromEachSource) {
       {"job.secret", "s3cret"},
       {"job.transport", "loopback"},
       {"job.listen", "0.0.0.0:5000"},
+      {"job.interface", "eth0"},
       {"data.chunk_bytes", "1048576"},
       {"data.slots_per_worker", "32"},
       {"data.sync", "staleness"},

@@ -17,6 +17,7 @@
 
 #include "bench/bench_util.h"
 #include "bench/stragglers.h"
+#include "lib/config/interface.h"
 #include "lib/server/server_device.h"
 #include "lib/worker/device_staging.h"
 #include "psld/config.h"
@@ -71,9 +72,18 @@ int cmd_config(int argc, char** argv) {
   auto config = config_from(argc, argv, 2);
   if (!config.ok()) return fail(config.status().message());
   std::fputs(psld::to_string(*config).c_str(), stdout);
+  psld::RuntimeOptions options = psld::runtime_options_from_config(*config);
+  // The interface this process would use (docs/cluster.md), resolved here.
+  if (!config->job.interface.empty()) {
+    if (psld::Status s = psld::apply_interface(*config, options); !s.ok()) {
+      return fail(s.to_string());  // the start would fail the same way
+    }
+    std::printf("\n# interface: %s, listening on %s\n",
+                options.net.options.common.interface.c_str(),
+                options.net.options.common.listen_address.c_str());
+  }
   // What the data path would do with tensors in GPU memory (docs/gpu.md).
-  std::printf("\n# CUDA tensors: %s\n",
-              psld::describe_gpu_path(psld::runtime_options_from_config(*config)).c_str());
+  std::printf("\n# CUDA tensors: %s\n", psld::describe_gpu_path(options).c_str());
   // Where servers keep their keys (docs/gpu.md, "GPU servers").
   if (config->server.device == "cuda") {
     auto device = psld::describe_server_device();

@@ -241,6 +241,10 @@ struct CommonOptions {
   // loopback listen address) the job is on this host, and UCX's own TCP
   // transport listens on loopback only. Empty: unknown.
   std::string job_address;
+  // The network interface the job uses here (job.interface resolved):
+  // UCX's own TCP transport then uses only it (UCX_NET_DEVICES still wins).
+  // Empty: the job_address rule above, else every interface UCX finds.
+  std::string interface;
   // The job's secret: a backend with a bootstrap of its own (ucx) lets a
   // peer in only once it proved it knows the same one (an HMAC, never the
   // secret itself). Empty on both sides is a secret too, and a weak one.

@@ -101,6 +101,10 @@ struct JobConfig {
   std::string secret;
   std::string transport = "ucx";       // "ucx", "verbs" or "loopback"
   std::string listen = "127.0.0.1:0";  // "host:port" this process listens on; port 0: any
+  // The network interface to use ("eth0"), "auto" (the one on the route to
+  // the coordinator) or "" (none chosen): its address becomes the listen
+  // host when `listen` is not set, and UCX's TCP transport uses only it.
+  std::string interface;
 
   bool operator==(const JobConfig&) const = default;
 };

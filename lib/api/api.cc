@@ -3,6 +3,7 @@
 #include <future>
 
 #include "base/log.h"
+#include "lib/config/interface.h"
 #include "lib/config/runtime_options.h"
 #include "lib/coordinator/service.h"
 #include "lib/server/service.h"
@@ -28,6 +29,13 @@ Status check_config(const Config& config, std::string_view role) {
   set_log_identity(role, role == "coordinator" ? -1 : config.job.rank);
   return Status::Ok();
 }
+
+// The runtime's options, job.interface resolved.
+Result<RuntimeOptions> options_for(const Config& config) {
+  RuntimeOptions o = runtime_options_from_config(config);
+  PSLD_RETURN_IF_ERROR(apply_interface(config, o));
+  return o;
+}
 }  // namespace
 
 // ---- Request
@@ -44,7 +52,7 @@ bool Request::test() const {
 
 Result<std::unique_ptr<Worker>> Worker::join(const Config& config) {
   PSLD_RETURN_IF_ERROR(check_config(config, "worker"));
-  const RuntimeOptions options = runtime_options_from_config(config);
+  PSLD_ASSIGN_OR_RETURN(const RuntimeOptions options, options_for(config));
   std::unique_ptr<Worker> w(new Worker());
   if (!config.job.colocate_servers) {
     PSLD_ASSIGN_OR_RETURN(w->impl_, WorkerService::start(options));
@@ -193,7 +201,8 @@ Status Worker::shutdown() {
 
 Result<std::unique_ptr<Server>> Server::start(const Config& config) {
   PSLD_RETURN_IF_ERROR(check_config(config, "server"));
-  PSLD_ASSIGN_OR_RETURN(auto impl, ServerService::start(runtime_options_from_config(config)));
+  PSLD_ASSIGN_OR_RETURN(const RuntimeOptions options, options_for(config));
+  PSLD_ASSIGN_OR_RETURN(auto impl, ServerService::start(options));
   set_log_identity("server", impl->rank());
   return std::unique_ptr<Server>(new Server(std::move(impl)));
 }
@@ -219,7 +228,7 @@ void Server::shutdown() {
 
 Result<std::unique_ptr<Coordinator>> Coordinator::start(const Config& config) {
   PSLD_RETURN_IF_ERROR(check_config(config, "coordinator"));
-  RuntimeOptions o = runtime_options_from_config(config);
+  PSLD_ASSIGN_OR_RETURN(RuntimeOptions o, options_for(config));
   o.net.options.common.listen_address = config.job.coordinator;
   PSLD_ASSIGN_OR_RETURN(auto impl, CoordinatorService::start(o));
   return std::unique_ptr<Coordinator>(new Coordinator(std::move(impl)));

@@ -182,6 +182,17 @@ std::string check_log(std::string_view v) {
   return parse_log_spec(v, &spec);
 }
 
+// A Linux interface name (at most 15 bytes), or auto.
+std::string check_interface(std::string_view v) {
+  if (v.size() > 15) return "longer than an interface name can be (15 bytes)";
+  for (char c : v) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '.' || c == '_' || c == '-';
+    if (!ok) return fmt::format("'{}' does not belong in an interface name", c);
+  }
+  return "";
+}
+
 std::string check_path(std::string_view v) {
   for (char c : v) {
     if (c == '\0' || c == '\n' || c == '\r') return "a newline or NUL in the path";
@@ -232,6 +243,11 @@ const std::vector<Field>& fields() {
       named(PSLD_KEY(job.transport), kTransportNames, "data-path backend"),
       string_field(PSLD_KEY(job.listen), check_listen, "host:port with a port in 0..65535 (0: any)",
                    "address this process listens on for peers"),
+      string_field(PSLD_KEY(job.interface), check_interface,
+                   "an interface name (eth0), auto, or empty",
+                   "network interface this process uses: its address is job.listen's host "
+                   "when job.listen is not set, and UCX's TCP transport uses only it; auto: the "
+                   "one on the route to job.coordinator; empty: none chosen"),
 
       [] {
         Field f = integer(PSLD_KEY(data.chunk_bytes), 8, int64_t{1} << 30,

@@ -394,6 +394,9 @@ std::string socket_address_string(const sockaddr_storage& sa);
 LaneSummary summarize_lanes(const std::string& info);
 std::string endpoint_info(ucp_ep_h ep);
 bool tls_may_use_shared_memory(const std::string& option);
+// Whether ucx.tls (else UCX_TLS) names only TCP and this host's transports,
+// so that no RDMA device is left out when UCX is held to one interface.
+bool tls_without_network_rdma(const std::string& option);
 // The next connection's id (transport.cc).
 extern std::atomic<uint64_t> g_next_connection_id;
 

@@ -114,8 +114,27 @@ Status UcxCore::init(const sockaddr_storage* listen, socklen_t listen_len) {
   // (docs/reliability.md, "The ports a job opens").
   const bool on_this_host = (listen != nullptr && is_loopback(*listen)) ||
                             is_loopback_host_port(options_.common.job_address);
-  if (on_this_host && std::getenv("UCX_NET_DEVICES") == nullptr) {
-    st = ucp_config_modify(config, "NET_DEVICES", "lo");
+  //
+  // job.interface (common.interface) holds UCX to that interface when
+  // ucx.tls leaves no RDMA transport out by it (UCX_NET_DEVICES names RDMA
+  // devices and interfaces alike); else UCX_NET_DEVICES decides.
+  const std::string& iface = options_.common.interface;
+  const bool net_devices_set = std::getenv("UCX_NET_DEVICES") != nullptr;
+  const char* devices = nullptr;
+  if (net_devices_set) {
+    // The environment wins.
+  } else if (on_this_host) {
+    devices = "lo";
+  } else if (!iface.empty() && tls_without_network_rdma(ucx.tls)) {
+    devices = iface.c_str();
+  } else if (!iface.empty()) {
+    PSLD_LOG_INFO(
+        "ucx: job.interface = {} gives the listen address; UCX's devices are left to "
+        "UCX_NET_DEVICES (e.g. {},mlx5_0:1): holding UCX to {} alone would leave RDMA out",
+        iface, iface, iface);
+  }
+  if (devices != nullptr) {
+    st = ucp_config_modify(config, "NET_DEVICES", devices);
     if (st != UCS_OK) PSLD_LOG_DEBUG("ucx: NET_DEVICES not set: {}", ucs_status_string(st));
   }
 

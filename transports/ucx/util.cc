@@ -191,6 +191,24 @@ bool tls_may_use_shared_memory(const std::string& option) {
   return false;
 }
 
+bool tls_without_network_rdma(const std::string& option) {
+  std::string tls = option;
+  if (tls.empty()) {
+    const char* env = std::getenv("UCX_TLS");
+    tls = env != nullptr ? env : "";
+  }
+  if (tls.empty() || tls[0] == '^') return false;  // UCX's choice may include RDMA
+  std::istringstream in(tls);
+  for (std::string name; std::getline(in, name, ',');) {
+    if (!(name == "tcp" || name == "self" || name == "sm" || name == "shm" || name == "mm" ||
+          name == "posix" || name == "sysv" || name == "xpmem" || name == "cma" ||
+          name == "knem")) {
+      return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace ucx_detail
 
 }  // namespace psld::transport
