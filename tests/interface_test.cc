@@ -110,8 +110,11 @@ class Namespace {
     sh("ip netns del " + name_);
     sh("ip link del " + host_dev_);
   }
-  // "" when it is up, else why not.
+  // "" when it is up, else why not. What a run killed before its cleanup
+  // left under these names goes first.
   std::string up() {
+    sh("ip netns del " + name_);
+    sh("ip link del " + host_dev_);
     const std::string steps[] = {
         "ip netns add " + name_,
         "ip link add " + host_dev_ + " type veth peer name " + ns_dev_,
