@@ -566,14 +566,15 @@ void CoordinatorService::publish_join_waiting(transport::Clock::time_point now) 
   w.workers_joined = static_cast<uint32_t>(workers_.size());
   w.servers_joined = static_cast<uint32_t>(servers_.size());
   const uint32_t all_servers = options_.num_servers + options_.num_standby;
-  for (uint32_t r = 0;
-       r < options_.num_workers && w.missing_workers.size() < protocol::kMaxMissingListed; ++r) {
-    if (!workers_.count(r)) w.missing_workers.push_back(r);
-  }
-  for (uint32_t r = 0; r < all_servers && w.missing_servers.size() < protocol::kMaxMissingListed;
-       ++r) {
-    if (!servers_.count(r)) w.missing_servers.push_back(r);
-  }
+  // The lowest ranks below `count` that `joined` lacks.
+  auto missing = [](const std::map<uint32_t, uint64_t>& joined, uint32_t count,
+                    std::vector<uint32_t>& out) {
+    for (uint32_t r = 0; r < count && out.size() < protocol::kMaxMissingListed; ++r) {
+      if (!joined.count(r)) out.push_back(r);
+    }
+  };
+  missing(workers_, options_.num_workers, w.missing_workers);
+  missing(servers_, all_servers, w.missing_servers);
   if (w != join_sent_ && now - join_sent_at_ >= options_.heartbeat_interval / 2) {
     for (const auto& [id, m] : members_) {
       if (m.welcomed) post(m.conn, w);
