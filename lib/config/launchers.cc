@@ -57,17 +57,25 @@ void read_dmlc(const Env& env, Role role, bool role_given, Launcher& out) {
     out.settings.push_back({find_field(key), std::move(text), std::move(source)});
   };
   if (!role_given) {
+    struct DmlcRole {
+      const char* dmlc;
+      const char* psld;
+      Role role;
+    };
+    static constexpr DmlcRole kRoles[] = {{"worker", "worker", Role::kWorker},
+                                          {"server", "server", Role::kServer},
+                                          {"scheduler", "coordinator", Role::kCoordinator}};
     const std::string v = lower(env.get("DMLC_ROLE"));
-    const char* name = v == "worker"      ? "worker"
-                       : v == "server"    ? "server"
-                       : v == "scheduler" ? "coordinator"
-                                          : nullptr;
-    if (name == nullptr) {
+    const DmlcRole* found = nullptr;
+    for (const DmlcRole& r : kRoles) {
+      if (v == r.dmlc) found = &r;
+    }
+    if (found == nullptr) {
       out.errors.push_back(fmt::format(
           "env DMLC_ROLE: '{}' is not worker, server or scheduler (the coordinator)", v));
     } else {
-      setting("job.role", name, "env DMLC_ROLE");
-      role = v == "worker" ? Role::kWorker : v == "server" ? Role::kServer : Role::kCoordinator;
+      setting("job.role", found->psld, "env DMLC_ROLE");
+      role = found->role;
     }
   }
   // Both BYTEPS_LOCAL_ variables or neither; the size scales the worker count.
