@@ -108,6 +108,14 @@ std::string_view trim(std::string_view s) {
 }
 
 // "host:port" or "[v6 address]:port" with a port in min_port..65535.
+bool split_endpoint(std::string_view v, std::string* host, std::string* port) {
+  if (!check_endpoint(v, 0).empty()) return false;
+  const size_t colon = v.rfind(':');
+  *host = std::string(v.substr(0, colon));
+  *port = std::string(v.substr(colon + 1));
+  return true;
+}
+
 std::string check_endpoint(std::string_view v, int min_port) {
   if (v.empty()) return "empty";
   std::string_view host;

@@ -70,6 +70,9 @@ constexpr bool kIsInteger = std::is_integral_v<T> && !std::is_same_v<T, bool>;
 bool is_space(char c);
 std::string_view trim(std::string_view s);
 std::string check_endpoint(std::string_view v, int min_port);
+// Splits an endpoint that check_endpoint(v, 0) accepts; the host keeps its
+// brackets. False for anything else.
+bool split_endpoint(std::string_view v, std::string* host, std::string* port);
 
 // Every key, in printing order.
 const std::vector<Field>& fields();

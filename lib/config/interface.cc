@@ -16,6 +16,8 @@
 #include <memory>
 #include <optional>
 
+#include "lib/config/fields.h"
+
 namespace psld {
 namespace {
 
@@ -77,12 +79,11 @@ Result<InterfaceAddress> find_interface(std::string_view name) {
 }
 
 Result<InterfaceAddress> interface_toward(const std::string& host_port) {
-  const size_t colon = host_port.rfind(':');
-  if (colon == std::string::npos || colon == 0) {
+  std::string host;
+  std::string port;
+  if (!config_detail::split_endpoint(host_port, &host, &port)) {
     return InvalidArgument(fmt::format("'{}' is not host:port", host_port));
   }
-  std::string host = host_port.substr(0, colon);
-  const std::string port = host_port.substr(colon + 1);
   if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
     host = host.substr(1, host.size() - 2);
   }

@@ -19,15 +19,6 @@ std::string bracket_host(std::string_view host) {
   return std::string(host);
 }
 
-// Splits an endpoint that check_endpoint accepts; the host keeps its brackets.
-bool split_endpoint(std::string_view v, std::string* host, std::string* port) {
-  if (!check_endpoint(v, 0).empty()) return false;
-  size_t colon = v.rfind(':');
-  *host = std::string(v.substr(0, colon));
-  *port = std::string(v.substr(colon + 1));
-  return true;
-}
-
 // A count or index a launcher set: decimal digits only, below 2^20 (the
 // config's own range checks come after); nullopt otherwise.
 std::optional<uint64_t> parse_count(const char* text) {
