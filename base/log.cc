@@ -53,19 +53,15 @@ std::string host_name() {
   return buf;
 }
 
-// host:pid and, once set, " role rank".
+// host:pid (`process`, fixed) and, once set, " role rank" (`text`).
 struct Identity {
+  const std::string process = fmt::format("{}:{}", host_name(), static_cast<int64_t>(::getpid()));
   Mutex mu;
-  std::string text GUARDED_BY(mu);
+  std::string text GUARDED_BY(mu) = process;
 };
 
 Identity& identity() {
-  static Identity* id = [] {
-    auto* out = new Identity;
-    MutexLock lock(out->mu);
-    out->text = fmt::format("{}:{}", host_name(), static_cast<int64_t>(::getpid()));
-    return out;
-  }();
+  static Identity* id = new Identity;  // never destroyed: threads may log during exit
   return *id;
 }
 
@@ -176,7 +172,7 @@ bool log_enabled(LogLevel level, std::string_view component) {
 
 void set_log_identity(std::string_view role, int64_t rank) {
   Identity& id = identity();
-  std::string text = fmt::format("{}:{} {}", host_name(), static_cast<int64_t>(::getpid()), role);
+  std::string text = fmt::format("{} {}", id.process, role);
   if (rank >= 0) text += fmt::format(" {}", rank);
   MutexLock lock(id.mu);
   id.text = std::move(text);
