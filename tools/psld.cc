@@ -6,6 +6,7 @@
 //   psld server [--key=value ...]
 //   psld config [--key=value ...]
 //   psld bench stragglers [flags]
+//   psld bench compare BASE NEW [flags]
 //
 // Every subcommand but launch reads the configuration the same way a worker
 // does (PSLD_CONFIG file, launcher environment, PSLD_* variables, flags).
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "bench/bench_util.h"
+#include "bench/compare_cmd.h"
 #include "bench/stragglers.h"
 #include "lib/config/interface.h"
 #include "lib/server/server_device.h"
@@ -50,6 +52,8 @@ constexpr const char* kUsage = R"(usage:
   psld bench stragglers [flags]        the straggler scenarios S1-S5 under
                                        every placement policy (--help for
                                        flags; docs/stragglers.md)
+  psld bench compare BASE NEW [flags]  compare two benchmark reports; exit 1
+                                       on a regression (docs/perf-ci.md)
 Configuration keys and their PSLD_* variables: docs/configuration.md.
 )";
 
@@ -137,9 +141,12 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape)
   if (cmd == "server") return cmd_server(argc, argv);
   if (cmd == "config") return cmd_config(argc, argv);
   if (cmd == "bench") {
+    if (argc >= 3 && std::string(argv[2]) == "compare") {
+      return psld::bench::cmd_compare(argc - 3, argv + 3);
+    }
     if (argc < 3 || std::string(argv[2]) != "stragglers") {
       std::fputs(kUsage, stderr);
-      return fail("psld bench: the benchmark to run is `stragglers`");
+      return fail("psld bench: the subcommands are `stragglers` and `compare`");
     }
     psld::bench::reexec_with_ucx_defaults(argv);
     return psld::bench::run_stragglers(argc - 2, argv + 2);
