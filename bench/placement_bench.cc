@@ -4,11 +4,18 @@
 // pseudo-random keys on a placement of <arcs> arcs. The target is 20 million
 // lookups/s on one core with 1k arcs: a worker looks up every chunk of every
 // push and pull, so the ring must never show up next to a 4 MiB transfer.
+// BM_placement_yardstick/<arcs>: its yardstick in the same run (psld bench
+// run's ratio): the same hash, then a plain binary search over <arcs> sorted
+// arc ends and an owner load, what a ring without the bucket index does.
 // main() is in kernels_bench.cc.
+#include <algorithm>
 #include <cstdint>
+#include <random>
+#include <vector>
 
 #include <benchmark/benchmark.h>
 
+#include "base/hash.h"
 #include "lib/placement/placement.h"
 
 namespace psld {
@@ -39,6 +46,29 @@ void BM_placement_lookup(benchmark::State& state) {
   state.counters["arcs"] = static_cast<double>(p.num_arcs());
 }
 BENCHMARK(BM_placement_lookup)->Arg(1000)->Arg(100'000);
+
+void BM_placement_yardstick(benchmark::State& state) {
+  const auto arcs = static_cast<size_t>(state.range(0));
+  std::mt19937_64 rng(7);
+  std::vector<uint64_t> upper(arcs);
+  for (uint64_t& u : upper)
+    u = rng();
+  std::sort(upper.begin(), upper.end());
+  upper.back() = UINT64_MAX;  // every hash has an arc
+  std::vector<ServerId> owner(arcs);
+  for (size_t i = 0; i < arcs; ++i)
+    owner[i] = static_cast<ServerId>(i % 100 + 1);
+  Key key = make_key(17, 0);
+  for (auto _ : state) {
+    const uint64_t h = hash_key(key);
+    benchmark::DoNotOptimize(
+        owner[std::lower_bound(upper.begin(), upper.end(), h) - upper.begin()]);
+    ++key;
+  }
+  state.SetItemsProcessed(static_cast<int64_t>(state.iterations()));
+  state.counters["arcs"] = static_cast<double>(arcs);
+}
+BENCHMARK(BM_placement_yardstick)->Arg(1000)->Arg(100'000);
 
 }  // namespace
 }  // namespace psld
