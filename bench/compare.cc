@@ -148,6 +148,13 @@ Result<Comparison> compare(const Report& base, const Report& fresh, const Compar
   for (const Row& r : fresh.rows) {
     if (in_new.insert(r.name).second && in_base.count(r.name) == 0) c.only_in_new.push_back(r.name);
   }
+  // Yardsticks carry no ratio of their own: not worth a line when comparing ratios.
+  std::set<std::string> yardsticks;
+  for (const Report* report : {&base, &fresh}) {
+    for (const Row& r : report->rows) {
+      if (!r.yardstick.empty()) yardsticks.insert(r.yardstick);
+    }
+  }
   size_t fewest = SIZE_MAX;
   for (const std::string& name : order) {
     if (in_new.count(name) == 0) {
@@ -157,7 +164,9 @@ Result<Comparison> compare(const Report& base, const Report& fresh, const Compar
     const std::vector<double> a = samples_of(base, name, o.metric);
     const std::vector<double> b = samples_of(fresh, name, o.metric);
     if (a.empty() || b.empty()) {
-      c.without_metric.push_back(name);
+      if (!(a.empty() && b.empty() && o.metric == "ratio" && yardsticks.count(name) != 0)) {
+        c.without_metric.push_back(name);
+      }
       continue;
     }
     RowComparison r;
@@ -237,11 +246,15 @@ std::string markdown(const Comparison& c, const CompareOptions& o) {
                        number(r.median_base), number(r.median_new), 100 * r.change, r.p, r.n_base,
                        r.n_new, verdict_cell(r));
   }
+  auto counted = [](size_t n, const char* what) {
+    return fmt::format("{} {}{}", n, what, n == 1 ? "" : "s");
+  };
   out += fmt::format(
-      "\n{} rows compared on {} ({} is better): {} regressions, {} improvements; a regression is "
-      "p < {} and a change beyond {:.1f}% in the bad direction.\n",
-      c.rows.size(), c.metric, c.higher_is_better ? "higher" : "lower",
-      c.count(Verdict::kRegression), c.count(Verdict::kImprovement), o.alpha, 100 * o.threshold);
+      "\n{} compared on {} ({} is better): {}, {}; a regression is p < {} and a change beyond "
+      "{:.1f}% in the bad direction.\n",
+      counted(c.rows.size(), "row"), c.metric, c.higher_is_better ? "higher" : "lower",
+      counted(c.count(Verdict::kRegression), "regression"),
+      counted(c.count(Verdict::kImprovement), "improvement"), o.alpha, 100 * o.threshold);
   auto list = [&out](const char* what, const std::vector<std::string>& names) {
     if (names.empty()) return;
     out += fmt::format("{} ({}):", what, names.size());

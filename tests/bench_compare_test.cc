@@ -64,7 +64,7 @@ TEST(Compare, FlagsATenPercentRegressionAndOnlyThatRow) {
   const std::string md = markdown(*c, {});
   EXPECT_NE(md.find("| kernels/a |"), std::string::npos);
   EXPECT_NE(md.find("**REGRESSION**"), std::string::npos);
-  EXPECT_NE(md.find("1 regressions"), std::string::npos);
+  EXPECT_NE(md.find("1 regression,"), std::string::npos);
 }
 
 TEST(Compare, SameDistributionIsNotFlagged) {
@@ -148,6 +148,28 @@ TEST(Compare, MismatchedNamesAreListed) {
   auto none = compare(make_report({{"x", 1.0}}, 3, 0, 1), make_report({{"y", 1.0}}, 3, 0, 1), {});
   ASSERT_FALSE(none.ok());
   EXPECT_NE(none.status().message().find("no row in common"), std::string::npos);
+}
+
+TEST(Compare, YardsticksAreNotListedAsLackingARatio) {
+  Report base = make_report({{"k/row", 1.0}}, 3, 0, 1);
+  for (int rep = 0; rep < 3; ++rep) {
+    Row y;
+    y.name = "k/yard";
+    y.repetition = rep;
+    y.values = {{"real_time", 100.0}};
+    base.rows.push_back(y);
+    Row odd = y;
+    odd.name = "k/other";  // no ratio, and nobody's yardstick
+    base.rows.push_back(odd);
+  }
+  for (Row& r : base.rows) {
+    if (r.name == "k/row") r.yardstick = "k/yard";
+  }
+  auto c = compare(base, base, {});
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->without_metric, std::vector<std::string>{"k/other"});
+  EXPECT_NE(markdown(*c, {}).find("1 row compared on ratio (higher is better): 0 regressions"),
+            std::string::npos);
 }
 
 TEST(Compare, MetricsItDoesNotKnowNeedADirection) {
