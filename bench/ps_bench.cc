@@ -5,6 +5,7 @@
 //            [--mode push_pull|push|pull|all|raw] [--seconds T] [--repeat N]
 //            [--chunk-bytes B] [--slots N] [--raw-threads N]
 //            [--tensor-memory psld|heap] [--server-device cpu|cuda] [--quick]
+//            [--json FILE]
 //
 // One process holds a coordinator, S servers and W workers on the `ucx`
 // transport (tcp: UCX_TLS=tcp; shm: UCX_TLS=sm,tcp), server mode sum, BSP,
@@ -31,7 +32,12 @@
 // the runtime's endpoints are, by a ProgressThread that sleeps when idle
 // (--raw-threads N: N busy-polling threads instead).
 //
-// Progress goes to stderr; the table (markdown) to stdout, a row at a time.
+// Progress goes to stderr; the table (markdown) to stdout, a row at a time;
+// --json FILE writes the rows as Google Benchmark-shaped JSON too (bench/report.h;
+// psld bench run's ps suite): BM_ps_<mode>/<tls>/<W>x<S>/<bytes> with
+// bytes_per_second = goodput, ratio = goodput / raw and yardstick
+// BM_ps_raw/<tls>/<W>x<S>/<bytes>, whose bytes_per_second is the raw rate;
+// real_time is the ns a MiB took.
 // Every wait has a timeout and a watchdog ends the process with a message
 // if a phase overruns, so the benchmark never hangs.
 
@@ -60,6 +66,7 @@
 #include <vector>
 
 #include "bench/bench_util.h"
+#include "bench/report.h"
 #include "lib/coordinator/service.h"
 #include "lib/server/service.h"
 #include "lib/worker/service.h"
@@ -112,6 +119,7 @@ struct Options {
   uint32_t raw_threads = 0;  // 0: one sleeping progress thread per transport
   bool psld_memory = true;   // tensors in Worker::allocate memory, else malloc'd
   ServerDeviceKind server_device = ServerDeviceKind::kCpu;
+  std::string json;  // --json FILE, or empty
 };
 
 constexpr std::string_view kUsage =
@@ -119,6 +127,7 @@ constexpr std::string_view kUsage =
     "                [--mode push_pull|push|pull|all|raw] [--seconds T] [--repeat N]\n"
     "                [--chunk-bytes B] [--slots N] [--raw-threads N]\n"
     "                [--tensor-memory psld|heap] [--server-device cpu|cuda] [--quick]\n"
+    "                [--json FILE]\n"
     "\n"
     "  --tls         tcp (UCX_TLS=tcp), shm (UCX_TLS=sm,tcp) or all (default: all)\n"
     "  --workers, --servers  one job shape, given together (default: 2x2 and 4x2)\n"
@@ -137,7 +146,8 @@ constexpr std::string_view kUsage =
     "  --server-device where servers keep their keys: cpu (default) or cuda (GPU memory,\n"
     "                server.device = cuda; needs a GPU)\n"
     "  --quick       a short run for CI: 2x2, sizes 64K,1M,4M, 0.2 s per point\n"
-    "                (flags given explicitly still win)\n";
+    "                (flags given explicitly still win)\n"
+    "  --json        also write the rows to FILE as Google Benchmark-shaped JSON\n";
 
 Status bad_flag(const std::string& message) {
   return InvalidArgument(message + "\n\n" + std::string(kUsage));
@@ -227,9 +237,9 @@ Result<Options> parse_args(int argc, char** argv) {
       arg.resize(eq);
     } else {
       static const char* const kTakesValue[] = {
-          "--tls",   "--workers",     "--servers",       "--sizes",
-          "--mode",  "--seconds",     "--repeat",        "--chunk-bytes",
-          "--slots", "--raw-threads", "--tensor-memory", "--server-device"};
+          "--tls",           "--workers",       "--servers",     "--sizes", "--mode",
+          "--seconds",       "--repeat",        "--chunk-bytes", "--slots", "--raw-threads",
+          "--tensor-memory", "--server-device", "--json"};
       const bool known = std::any_of(std::begin(kTakesValue), std::end(kTakesValue),
                                      [&](const char* f) { return arg == f; });
       if (!known) return bad_flag(fmt::format("unknown argument '{}'", arg));
@@ -258,6 +268,9 @@ Result<Options> parse_args(int argc, char** argv) {
         return bad_flag(fmt::format("--server-device '{}' is not cpu or cuda", value));
       }
       o.server_device = value == "cuda" ? ServerDeviceKind::kCuda : ServerDeviceKind::kCpu;
+    } else if (arg == "--json") {
+      if (value.empty()) return bad_flag("--json needs a file name");
+      o.json = value;
     } else if (arg == "--raw-threads") {
       PSLD_ASSIGN_OR_RETURN(raw_threads, parse_uint(arg, value, 0, 256));
     } else if (arg == "--slots") {
@@ -853,6 +866,37 @@ void print_row(const Row& r) {
   std::fflush(stdout);
 }
 
+// The rows as bench/report.h's JSON: per point a raw row (the yardstick) and
+// one row per mode, all repetition 0 of 1 (psld bench run repeats the process).
+Status write_json(const std::string& path, const std::vector<Row>& rows) {
+  bench::Report report;
+  report.context["executable"] = "ps_bench";
+  std::map<std::string, bool> raw_written;
+  auto add = [&](std::string name, std::string yardstick, double bytes_per_s, double ratio) {
+    bench::Row r;
+    r.name = std::move(name);
+    r.yardstick = std::move(yardstick);
+    r.values["bytes_per_second"] = bytes_per_s;
+    r.values["real_time"] = bytes_per_s > 0 ? 1e9 * (1 << 20) / bytes_per_s : 0;
+    r.values["cpu_time"] = r.values["real_time"];
+    r.values["iterations"] = 1;
+    if (!r.yardstick.empty()) r.values["ratio"] = ratio;
+    report.rows.push_back(std::move(r));
+  };
+  for (const Row& r : rows) {
+    const std::string point =
+        fmt::format("{}/{}x{}/{}", r.medium, r.shape.workers, r.shape.servers, r.size);
+    const std::string raw = "BM_ps_raw/" + point;
+    if (!raw_written[raw]) {
+      add(raw, "", r.raw, 0);
+      raw_written[raw] = true;
+    }
+    add(fmt::format("BM_ps_{}/{}", mode_name(r.mode), point), raw, r.goodput,
+        r.raw > 0 ? r.goodput / r.raw : 0);
+  }
+  return bench::write_report(path, report);
+}
+
 template <typename... Args>
 void progress(fmt::format_string<Args...> f, Args&&... args) {
   std::fputs(("[ps_bench] " + fmt::format(f, std::forward<Args>(args)...) + "\n").c_str(), stderr);
@@ -953,6 +997,13 @@ int main(int argc, char** argv) {
   if (!s.ok()) {
     std::fprintf(stderr, "ps_bench: %s\n", s.to_string().c_str());
     return 1;
+  }
+  if (!opts->json.empty()) {
+    s = psld::write_json(opts->json, rows);
+    if (!s.ok()) {
+      std::fprintf(stderr, "ps_bench: %s\n", s.to_string().c_str());
+      return 1;
+    }
   }
   int misses = 0, checked = 0;
   for (const auto& r : rows) {
