@@ -5,8 +5,9 @@
 //   psld coordinator [--key=value ...]
 //   psld server [--key=value ...]
 //   psld config [--key=value ...]
-//   psld bench stragglers [flags]
+//   psld bench run [flags]
 //   psld bench compare BASE NEW [flags]
+//   psld bench stragglers [flags]
 //
 // Every subcommand but launch reads the configuration the same way a worker
 // does (PSLD_CONFIG file, launcher environment, PSLD_* variables, flags).
@@ -18,6 +19,7 @@
 
 #include "bench/bench_util.h"
 #include "bench/compare_cmd.h"
+#include "bench/run_cmd.h"
 #include "bench/stragglers.h"
 #include "lib/config/interface.h"
 #include "lib/server/server_device.h"
@@ -52,6 +54,8 @@ constexpr const char* kUsage = R"(usage:
   psld bench stragglers [flags]        the straggler scenarios S1-S5 under
                                        every placement policy (--help for
                                        flags; docs/stragglers.md)
+  psld bench run [flags]               the benchmark suites into one JSON
+                                       report (--help for flags)
   psld bench compare BASE NEW [flags]  compare two benchmark reports; exit 1
                                        on a regression (docs/perf-ci.md)
 Configuration keys and their PSLD_* variables: docs/configuration.md.
@@ -144,9 +148,12 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape)
     if (argc >= 3 && std::string(argv[2]) == "compare") {
       return psld::bench::cmd_compare(argc - 3, argv + 3);
     }
+    if (argc >= 3 && std::string(argv[2]) == "run") {
+      return psld::bench::cmd_run(argc - 3, argv + 3);
+    }
     if (argc < 3 || std::string(argv[2]) != "stragglers") {
       std::fputs(kUsage, stderr);
-      return fail("psld bench: the subcommands are `stragglers` and `compare`");
+      return fail("psld bench: the subcommands are `run`, `compare` and `stragglers`");
     }
     psld::bench::reexec_with_ucx_defaults(argv);
     return psld::bench::run_stragglers(argc - 2, argv + 2);

@@ -1,0 +1,529 @@
+// `psld bench run`: every suite's benchmark program, once per repetition,
+// suites interleaved, into one report (bench/run_cmd.h, docs/perf-ci.md).
+#include "bench/run_cmd.h"
+
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <thread>
+
+#include "bench/build_info.h"
+#include "bench/stats.h"
+#include "kernels/cpu/cpu_kernels.h"
+
+extern char** environ;
+
+namespace psld::bench {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+// ---- the suites
+
+// BM_reduce_fp32/4096 -> BM_memcpy/4096.
+std::string kernel_yardstick(const std::string& name) {
+  const size_t slash = name.find('/');
+  if (slash == std::string::npos || name.rfind("BM_memcpy/", 0) == 0) return "";
+  return "BM_memcpy" + name.substr(slash);
+}
+// BM_placement_lookup/1000 -> BM_placement_yardstick/1000.
+std::string placement_yardstick(const std::string& name) {
+  const std::string prefix = "BM_placement_lookup/";
+  if (name.rfind(prefix, 0) != 0) return "";
+  return "BM_placement_yardstick/" + name.substr(prefix.size());
+}
+// BM_balancer_decide/<case> -> BM_balancer_yardstick.
+std::string balancer_yardstick(const std::string& name) {
+  return name.rfind("BM_balancer_decide/", 0) == 0 ? "BM_balancer_yardstick" : "";
+}
+
+struct Suite {
+  const char* name;
+  const char* program;  // in the bench directory
+  const char* what;
+  std::vector<std::string> quick_args, full_args;
+  // A Google Benchmark program (ratios computed here), or one that writes
+  // bench/report.h's JSON with its ratios itself given --json FILE.
+  bool google_benchmark;
+  std::string (*yardstick_of)(const std::string&);
+  Speed speed;
+  int timeout_s;  // one run
+};
+
+const std::vector<Suite>& all_suites() {
+  static const std::vector<Suite> suites = {
+      {"kernels",
+       "kernels_bench",
+       "CPU kernels (reduce, optimizers, conversions) vs memcpy of the same size",
+       {"--benchmark_filter=^BM_(memcpy|reduce_fp32|reduce_bf16|adam_fp32|cvt_fp32_to_fp16)/"
+        "(1048576|67108864)$",
+        "--benchmark_min_time=0.1"},
+       {"--benchmark_filter=^BM_(memcpy|reduce|scale|sgd|momentum|adam|cvt)",
+        "--benchmark_min_time=0.2"},
+       true,
+       kernel_yardstick,
+       Speed::kBytesPerSecond,
+       300},
+      {"placement",
+       "kernels_bench",
+       "key -> server lookups vs a hash and a plain binary search",
+       {"--benchmark_filter=^BM_placement_", "--benchmark_min_time=0.1"},
+       {"--benchmark_filter=^BM_placement_", "--benchmark_min_time=0.3"},
+       true,
+       placement_yardstick,
+       Speed::kItemsPerSecond,
+       120},
+      {"balancer",
+       "balancer_bench",
+       "one decision on 512 servers vs sorting the 100,352 arcs' loads",
+       {"--benchmark_filter=^BM_balancer_(decide/(hold|rebalance)|yardstick)$",
+        "--benchmark_min_time=0.1"},
+       {"--benchmark_min_time=0.2"},
+       true,
+       balancer_yardstick,
+       Speed::kInverseTime,
+       300},
+      {"ps",
+       "ps_bench",
+       "push_pull goodput of a 2x2 job over UCX vs raw transport writes",
+       {"--tls", "shm", "--workers", "2", "--servers", "2", "--sizes", "1M,4M", "--mode",
+        "push_pull", "--seconds", "0.3"},
+       {"--tls", "all", "--workers", "2", "--servers", "2", "--sizes", "64K,1M,4M,16M", "--mode",
+        "all", "--seconds", "0.5"},
+       false,
+       nullptr,
+       Speed::kBytesPerSecond,
+       300},
+  };
+  return suites;
+}
+
+const Suite* find_suite(const std::string& name) {
+  for (const Suite& s : all_suites()) {
+    if (name == s.name) return &s;
+  }
+  return nullptr;
+}
+
+constexpr const char* kRunUsage =
+    "usage: psld bench run [--suite quick|full|NAME,...] [--repetitions N] [--json FILE]\n"
+    "                      [--bench-dir DIR] [--verbose] [--list]\n"
+    "  Runs every suite's benchmark program once per repetition, the suites\n"
+    "  interleaved, and writes one Google Benchmark-shaped report (default\n"
+    "  psld-bench.json) whose rows carry a ratio against a yardstick measured in\n"
+    "  the same run. quick (default): short runs of every suite; full: more rows\n"
+    "  and longer runs; NAME,...: those suites, full. --repetitions: 9 by default\n"
+    "  (fewer cannot show a 10% change under 3% noise). The programs are looked\n"
+    "  for in DIR (default: ../bench beside this psld, a build directory's).\n"
+    "  Their output goes to a log, shown when one fails (--verbose: to stderr).\n";
+
+int usage_error(const std::string& why) {
+  std::fprintf(stderr, "psld bench run: %s\n%s", why.c_str(), kRunUsage);
+  return 2;
+}
+
+// ---- running a program
+
+std::atomic<int> g_interrupted{0};
+
+void on_signal(int sig) {
+  g_interrupted.store(sig);
+}
+
+std::string tail_of(const std::string& path, size_t lines) {
+  std::ifstream in(path);
+  std::vector<std::string> all;
+  for (std::string line; std::getline(in, line);)
+    all.push_back(line);
+  std::string out;
+  for (size_t i = all.size() > lines ? all.size() - lines : 0; i < all.size(); ++i)
+    out += "  | " + all[i] + "\n";
+  return out;
+}
+
+// Runs argv to completion within timeout_s: stdin from /dev/null, stdout and
+// stderr to `log` (or to this process's stderr when verbose). A child still
+// running at the deadline or on SIGINT/SIGTERM is stopped (TERM, then KILL).
+Status run_program(const std::vector<std::string>& argv, const std::string& log, bool verbose,
+                   int timeout_s) {
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
+  if (verbose) {
+    posix_spawn_file_actions_adddup2(&fa, 2, 1);
+  } else {
+    posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&fa, 1, 2);
+  }
+  std::vector<char*> args;
+  args.reserve(argv.size() + 1);
+  for (const std::string& a : argv)
+    args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid = -1;
+  const int err = posix_spawn(&pid, args[0], &fa, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&fa);
+  if (err != 0) return Unavailable(fmt::format("cannot start {}: {}", argv[0], std::strerror(err)));
+
+  const auto deadline = Clock::now() + std::chrono::seconds(timeout_s);
+  int status = 0;
+  std::string stopped;
+  for (;;) {
+    const pid_t r = waitpid(pid, &status, WNOHANG);
+    if (r == pid) break;
+    if (r < 0 && errno != EINTR) return Internal(fmt::format("waitpid: {}", std::strerror(errno)));
+    if (stopped.empty() && (g_interrupted.load() != 0 || Clock::now() > deadline)) {
+      stopped = g_interrupted.load() != 0 ? "interrupted" : fmt::format("over {} s", timeout_s);
+      kill(pid, SIGTERM);
+      const auto grace = Clock::now() + std::chrono::seconds(5);
+      while (waitpid(pid, &status, WNOHANG) == 0 && Clock::now() < grace)
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  std::string why;
+  if (!stopped.empty()) {
+    why = fmt::format("stopped ({})", stopped);
+  } else if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
+    return Status::Ok();
+  } else if (WIFEXITED(status)) {
+    why = fmt::format("exited with status {}", WEXITSTATUS(status));
+  } else {
+    why = fmt::format("killed by signal {}", WTERMSIG(status));
+  }
+  std::string cmd;
+  for (const std::string& a : argv)
+    cmd += (cmd.empty() ? "" : " ") + a;
+  return Unavailable(fmt::format("{} {}{}", cmd, why,
+                                 verbose ? "" : "; the end of its output:\n" + tail_of(log, 20)));
+}
+
+Result<std::string> read_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return NotFound(fmt::format("{} was not written", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// ---- the report's context
+
+double load_average() {
+  double load[1] = {0};
+  return getloadavg(load, 1) == 1 ? load[0] : -1;
+}
+
+std::string host_name() {
+  char name[256] = {0};
+  return gethostname(name, sizeof name - 1) == 0 ? std::string(name) : "";
+}
+
+std::string now_utc() {
+  const std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char out[32];
+  std::strftime(out, sizeof out, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return out;
+}
+
+fs::path default_bench_dir() {
+  std::error_code ec;
+  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  if (ec) return "bench";
+  return self.parent_path().parent_path() / "bench";
+}
+
+struct Options {
+  std::vector<const Suite*> suites;
+  bool quick = true;
+  int repetitions = 9;
+  std::string json = "psld-bench.json";
+  fs::path bench_dir = default_bench_dir();
+  bool verbose = false;
+};
+
+// ---- one run of one suite
+
+Result<std::vector<Row>> run_suite_once(const Suite& s, const Options& o, const fs::path& work,
+                                        int rep) {
+  const fs::path out = work / fmt::format("{}-{}.json", s.name, rep);
+  const fs::path log = work / fmt::format("{}-{}.log", s.name, rep);
+  std::vector<std::string> argv = {(o.bench_dir / s.program).string()};
+  for (const std::string& a : o.quick ? s.quick_args : s.full_args)
+    argv.push_back(a);
+  if (s.google_benchmark) {
+    argv.push_back("--benchmark_out=" + out.string());
+    argv.push_back("--benchmark_out_format=json");
+  } else {
+    argv.push_back("--json");
+    argv.push_back(out.string());
+  }
+  PSLD_RETURN_IF_ERROR(run_program(argv, log.string(), o.verbose, s.timeout_s));
+  PSLD_ASSIGN_OR_RETURN(std::string text, read_file(out.string()));
+  PSLD_ASSIGN_OR_RETURN(Report r, parse_report(text, out.string()));
+  if (s.google_benchmark) {
+    add_ratios(r.rows, s.name, s.yardstick_of, s.speed);
+  } else {
+    for (Row& row : r.rows) {
+      row.name = std::string(s.name) + "/" + row.name;
+      if (!row.yardstick.empty()) row.yardstick = std::string(s.name) + "/" + row.yardstick;
+    }
+  }
+  for (Row& row : r.rows) {
+    row.repetition = rep;
+    row.repetitions = o.repetitions;
+  }
+  return std::move(r.rows);
+}
+
+// The first Google Benchmark context seen (CPU, caches, library build type).
+Result<nlohmann::json> gbench_context(const fs::path& work) {
+  for (const auto& entry : fs::directory_iterator(work)) {
+    if (entry.path().extension() != ".json") continue;
+    auto text = read_file(entry.path().string());
+    if (!text.ok()) continue;
+    auto doc = nlohmann::json::parse(*text, nullptr, false);
+    if (!doc.is_discarded() && doc.contains("context") && doc["context"].contains("num_cpus")) {
+      return doc["context"];
+    }
+  }
+  return nlohmann::json::object();
+}
+
+void print_summary(const Report& report) {
+  std::map<std::string, bool> seen;
+  std::printf(
+      "| row | ratio (median) | yardstick | CV of ratio | n |\n| --- | ---: | --- | ---: | ---: "
+      "|\n");
+  for (const Row& r : report.rows) {
+    if (r.yardstick.empty() || !seen.emplace(r.name, true).second) continue;
+    const std::vector<double> s = samples_of(report, r.name, "ratio");
+    std::printf("| %s | %.3f | %s | %.1f%% | %zu |\n", r.name.c_str(), median(s),
+                r.yardstick.c_str(), 100 * coefficient_of_variation(s), s.size());
+  }
+}
+
+Result<Options> parse_options(int argc, char** argv, bool& list, bool& help) {
+  Options o;
+  std::string suite = "quick";
+  for (int i = 0; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&]() -> Result<std::string> {
+      if (i + 1 >= argc) return InvalidArgument(fmt::format("{} needs a value", arg));
+      return std::string(argv[++i]);
+    };
+    if (arg == "-h" || arg == "--help") {
+      help = true;
+    } else if (arg == "--list") {
+      list = true;
+    } else if (arg == "--verbose") {
+      o.verbose = true;
+    } else if (arg == "--suite") {
+      PSLD_ASSIGN_OR_RETURN(suite, value());
+    } else if (arg == "--repetitions") {
+      PSLD_ASSIGN_OR_RETURN(std::string v, value());
+      char* end = nullptr;
+      const long n = std::strtol(v.c_str(), &end, 10);
+      if (v.empty() || *end != '\0' || n < 1 || n > 100) {
+        return InvalidArgument(fmt::format("--repetitions '{}' is not a number in [1, 100]", v));
+      }
+      o.repetitions = static_cast<int>(n);
+    } else if (arg == "--json") {
+      PSLD_ASSIGN_OR_RETURN(o.json, value());
+      if (o.json.empty()) return InvalidArgument("--json needs a file name");
+    } else if (arg == "--bench-dir") {
+      PSLD_ASSIGN_OR_RETURN(std::string v, value());
+      o.bench_dir = v;
+    } else {
+      return InvalidArgument(fmt::format("unknown argument '{}'", arg));
+    }
+  }
+  if (suite == "quick" || suite == "full") {
+    o.quick = suite == "quick";
+    for (const Suite& s : all_suites())
+      o.suites.push_back(&s);
+  } else {
+    o.quick = false;
+    std::stringstream names(suite);
+    for (std::string name; std::getline(names, name, ',');) {
+      const Suite* s = find_suite(name);
+      if (s == nullptr) {
+        std::string known;
+        for (const Suite& k : all_suites())
+          known += std::string(known.empty() ? "" : ", ") + k.name;
+        return InvalidArgument(
+            fmt::format("--suite: no suite '{}'; quick, full, or a list of: {}", name, known));
+      }
+      o.suites.push_back(s);
+    }
+    if (o.suites.empty()) return InvalidArgument("--suite needs quick, full or suite names");
+  }
+  return o;
+}
+
+}  // namespace
+
+void add_ratios(std::vector<Row>& rows, const std::string& suite,
+                std::string (*yardstick_of)(const std::string& name), Speed speed) {
+  std::map<std::string, const Row*> by_name;
+  for (const Row& r : rows)
+    by_name.emplace(r.name, &r);
+  auto speed_of = [speed](const Row& r) -> double {
+    const char* key = speed == Speed::kBytesPerSecond   ? "bytes_per_second"
+                      : speed == Speed::kItemsPerSecond ? "items_per_second"
+                                                        : "real_time";
+    auto it = r.values.find(key);
+    if (it == r.values.end() || it->second <= 0) return 0;
+    return speed == Speed::kInverseTime ? 1 / it->second : it->second;
+  };
+  std::vector<std::pair<std::string, double>> ratios(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const std::string y = yardstick_of(rows[i].name);
+    auto it = y.empty() ? by_name.end() : by_name.find(y);
+    if (it == by_name.end()) continue;
+    const double mine = speed_of(rows[i]), theirs = speed_of(*it->second);
+    if (mine > 0 && theirs > 0) ratios[i] = {suite + "/" + y, mine / theirs};
+  }
+  for (size_t i = 0; i < rows.size(); ++i) {
+    rows[i].name = suite + "/" + rows[i].name;
+    if (!ratios[i].first.empty()) {
+      rows[i].yardstick = ratios[i].first;
+      rows[i].values["ratio"] = ratios[i].second;
+    }
+  }
+}
+
+int cmd_run(int argc, char** argv) {
+  bool list = false, help = false;
+  auto parsed = parse_options(argc, argv, list, help);
+  if (help) {
+    std::fputs(kRunUsage, stdout);
+    return 0;
+  }
+  if (!parsed.ok()) return usage_error(parsed.status().message());
+  const Options& o = *parsed;
+  if (list) {
+    for (const Suite& s : all_suites())
+      std::printf("%-10s %s (%s)\n", s.name, s.what, s.program);
+    return 0;
+  }
+  for (const Suite* s : o.suites) {
+    const fs::path p = o.bench_dir / s->program;
+    if (access(p.c_str(), X_OK) != 0) {
+      return usage_error(
+          fmt::format("{} is not there: psld bench run needs a build with -Dbench=true (its bench/ "
+                      "directory), or --bench-dir DIR",
+                      p.string()));
+    }
+  }
+
+  std::string tmpl = (fs::temp_directory_path() / "psld-bench-XXXXXX").string();
+  if (mkdtemp(tmpl.data()) == nullptr) {
+    std::fprintf(stderr, "psld bench run: cannot make a directory in %s: %s\n",
+                 fs::temp_directory_path().c_str(), std::strerror(errno));
+    return 1;
+  }
+  const fs::path work = tmpl;
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+
+  Report report;
+  const double load_start = load_average();
+  const auto t0 = Clock::now();
+  Status failed = Status::Ok();
+  for (int rep = 0; rep < o.repetitions && failed.ok(); ++rep) {
+    for (const Suite* s : o.suites) {
+      const auto started = Clock::now();
+      auto rows = run_suite_once(*s, o, work, rep);
+      if (g_interrupted.load() != 0) {
+        failed = Aborted("interrupted");
+        break;
+      }
+      if (!rows.ok()) {
+        failed =
+            rows.status().with_context(fmt::format("suite {}, repetition {}", s->name, rep + 1));
+        break;
+      }
+      std::fprintf(stderr, "[bench] %d/%d %s: %zu rows in %.1f s\n", rep + 1, o.repetitions,
+                   s->name, rows->size(),
+                   std::chrono::duration<double>(Clock::now() - started).count());
+      for (Row& r : *rows)
+        report.rows.push_back(std::move(r));
+    }
+  }
+  const double load_end = load_average();
+  if (failed.ok()) {
+    auto ctx = gbench_context(work);
+    report.context = ctx.ok() ? *ctx : nlohmann::json::object();
+  }
+  std::error_code ec;
+  fs::remove_all(work, ec);
+  if (!failed.ok()) {
+    std::fprintf(stderr, "psld bench run: %s\n", failed.to_string().c_str());
+    return g_interrupted.load() != 0 ? 130 : 1;
+  }
+
+  nlohmann::json& c = report.context;
+  c["date"] = now_utc();
+  c["host_name"] = host_name();
+  c["executable"] = "psld bench run";
+  nlohmann::json suites = nlohmann::json::array();
+  for (const Suite* s : o.suites)
+    suites.push_back(s->name);
+  std::string command = "psld bench run";
+  for (int i = 0; i < argc; ++i)
+    command += std::string(" ") + argv[i];
+  const char* isa_request = std::getenv("PSLD_KERNEL_ISA");
+  c["psld"] = {
+      {"git_sha", kGitDescribe},
+      {"build_type", kBuildType},
+      {"compiler", kCompiler},
+      {"isa", std::string(kernels::isa_name(kernels::select_isa(isa_request ? isa_request : "")))},
+      {"transport", "ucx"},
+      {"medium", o.quick ? "shm" : "tcp,shm"},
+      {"cores", std::thread::hardware_concurrency()},
+      {"load_avg_start", load_start},
+      {"load_avg_end", load_end},
+      {"suites", suites},
+      {"size", o.quick ? "quick" : "full"},
+      {"repetitions", o.repetitions},
+      {"command", command},
+      {"bench_dir", fs::absolute(o.bench_dir).string()},
+  };
+  Status w = write_report(o.json, report);
+  if (!w.ok()) {
+    std::fprintf(stderr, "psld bench run: %s\n", w.to_string().c_str());
+    return 1;
+  }
+  print_summary(report);
+  std::fprintf(stderr,
+               "[bench] wrote %s: %zu rows (%d repetitions) in %.0f s; load average %.2f -> %.2f "
+               "on %u cores\n",
+               o.json.c_str(), report.rows.size(), o.repetitions,
+               std::chrono::duration<double>(Clock::now() - t0).count(), load_start, load_end,
+               std::thread::hardware_concurrency());
+  return 0;
+}
+
+}  // namespace psld::bench

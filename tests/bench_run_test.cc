@@ -1,0 +1,111 @@
+// `psld bench run` and `psld bench compare` end to end: the quick suite with
+// 2 repetitions writes a report whose rows all carry ratios; compared with
+// itself it passes (exit 0); a copy with one row 30% worse fails (exit 1)
+// and names that row and no other. It measures nothing (docs/perf-ci.md has
+// the numbers).
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "bench/report.h"
+#include "tests/temp_dir.h"
+#include "tests/test_process.h"
+
+namespace {
+
+using namespace std::chrono_literals;
+namespace fs = std::filesystem;
+using psld::bench::Report;
+using psld::bench::Row;
+
+std::string psld() {
+  return std::getenv("TEST_PSLD_BINARY");
+}
+std::string bench_dir() {
+  return std::getenv("TEST_BENCH_DIR");
+}
+
+psld::testing::RunResult bench(std::vector<std::string> args) {
+  args.insert(args.begin(), {psld(), "bench"});
+  return psld::testing::run_process(args, {}, 400s);
+}
+
+TEST(BenchRun, QuickSuiteComparesCleanWithItselfAndCatchesADoctoredRow) {
+  psld::testing::TempDir dir("psld-bench-run");
+  const fs::path root = dir.path();
+  const std::string a = (root / "a.json").string();
+  auto run = bench(
+      {"run", "--suite", "quick", "--repetitions", "2", "--json", a, "--bench-dir", bench_dir()});
+  ASSERT_FALSE(run.timed_out) << run.output;
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_NE(run.output.find("[bench] 2/2 ps:"), std::string::npos) << run.output;
+
+  auto report = psld::bench::read_report(a);
+  ASSERT_TRUE(report.ok()) << report.status().to_string();
+  std::set<std::string> suites, with_ratio;
+  for (const Row& r : report->rows) {
+    suites.insert(r.name.substr(0, r.name.find('/')));
+    EXPECT_EQ(r.repetitions, 2) << r.name;
+    if (r.yardstick.empty()) continue;
+    ASSERT_TRUE(r.values.count("ratio")) << r.name;
+    EXPECT_GT(r.values.at("ratio"), 0) << r.name;
+    with_ratio.insert(r.name);
+  }
+  EXPECT_EQ(suites, (std::set<std::string>{"kernels", "placement", "balancer", "ps"}));
+  EXPECT_GE(with_ratio.size(), 10U);
+  const auto& ctx = report->context["psld"];
+  for (const char* key : {"git_sha", "build_type", "compiler", "isa", "cores", "load_avg_start",
+                          "load_avg_end", "host_name"}) {
+    if (std::string(key) == "host_name") {
+      EXPECT_TRUE(report->context.contains(key));
+    } else {
+      EXPECT_TRUE(ctx.contains(key)) << key;
+    }
+  }
+
+  auto same = bench({"compare", a, a});
+  EXPECT_EQ(same.exit_code, 0) << same.output;
+  EXPECT_NE(same.output.find("0 regressions"), std::string::npos) << same.output;
+
+  // One row 30% worse in NEW, in both repetitions.
+  const std::string victim = "kernels/BM_reduce_fp32/1048576";
+  Report doctored = *report;
+  for (Row& r : doctored.rows) {
+    if (r.name == victim) r.values["ratio"] *= 0.7;
+  }
+  const std::string b = (root / "b.json").string();
+  ASSERT_TRUE(psld::bench::write_report(b, doctored).ok());
+  const std::string md = (root / "table.md").string();
+  auto worse = bench({"compare", a, b, "--markdown", md});
+  EXPECT_EQ(worse.exit_code, 1) << worse.output;
+  EXPECT_NE(worse.output.find(victim + " regressed: ratio -30.0%"), std::string::npos)
+      << worse.output;
+  EXPECT_EQ(worse.output.find(" regressed"), worse.output.rfind(" regressed")) << worse.output;
+  EXPECT_TRUE(fs::exists(md));
+}
+
+TEST(BenchRun, BadOptionsAreRefusedWithReasons) {
+  auto r = bench({"run", "--suite", "kernels,nope"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.output.find("no suite 'nope'; quick, full, or a list of: kernels, placement"),
+            std::string::npos)
+      << r.output;
+  r = bench({"run", "--repetitions", "0"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.output.find("--repetitions '0' is not a number in [1, 100]"), std::string::npos)
+      << r.output;
+  r = bench({"run", "--bench-dir", "/nonexistent"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.output.find("/nonexistent/kernels_bench is not there"), std::string::npos)
+      << r.output;
+  r = bench({"compare", "/nonexistent.json", "/nonexistent.json"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.output.find("cannot read /nonexistent.json"), std::string::npos) << r.output;
+}
+
+}  // namespace
