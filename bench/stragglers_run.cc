@@ -20,6 +20,8 @@
 #include <vector>
 
 #include "bench/bench_util.h"
+#include "bench/report.h"
+#include "bench/stats.h"
 #include "bench/stragglers.h"
 #include "lib/coordinator/service.h"
 #include "lib/server/service.h"
@@ -55,6 +57,10 @@ other in this process, and prints one table per scenario (docs/stragglers.md).
   --transport T     ucx (tcp) or loopback (default ucx)
   --out DIR         also write DIR/results.md, DIR/<scenario>.tsv and, when
                     gnuplot is installed, DIR/<scenario>.png
+  --json FILE       also write the round times as Google Benchmark-shaped JSON
+                    (docs/perf-ci.md): BM_stragglers/<scenario>/<policy>, one
+                    row per round, and psld_vs_mxnet / psld_vs_oracle, whose
+                    ratio is that policy's median round time over psld's round
 )";
 
 struct Options {
@@ -65,6 +71,7 @@ struct Options {
   std::optional<double> scale;  // overrides the scenarios'
   std::string transport = "ucx";
   std::string out_dir;
+  std::string json;
 };
 
 std::vector<std::string> split_list(const std::string& s) {
@@ -133,6 +140,9 @@ Result<Options> parse_args(int argc, char** argv) {
       o.transport = value;
     } else if (arg == "--out") {
       o.out_dir = value;
+    } else if (arg == "--json") {
+      if (value.empty()) return InvalidArgument("--json needs a file name");
+      o.json = value;
     } else {
       return InvalidArgument(fmt::format("unknown flag '{}'\n{}", arg, kUsage));
     }
@@ -554,6 +564,41 @@ Status write_plot(const Options& o, const Scenario& sc, const std::vector<RunRes
   return Status::Ok();
 }
 
+// The scenario's rounds as report rows: every policy's round times, and
+// psld's against MXNet's and the oracle's median round time, round by round.
+void add_rows(const Scenario& sc, const std::vector<RunResult>& results, bench::Report& report) {
+  const std::string prefix = "BM_stragglers/" + sc.id + "/";
+  const RunResult* psld = nullptr;
+  for (const RunResult& r : results) {
+    if (r.policy == Policy::kPsld) psld = &r;
+  }
+  auto add = [&](const std::string& name, const std::vector<double>& round_ms,
+                 const std::string& yardstick, double yard_median_ms) {
+    for (size_t i = 0; i < round_ms.size(); ++i) {
+      bench::Row row;
+      row.name = name;
+      row.repetition = static_cast<int>(i);
+      row.repetitions = static_cast<int>(round_ms.size());
+      row.values["real_time"] = round_ms[i] * 1e6;
+      row.values["cpu_time"] = round_ms[i] * 1e6;
+      row.values["iterations"] = 1;
+      if (!yardstick.empty() && round_ms[i] > 0) {
+        row.yardstick = yardstick;
+        row.values["ratio"] = yard_median_ms / round_ms[i];
+      }
+      report.rows.push_back(std::move(row));
+    }
+  };
+  for (const RunResult& r : results)
+    add(prefix + std::string(policy_name(r.policy)), r.round_ms, "", 0);
+  if (psld == nullptr) return;
+  for (const RunResult& r : results) {
+    if (r.policy != Policy::kMxnet && r.policy != Policy::kOracle) continue;
+    const std::string name(policy_name(r.policy));
+    add(prefix + "psld_vs_" + name, psld->round_ms, prefix + name, median(r.round_ms));
+  }
+}
+
 }  // namespace
 
 int run_stragglers(int argc, char** argv) {
@@ -585,6 +630,7 @@ int run_stragglers(int argc, char** argv) {
   Watchdog watchdog("psld bench stragglers");
   std::string markdown;
   std::string notes;
+  bench::Report report;
   const auto t0 = Clock::now();
   for (const Scenario& sc : o.scenarios) {
     auto profile = load_profile(sc.profile);
@@ -605,6 +651,7 @@ int run_stragglers(int argc, char** argv) {
       results.push_back(std::move(r).value());
     }
     watchdog.disarm();
+    add_rows(sc, results, report);
     const std::string section = fmt::format("## {}: {}\n\n{}\n\n{}", sc.id, sc.title,
                                             describe(o, sc, tensors), table(sc, results));
     std::printf("%s\n", section.c_str());
@@ -632,6 +679,14 @@ int run_stragglers(int argc, char** argv) {
       return 1;
     }
     if (!notes.empty()) std::fprintf(stderr, "psld bench stragglers: %s\n", notes.c_str());
+  }
+  if (!o.json.empty()) {
+    report.context["executable"] = "psld bench stragglers";
+    Status s = write_report(o.json, report);
+    if (!s.ok()) {
+      std::fprintf(stderr, "psld bench stragglers: %s\n", s.to_string().c_str());
+      return 1;
+    }
   }
   std::fprintf(stderr, "psld bench stragglers: done in %.0f s\n",
                std::chrono::duration<double>(Clock::now() - t0).count());
