@@ -1,13 +1,20 @@
 // `psld bench compare BASE NEW [options]`: the command around bench/compare.h.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
+#include <map>
+#include <optional>
+#include <set>
 #include <string>
 
 #include "bench/compare.h"
 #include "bench/compare_cmd.h"
+#include "bench/run_cmd.h"
 
 namespace psld::bench {
 namespace {
@@ -15,11 +22,13 @@ namespace {
 constexpr const char* kCompareUsage =
     "usage: psld bench compare BASE NEW [--metric ratio|bytes_per_second|real_time|NAME]\n"
     "                          [--threshold 5%] [--alpha 0.05] [--markdown FILE]\n"
-    "                          [--higher-is-better | --lower-is-better]\n"
+    "                          [--higher-is-better | --lower-is-better] [--rerun]\n"
     "  BASE and NEW are Google Benchmark-shaped JSON reports (psld bench run --json,\n"
     "  or any benchmark's --benchmark_out). Exit status: 1 when a row regressed\n"
     "  (p < alpha and a change beyond the threshold in the bad direction), 0 when\n"
-    "  none did, 2 when the input or the options are wrong.\n";
+    "  none did, 2 when the input or the options are wrong. --rerun: the rows\n"
+    "  flagged are measured again, base and new programs interleaved A/B (from\n"
+    "  the bench directories the reports name), and only those confirmed count.\n";
 
 int usage_error(const std::string& why) {
   std::fprintf(stderr, "psld bench compare: %s\n%s", why.c_str(), kCompareUsage);
@@ -43,12 +52,94 @@ bool parse_threshold(const std::string& text, double& out) {
   return out >= 0;
 }
 
+std::string context_string(const Report& r, const char* key) {
+  const auto& c = r.context;
+  if (!c.contains("psld") || !c["psld"].is_object()) return "";
+  const auto it = c["psld"].find(key);
+  return it != c["psld"].end() && it->is_string() ? it->get<std::string>() : "";
+}
+
+// Only the rows named (and their yardsticks, for the noise warnings).
+Report only(const Report& r, const std::set<std::string>& names) {
+  Report out;
+  out.context = r.context;
+  std::set<std::string> keep = names;
+  for (const Row& row : r.rows) {
+    if (names.count(row.name) != 0 && !row.yardstick.empty()) keep.insert(row.yardstick);
+  }
+  for (const Row& row : r.rows) {
+    if (keep.count(row.name) != 0) out.rows.push_back(row);
+  }
+  return out;
+}
+
+// --rerun: the flagged rows' suites again, BASE's and NEW's programs A/B.
+// Returns the comparison of the flagged rows on the new samples.
+Result<Comparison> rerun_flagged(const Report& base, const Report& fresh, const Comparison& first,
+                                 const CompareOptions& o) {
+  std::set<std::string> flagged, suites;
+  size_t most = 0;
+  const std::vector<std::string> known = suite_names();
+  for (const RowComparison& r : first.rows) {
+    if (r.verdict != Verdict::kRegression) continue;
+    const std::string suite = r.name.substr(0, r.name.find('/'));
+    if (std::find(known.begin(), known.end(), suite) == known.end()) {
+      return FailedPrecondition(
+          fmt::format("--rerun: row {} is not from a psld bench run suite", r.name));
+    }
+    flagged.insert(r.name);
+    suites.insert(suite);
+    most = std::max({most, r.n_base, r.n_new});
+  }
+  const std::string new_dir = context_string(fresh, "bench_dir");
+  const std::string base_dir = context_string(base, "bench_dir");
+  namespace fs = std::filesystem;
+  if (new_dir.empty() || !fs::is_directory(new_dir)) {
+    return FailedPrecondition(fmt::format(
+        "--rerun: NEW's programs are not on this machine (its report names bench_dir '{}')",
+        new_dir));
+  }
+  RunPlan plan;
+  plan.suites.assign(suites.begin(), suites.end());
+  plan.quick = context_string(fresh, "size") != "full";
+  plan.repetitions = static_cast<int>(std::max<size_t>(9, most));
+  // BASE's programs are only where its report says when that is not NEW's
+  // directory rebuilt since (a committed baseline names a path that may hold
+  // NEW's build here): the same directory counts only with the same revision.
+  const bool ab = !base_dir.empty() && fs::is_directory(base_dir) &&
+                  (fs::path(base_dir).lexically_normal() != fs::path(new_dir).lexically_normal() ||
+                   context_string(base, "git_sha") == context_string(fresh, "git_sha"));
+  plan.bench_dirs =
+      ab ? std::vector<std::string>{base_dir, new_dir} : std::vector<std::string>{new_dir};
+  // Each side's kernels on the ISA its report ran (PSLD_KERNEL_ISA then).
+  for (const Report* r :
+       ab ? std::vector<const Report*>{&base, &fresh} : std::vector<const Report*>{&fresh}) {
+    std::map<std::string, std::string> env;
+    if (const std::string isa = context_string(*r, "isa"); !isa.empty()) {
+      env["PSLD_KERNEL_ISA"] = isa;
+    }
+    plan.env.push_back(std::move(env));
+  }
+  plan.command = "psld bench compare --rerun";
+  std::fprintf(
+      stderr, "psld bench compare: --rerun: %zu flagged rows, suites %s, %d repetitions%s\n",
+      flagged.size(), fmt::format("{}", fmt::join(plan.suites, ",")).c_str(), plan.repetitions,
+      ab ? ", BASE and NEW programs interleaved"
+         : "; BASE's programs are not here, so NEW is measured again against BASE's "
+           "samples");
+  PSLD_ASSIGN_OR_RETURN(std::vector<Report> again, run_suites(plan));
+  const Report& base2 = ab ? again[0] : base;
+  const Report& new2 = again.back();
+  return compare(only(base2, flagged), only(new2, flagged), o);
+}
+
 }  // namespace
 
 int cmd_compare(int argc, char** argv) {
   std::vector<std::string> files;
   CompareOptions o;
   std::string markdown_file;
+  bool rerun = false;
   for (int i = 0; i < argc; ++i) {
     const std::string arg = argv[i];
     auto value = [&](std::string& out) {
@@ -74,6 +165,8 @@ int cmd_compare(int argc, char** argv) {
       }
     } else if (arg == "--markdown") {
       if (!value(markdown_file)) return usage_error("--markdown needs a file");
+    } else if (arg == "--rerun") {
+      rerun = true;
     } else if (arg == "--higher-is-better") {
       o.higher_is_better = true;
     } else if (arg == "--lower-is-better") {
@@ -91,20 +184,34 @@ int cmd_compare(int argc, char** argv) {
   if (!fresh.ok()) return usage_error(fresh.status().message());
   auto c = compare(*base, *fresh, o);
   if (!c.ok()) return usage_error(c.status().message());
-  const std::string table = markdown(*c, o);
+  std::string table = markdown(*c, o);
   std::fputs(table.c_str(), stdout);
+  const Comparison* verdicts = &*c;
+  std::optional<Comparison> again;
+  if (rerun && c->count(Verdict::kRegression) > 0) {
+    auto r = rerun_flagged(*base, *fresh, *c, o);
+    if (!r.ok()) {
+      std::fprintf(stderr, "psld bench compare: %s\n", r.status().to_string().c_str());
+      return r.status().code() == StatusCode::kAborted ? 130 : 2;
+    }
+    again = std::move(*r);
+    const std::string second = markdown(*again, o);
+    std::printf("\nRerun of the flagged rows (only these verdicts count):\n\n%s", second.c_str());
+    table += "\nRerun of the flagged rows (only these verdicts count):\n\n" + second;
+    verdicts = &*again;
+  }
   if (!markdown_file.empty()) {
     std::ofstream out(markdown_file, std::ios::trunc);
     out << fmt::format("### psld bench compare: {} against {}\n\n", files[1], files[0]) << table;
     if (!out) return usage_error(fmt::format("cannot write {}", markdown_file));
   }
-  for (const RowComparison& r : c->rows) {
+  for (const RowComparison& r : verdicts->rows) {
     if (r.verdict == Verdict::kRegression) {
       std::fprintf(stderr, "psld bench compare: %s regressed: %s %+.1f%% (p = %.3g)\n",
-                   r.name.c_str(), c->metric.c_str(), 100 * r.change, r.p);
+                   r.name.c_str(), verdicts->metric.c_str(), 100 * r.change, r.p);
     }
   }
-  return c->count(Verdict::kRegression) > 0 ? 1 : 0;
+  return verdicts->count(Verdict::kRegression) > 0 ? 1 : 0;
 }
 
 }  // namespace psld::bench

@@ -19,6 +19,7 @@
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <string_view>
 #include <thread>
 
 #include "bench/build_info.h"
@@ -54,7 +55,9 @@ std::string balancer_yardstick(const std::string& name) {
 
 struct Suite {
   const char* name;
-  const char* program;  // in the bench directory
+  // In the bench directory ("../tools/psld": the build's psld), or a script
+  // in the source tree's tools/ (script_measures).
+  const char* program;
   const char* what;
   std::vector<std::string> quick_args, full_args;
   // A Google Benchmark program (ratios computed here), or one that writes
@@ -63,15 +66,34 @@ struct Suite {
   std::string (*yardstick_of)(const std::string&);
   Speed speed;
   int timeout_s;  // one run
+  bool in_quick = true;
+  // A script of the source tree's tools/ measuring this bench program
+  // (passed as --bench DIR/PROGRAM), rather than a program of its own.
+  const char* script_measures = nullptr;
+  // The program's rows are many samples each (rounds): repetition r keeps
+  // them all, numbered r * kSamplesPerRun + their own index.
+  bool samples_within_run = false;
 };
+
+constexpr int kSamplesPerRun = 100000;
+
+#ifndef PSLD_SOURCE_DIR
+#define PSLD_SOURCE_DIR "."
+#endif
+
+// The program a suite runs, and the one it measures, when a script.
+std::vector<fs::path> programs_of(const Suite& s, const fs::path& dir) {
+  if (s.script_measures == nullptr) return {(dir / s.program).lexically_normal()};
+  return {fs::path(PSLD_SOURCE_DIR) / "tools" / s.program, dir / s.script_measures};
+}
 
 const std::vector<Suite>& all_suites() {
   static const std::vector<Suite> suites = {
       {"kernels",
        "kernels_bench",
        "CPU kernels (reduce, optimizers, conversions) vs memcpy of the same size",
-       {"--benchmark_filter=^BM_(memcpy|reduce_fp32|reduce_bf16|adam_fp32|cvt_fp32_to_fp16)/"
-        "(1048576|67108864)$",
+       {"--benchmark_filter=^BM_(memcpy|reduce_fp32|reduce_bf16|scale_fp32|sgd_fp32|adam_fp32|"
+        "cvt_fp32_to_fp16)/(1048576|67108864)$",
         "--benchmark_min_time=0.1"},
        {"--benchmark_filter=^BM_(memcpy|reduce|scale|sgd|momentum|adam|cvt)",
         "--benchmark_min_time=0.2"},
@@ -109,6 +131,36 @@ const std::vector<Suite>& all_suites() {
        nullptr,
        Speed::kBytesPerSecond,
        300},
+      // Not in quick: ucx_perftest's runs take ~10 s per repetition even narrowed.
+      {"transport",
+       "transport-bench",
+       "UCX transport writes (and latency, full) vs the best ucx_perftest primitive",
+       {"--media", "shm", "--sizes", "1048576,4194304", "--bandwidth-only", "--quick"},
+       {"--quick"},
+       false,
+       nullptr,
+       Speed::kBytesPerSecond,
+       600,
+       false,
+       "transport_bench"},
+      // Not in quick: a scenario takes ~10 s per policy even shortened. Its
+      // samples are rounds: psld's round times against MXNet's and the
+      // oracle's median round of the same run.
+      {"stragglers",
+       "../tools/psld",
+       "S1 (one server at R/4): psld's rounds vs MXNet-static and the oracle (psld bench "
+       "stragglers)",
+       {"bench", "stragglers", "--scenario", "S1", "--rounds", "60", "--workers", "2", "--policies",
+        "mxnet,psld,oracle"},
+       {"bench", "stragglers", "--scenario", "S1,S4", "--rounds", "100", "--workers", "4",
+        "--policies", "mxnet,psld,oracle"},
+       false,
+       nullptr,
+       Speed::kInverseTime,
+       900,
+       false,
+       nullptr,
+       true},
   };
   return suites;
 }
@@ -121,13 +173,15 @@ const Suite* find_suite(const std::string& name) {
 }
 
 constexpr const char* kRunUsage =
-    "usage: psld bench run [--suite quick|full|NAME,...] [--repetitions N] [--json FILE]\n"
-    "                      [--bench-dir DIR] [--verbose] [--list]\n"
+    "usage: psld bench run [--suite quick|full|NAME,...] [--size quick|full]\n"
+    "                      [--repetitions N] [--json FILE] [--bench-dir DIR] [--verbose]\n"
+    "                      [--list]\n"
     "  Runs every suite's benchmark program once per repetition, the suites\n"
     "  interleaved, and writes one Google Benchmark-shaped report (default\n"
     "  psld-bench.json) whose rows carry a ratio against a yardstick measured in\n"
-    "  the same run. quick (default): short runs of every suite; full: more rows\n"
-    "  and longer runs; NAME,...: those suites, full. --repetitions: 9 by default\n"
+    "  the same run. quick (default): short runs of every suite but transport;\n"
+    "  full: every suite, more rows, longer runs; NAME,...: those suites (--list\n"
+    "  names them), full unless --size quick. --repetitions: 9 by default\n"
     "  (fewer cannot show a 10% change under 3% noise). The programs are looked\n"
     "  for in DIR (default: ../bench beside this psld, a build directory's).\n"
     "  Their output goes to a log, shown when one fails (--verbose: to stderr).\n";
@@ -159,8 +213,9 @@ std::string tail_of(const std::string& path, size_t lines) {
 // Runs argv to completion within timeout_s: stdin from /dev/null, stdout and
 // stderr to `log` (or to this process's stderr when verbose). A child still
 // running at the deadline or on SIGINT/SIGTERM is stopped (TERM, then KILL).
-Status run_program(const std::vector<std::string>& argv, const std::string& log, bool verbose,
-                   int timeout_s) {
+Status run_program(const std::vector<std::string>& argv,
+                   const std::map<std::string, std::string>& env_overrides, const std::string& log,
+                   bool verbose, int timeout_s) {
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
@@ -175,8 +230,23 @@ Status run_program(const std::vector<std::string>& argv, const std::string& log,
   for (const std::string& a : argv)
     args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
+  // This environment, with the overrides replacing (or adding) their names.
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string_view kv(*e);
+    if (env_overrides.count(std::string(kv.substr(0, kv.find('=')))) == 0) {
+      env_strings.emplace_back(kv);
+    }
+  }
+  for (const auto& [name, value] : env_overrides)
+    env_strings.push_back(name + "=" + value);
+  std::vector<char*> envp;
+  envp.reserve(env_strings.size() + 1);
+  for (std::string& e : env_strings)
+    envp.push_back(e.data());
+  envp.push_back(nullptr);
   pid_t pid = -1;
-  const int err = posix_spawn(&pid, args[0], &fa, nullptr, args.data(), environ);
+  const int err = posix_spawn(&pid, args[0], &fa, nullptr, args.data(), envp.data());
   posix_spawn_file_actions_destroy(&fa);
   if (err != 0) return Unavailable(fmt::format("cannot start {}: {}", argv[0], std::strerror(err)));
 
@@ -253,7 +323,7 @@ fs::path default_bench_dir() {
 }
 
 struct Options {
-  std::vector<const Suite*> suites;
+  std::vector<std::string> suites;
   bool quick = true;
   int repetitions = 9;
   std::string json = "psld-bench.json";
@@ -263,12 +333,19 @@ struct Options {
 
 // ---- one run of one suite
 
-Result<std::vector<Row>> run_suite_once(const Suite& s, const Options& o, const fs::path& work,
-                                        int rep) {
-  const fs::path out = work / fmt::format("{}-{}.json", s.name, rep);
-  const fs::path log = work / fmt::format("{}-{}.log", s.name, rep);
-  std::vector<std::string> argv = {(o.bench_dir / s.program).string()};
-  for (const std::string& a : o.quick ? s.quick_args : s.full_args)
+Result<std::vector<Row>> run_suite_once(const Suite& s, const RunPlan& plan, size_t side,
+                                        const fs::path& work, int rep) {
+  const fs::path dir = plan.bench_dirs[side];
+  const std::string tag = fmt::format("{}-{}-{}", s.name, rep, side);
+  const fs::path out = work / (tag + ".json");
+  const fs::path log = work / (tag + ".log");
+  const std::vector<fs::path> programs = programs_of(s, dir);
+  std::vector<std::string> argv = {programs[0].string()};
+  if (programs.size() > 1) {
+    argv.push_back("--bench");
+    argv.push_back(programs[1].string());
+  }
+  for (const std::string& a : plan.quick ? s.quick_args : s.full_args)
     argv.push_back(a);
   if (s.google_benchmark) {
     argv.push_back("--benchmark_out=" + out.string());
@@ -277,7 +354,9 @@ Result<std::vector<Row>> run_suite_once(const Suite& s, const Options& o, const 
     argv.push_back("--json");
     argv.push_back(out.string());
   }
-  PSLD_RETURN_IF_ERROR(run_program(argv, log.string(), o.verbose, s.timeout_s));
+  const std::map<std::string, std::string> none;
+  PSLD_RETURN_IF_ERROR(run_program(argv, side < plan.env.size() ? plan.env[side] : none,
+                                   log.string(), plan.verbose, s.timeout_s));
   PSLD_ASSIGN_OR_RETURN(std::string text, read_file(out.string()));
   PSLD_ASSIGN_OR_RETURN(Report r, parse_report(text, out.string()));
   if (s.google_benchmark) {
@@ -289,8 +368,8 @@ Result<std::vector<Row>> run_suite_once(const Suite& s, const Options& o, const 
     }
   }
   for (Row& row : r.rows) {
-    row.repetition = rep;
-    row.repetitions = o.repetitions;
+    row.repetition = s.samples_within_run ? rep * kSamplesPerRun + row.repetition : rep;
+    row.repetitions = plan.repetitions;
   }
   return std::move(r.rows);
 }
@@ -325,6 +404,7 @@ void print_summary(const Report& report) {
 Result<Options> parse_options(int argc, char** argv, bool& list, bool& help) {
   Options o;
   std::string suite = "quick";
+  std::string size;
   for (int i = 0; i < argc; ++i) {
     const std::string arg = argv[i];
     auto value = [&]() -> Result<std::string> {
@@ -339,6 +419,11 @@ Result<Options> parse_options(int argc, char** argv, bool& list, bool& help) {
       o.verbose = true;
     } else if (arg == "--suite") {
       PSLD_ASSIGN_OR_RETURN(suite, value());
+    } else if (arg == "--size") {
+      PSLD_ASSIGN_OR_RETURN(size, value());
+      if (size != "quick" && size != "full") {
+        return InvalidArgument(fmt::format("--size '{}' is not quick or full", size));
+      }
     } else if (arg == "--repetitions") {
       PSLD_ASSIGN_OR_RETURN(std::string v, value());
       char* end = nullptr;
@@ -358,11 +443,15 @@ Result<Options> parse_options(int argc, char** argv, bool& list, bool& help) {
     }
   }
   if (suite == "quick" || suite == "full") {
+    if (!size.empty() && size != suite) {
+      return InvalidArgument(fmt::format("--suite {} and --size {} disagree", suite, size));
+    }
     o.quick = suite == "quick";
-    for (const Suite& s : all_suites())
-      o.suites.push_back(&s);
+    for (const Suite& s : all_suites()) {
+      if (s.in_quick || !o.quick) o.suites.push_back(s.name);
+    }
   } else {
-    o.quick = false;
+    o.quick = size == "quick";
     std::stringstream names(suite);
     for (std::string name; std::getline(names, name, ',');) {
       const Suite* s = find_suite(name);
@@ -373,7 +462,7 @@ Result<Options> parse_options(int argc, char** argv, bool& list, bool& help) {
         return InvalidArgument(
             fmt::format("--suite: no suite '{}'; quick, full, or a list of: {}", name, known));
       }
-      o.suites.push_back(s);
+      o.suites.push_back(s->name);
     }
     if (o.suites.empty()) return InvalidArgument("--suite needs quick, full or suite names");
   }
@@ -412,6 +501,118 @@ void add_ratios(std::vector<Row>& rows, const std::string& suite,
   }
 }
 
+std::vector<std::string> suite_names() {
+  std::vector<std::string> names;
+  for (const Suite& s : all_suites())
+    names.emplace_back(s.name);
+  return names;
+}
+
+Result<std::vector<Report>> run_suites(const RunPlan& plan) {
+  std::vector<const Suite*> suites;
+  for (const std::string& name : plan.suites) {
+    const Suite* s = find_suite(name);
+    if (s == nullptr) return InvalidArgument(fmt::format("no suite '{}'", name));
+    suites.push_back(s);
+  }
+  if (suites.empty() || plan.bench_dirs.empty() || plan.repetitions < 1) {
+    return InvalidArgument("nothing to run: no suite, no bench directory or no repetition");
+  }
+  for (const std::string& dir : plan.bench_dirs) {
+    for (const Suite* s : suites) {
+      for (const fs::path& p : programs_of(*s, dir)) {
+        if (access(p.c_str(), X_OK) != 0) {
+          return NotFound(
+              fmt::format("{} is not there: psld bench run needs a build with -Dbench=true (its "
+                          "bench/ directory), or --bench-dir DIR",
+                          p.string()));
+        }
+      }
+    }
+  }
+  std::string tmpl = (fs::temp_directory_path() / "psld-bench-XXXXXX").string();
+  if (mkdtemp(tmpl.data()) == nullptr) {
+    return Unavailable(fmt::format("cannot make a directory in {}: {}",
+                                   fs::temp_directory_path().string(), std::strerror(errno)));
+  }
+  const fs::path work = tmpl;
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  struct sigaction old_int {
+  }, old_term{};
+  sigaction(SIGINT, &sa, &old_int);
+  sigaction(SIGTERM, &sa, &old_term);
+
+  std::vector<Report> reports(plan.bench_dirs.size());
+  const double load_start = load_average();
+  Status failed = Status::Ok();
+  for (int rep = 0; rep < plan.repetitions && failed.ok(); ++rep) {
+    for (size_t d = 0; d < plan.bench_dirs.size() && failed.ok(); ++d) {
+      const std::string which =
+          plan.bench_dirs.size() > 1 ? fmt::format(" ({})", d == 0 ? "BASE" : "NEW") : "";
+      for (const Suite* s : suites) {
+        const auto started = Clock::now();
+        auto rows = run_suite_once(*s, plan, d, work, rep);
+        if (g_interrupted.load() != 0) {
+          failed = Aborted("interrupted");
+          break;
+        }
+        if (!rows.ok()) {
+          failed =
+              rows.status().with_context(fmt::format("suite {}, repetition {}", s->name, rep + 1));
+          break;
+        }
+        std::fprintf(stderr, "[bench] %d/%d %s%s: %zu rows in %.1f s\n", rep + 1, plan.repetitions,
+                     s->name, which.c_str(), rows->size(),
+                     std::chrono::duration<double>(Clock::now() - started).count());
+        for (Row& r : *rows)
+          reports[d].rows.push_back(std::move(r));
+      }
+    }
+  }
+  const double load_end = load_average();
+  nlohmann::json gbench = nlohmann::json::object();
+  if (failed.ok()) {
+    auto ctx = gbench_context(work);
+    if (ctx.ok()) gbench = *ctx;
+  }
+  std::error_code ec;
+  fs::remove_all(work, ec);
+  sigaction(SIGINT, &old_int, nullptr);
+  sigaction(SIGTERM, &old_term, nullptr);
+  PSLD_RETURN_IF_ERROR(failed);
+
+  for (size_t d = 0; d < reports.size(); ++d) {
+    const char* isa_request = std::getenv("PSLD_KERNEL_ISA");
+    if (d < plan.env.size() && plan.env[d].count("PSLD_KERNEL_ISA") != 0) {
+      isa_request = plan.env[d].at("PSLD_KERNEL_ISA").c_str();
+    }
+    nlohmann::json c = gbench;
+    c["date"] = now_utc();
+    c["host_name"] = host_name();
+    c["executable"] = "psld bench run";
+    c["psld"] = {
+        {"git_sha", kGitDescribe},
+        {"build_type", kBuildType},
+        {"compiler", kCompiler},
+        {"isa",
+         std::string(kernels::isa_name(kernels::select_isa(isa_request ? isa_request : "")))},
+        {"transport", "ucx"},
+        {"medium", plan.quick ? "shm" : "tcp,shm"},
+        {"cores", std::thread::hardware_concurrency()},
+        {"load_avg_start", load_start},
+        {"load_avg_end", load_end},
+        {"suites", plan.suites},
+        {"size", plan.quick ? "quick" : "full"},
+        {"repetitions", plan.repetitions},
+        {"command", plan.command},
+        {"bench_dir", fs::absolute(plan.bench_dirs[d]).string()},
+    };
+    reports[d].context = std::move(c);
+  }
+  return reports;
+}
+
 int cmd_run(int argc, char** argv) {
   bool list = false, help = false;
   auto parsed = parse_options(argc, argv, list, help);
@@ -423,105 +624,42 @@ int cmd_run(int argc, char** argv) {
   const Options& o = *parsed;
   if (list) {
     for (const Suite& s : all_suites())
-      std::printf("%-10s %s (%s)\n", s.name, s.what, s.program);
+      std::printf("%-10s %s (%s%s)\n", s.name, s.what, s.program,
+                  s.in_quick ? "" : "; not in quick");
     return 0;
   }
-  for (const Suite* s : o.suites) {
-    const fs::path p = o.bench_dir / s->program;
-    if (access(p.c_str(), X_OK) != 0) {
-      return usage_error(
-          fmt::format("{} is not there: psld bench run needs a build with -Dbench=true (its bench/ "
-                      "directory), or --bench-dir DIR",
-                      p.string()));
-    }
-  }
-
-  std::string tmpl = (fs::temp_directory_path() / "psld-bench-XXXXXX").string();
-  if (mkdtemp(tmpl.data()) == nullptr) {
-    std::fprintf(stderr, "psld bench run: cannot make a directory in %s: %s\n",
-                 fs::temp_directory_path().c_str(), std::strerror(errno));
-    return 1;
-  }
-  const fs::path work = tmpl;
-  struct sigaction sa {};
-  sa.sa_handler = on_signal;
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
-
-  Report report;
-  const double load_start = load_average();
+  RunPlan plan;
+  plan.suites = o.suites;
+  plan.quick = o.quick;
+  plan.repetitions = o.repetitions;
+  plan.bench_dirs = {o.bench_dir.string()};
+  plan.verbose = o.verbose;
+  plan.command = "psld bench run";
+  for (int i = 0; i < argc; ++i)
+    plan.command += std::string(" ") + argv[i];
   const auto t0 = Clock::now();
-  Status failed = Status::Ok();
-  for (int rep = 0; rep < o.repetitions && failed.ok(); ++rep) {
-    for (const Suite* s : o.suites) {
-      const auto started = Clock::now();
-      auto rows = run_suite_once(*s, o, work, rep);
-      if (g_interrupted.load() != 0) {
-        failed = Aborted("interrupted");
-        break;
-      }
-      if (!rows.ok()) {
-        failed =
-            rows.status().with_context(fmt::format("suite {}, repetition {}", s->name, rep + 1));
-        break;
-      }
-      std::fprintf(stderr, "[bench] %d/%d %s: %zu rows in %.1f s\n", rep + 1, o.repetitions,
-                   s->name, rows->size(),
-                   std::chrono::duration<double>(Clock::now() - started).count());
-      for (Row& r : *rows)
-        report.rows.push_back(std::move(r));
+  auto reports = run_suites(plan);
+  if (!reports.ok()) {
+    if (reports.status().code() == StatusCode::kNotFound) {
+      return usage_error(reports.status().message());
     }
-  }
-  const double load_end = load_average();
-  if (failed.ok()) {
-    auto ctx = gbench_context(work);
-    report.context = ctx.ok() ? *ctx : nlohmann::json::object();
-  }
-  std::error_code ec;
-  fs::remove_all(work, ec);
-  if (!failed.ok()) {
-    std::fprintf(stderr, "psld bench run: %s\n", failed.to_string().c_str());
+    std::fprintf(stderr, "psld bench run: %s\n", reports.status().to_string().c_str());
     return g_interrupted.load() != 0 ? 130 : 1;
   }
-
-  nlohmann::json& c = report.context;
-  c["date"] = now_utc();
-  c["host_name"] = host_name();
-  c["executable"] = "psld bench run";
-  nlohmann::json suites = nlohmann::json::array();
-  for (const Suite* s : o.suites)
-    suites.push_back(s->name);
-  std::string command = "psld bench run";
-  for (int i = 0; i < argc; ++i)
-    command += std::string(" ") + argv[i];
-  const char* isa_request = std::getenv("PSLD_KERNEL_ISA");
-  c["psld"] = {
-      {"git_sha", kGitDescribe},
-      {"build_type", kBuildType},
-      {"compiler", kCompiler},
-      {"isa", std::string(kernels::isa_name(kernels::select_isa(isa_request ? isa_request : "")))},
-      {"transport", "ucx"},
-      {"medium", o.quick ? "shm" : "tcp,shm"},
-      {"cores", std::thread::hardware_concurrency()},
-      {"load_avg_start", load_start},
-      {"load_avg_end", load_end},
-      {"suites", suites},
-      {"size", o.quick ? "quick" : "full"},
-      {"repetitions", o.repetitions},
-      {"command", command},
-      {"bench_dir", fs::absolute(o.bench_dir).string()},
-  };
+  const Report& report = reports->front();
   Status w = write_report(o.json, report);
   if (!w.ok()) {
     std::fprintf(stderr, "psld bench run: %s\n", w.to_string().c_str());
     return 1;
   }
   print_summary(report);
+  const auto& c = report.context["psld"];
   std::fprintf(stderr,
                "[bench] wrote %s: %zu rows (%d repetitions) in %.0f s; load average %.2f -> %.2f "
                "on %u cores\n",
                o.json.c_str(), report.rows.size(), o.repetitions,
-               std::chrono::duration<double>(Clock::now() - t0).count(), load_start, load_end,
+               std::chrono::duration<double>(Clock::now() - t0).count(),
+               c["load_avg_start"].get<double>(), c["load_avg_end"].get<double>(),
                std::thread::hardware_concurrency());
   return 0;
 }

@@ -89,6 +89,37 @@ TEST(BenchRun, QuickSuiteComparesCleanWithItselfAndCatchesADoctoredRow) {
   EXPECT_TRUE(fs::exists(md));
 }
 
+// The suites not in quick, narrowed: the transport against ucx_perftest, and
+// S1's rounds of psld against MXNet's and the oracle's.
+TEST(BenchRun, TransportAndStragglersSuitesWriteRatios) {
+  if (std::system("command -v ucx_perftest >/dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "ucx_perftest (Debian's ucx-utils) is not installed: the transport suite's "
+                    "yardstick cannot run";
+  }
+  psld::testing::TempDir dir("psld-bench-run");
+  const std::string a = dir.path() + "/a.json";
+  auto run = bench({"run", "--suite", "transport,stragglers", "--size", "quick", "--repetitions",
+                    "1", "--json", a, "--bench-dir", bench_dir()});
+  ASSERT_FALSE(run.timed_out) << run.output;
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  auto report = psld::bench::read_report(a);
+  ASSERT_TRUE(report.ok()) << report.status().to_string();
+  for (const std::string& name : {std::string("transport/BM_transport_write/shm/1048576"),
+                                  std::string("transport/BM_transport_write/shm/4194304"),
+                                  std::string("stragglers/BM_stragglers/S1/psld_vs_mxnet"),
+                                  std::string("stragglers/BM_stragglers/S1/psld_vs_oracle")}) {
+    const std::vector<double> ratios = psld::bench::samples_of(*report, name, "ratio");
+    ASSERT_FALSE(ratios.empty()) << name << "\n" << run.output;
+    for (double r : ratios)
+      EXPECT_GT(r, 0) << name;
+    // Every round of the scenario is a sample.
+    if (name.find("stragglers/") == 0) {
+      EXPECT_EQ(ratios.size(), 60U) << name;
+    }
+  }
+  EXPECT_EQ(report->context["psld"]["size"], "quick");
+}
+
 TEST(BenchRun, BadOptionsAreRefusedWithReasons) {
   auto r = bench({"run", "--suite", "kernels,nope"});
   EXPECT_EQ(r.exit_code, 2);
@@ -103,6 +134,9 @@ TEST(BenchRun, BadOptionsAreRefusedWithReasons) {
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.output.find("/nonexistent/kernels_bench is not there"), std::string::npos)
       << r.output;
+  r = bench({"run", "--suite", "quick", "--size", "full"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.output.find("--suite quick and --size full disagree"), std::string::npos) << r.output;
   r = bench({"compare", "/nonexistent.json", "/nonexistent.json"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.output.find("cannot read /nonexistent.json"), std::string::npos) << r.output;
