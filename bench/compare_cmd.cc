@@ -22,13 +22,15 @@ namespace {
 constexpr const char* kCompareUsage =
     "usage: psld bench compare BASE NEW [--metric ratio|bytes_per_second|real_time|NAME]\n"
     "                          [--threshold 5%] [--alpha 0.05] [--markdown FILE]\n"
-    "                          [--higher-is-better | --lower-is-better] [--rerun]\n"
+    "                          [--higher-is-better | --lower-is-better]\n"
+    "                          [--rerun] [--rerun-repetitions N]\n"
     "  BASE and NEW are Google Benchmark-shaped JSON reports (psld bench run --json,\n"
     "  or any benchmark's --benchmark_out). Exit status: 1 when a row regressed\n"
     "  (p < alpha and a change beyond the threshold in the bad direction), 0 when\n"
     "  none did, 2 when the input or the options are wrong. --rerun: the rows\n"
     "  flagged are measured again, base and new programs interleaved A/B (from\n"
-    "  the bench directories the reports name), and only those confirmed count.\n";
+    "  the bench directories the reports name), and only those confirmed count;\n"
+    "  9 repetitions each, or as many as the reports have, or N.\n";
 
 int usage_error(const std::string& why) {
   std::fprintf(stderr, "psld bench compare: %s\n%s", why.c_str(), kCompareUsage);
@@ -76,7 +78,7 @@ Report only(const Report& r, const std::set<std::string>& names) {
 // --rerun: the flagged rows' suites again, BASE's and NEW's programs A/B.
 // Returns the comparison of the flagged rows on the new samples.
 Result<Comparison> rerun_flagged(const Report& base, const Report& fresh, const Comparison& first,
-                                 const CompareOptions& o) {
+                                 const CompareOptions& o, int repetitions) {
   std::set<std::string> flagged, suites;
   size_t most = 0;
   const std::vector<std::string> known = suite_names();
@@ -102,7 +104,7 @@ Result<Comparison> rerun_flagged(const Report& base, const Report& fresh, const 
   RunPlan plan;
   plan.suites.assign(suites.begin(), suites.end());
   plan.quick = context_string(fresh, "size") != "full";
-  plan.repetitions = static_cast<int>(std::max<size_t>(9, most));
+  plan.repetitions = repetitions > 0 ? repetitions : static_cast<int>(std::max<size_t>(9, most));
   // BASE's programs are only where its report says when that is not NEW's
   // directory rebuilt since (a committed baseline names a path that may hold
   // NEW's build here): the same directory counts only with the same revision.
@@ -140,6 +142,7 @@ int cmd_compare(int argc, char** argv) {
   CompareOptions o;
   std::string markdown_file;
   bool rerun = false;
+  int rerun_repetitions = 0;  // 0: 9, or the most either report has
   for (int i = 0; i < argc; ++i) {
     const std::string arg = argv[i];
     auto value = [&](std::string& out) {
@@ -167,6 +170,14 @@ int cmd_compare(int argc, char** argv) {
       if (!value(markdown_file)) return usage_error("--markdown needs a file");
     } else if (arg == "--rerun") {
       rerun = true;
+    } else if (arg == "--rerun-repetitions") {
+      char* end = nullptr;
+      long n = 0;
+      if (!value(v) || (n = std::strtol(v.c_str(), &end, 10), *end != '\0') || n < 1 || n > 100) {
+        return usage_error(fmt::format("--rerun-repetitions '{}' is not a number in [1, 100]", v));
+      }
+      rerun = true;
+      rerun_repetitions = static_cast<int>(n);
     } else if (arg == "--higher-is-better") {
       o.higher_is_better = true;
     } else if (arg == "--lower-is-better") {
@@ -189,7 +200,7 @@ int cmd_compare(int argc, char** argv) {
   const Comparison* verdicts = &*c;
   std::optional<Comparison> again;
   if (rerun && c->count(Verdict::kRegression) > 0) {
-    auto r = rerun_flagged(*base, *fresh, *c, o);
+    auto r = rerun_flagged(*base, *fresh, *c, o, rerun_repetitions);
     if (!r.ok()) {
       std::fprintf(stderr, "psld bench compare: %s\n", r.status().to_string().c_str());
       return r.status().code() == StatusCode::kAborted ? 130 : 2;

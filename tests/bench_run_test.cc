@@ -120,6 +120,49 @@ TEST(BenchRun, TransportAndStragglersSuitesWriteRatios) {
   EXPECT_EQ(report->context["psld"]["size"], "quick");
 }
 
+// --rerun measures the flagged rows again, BASE and NEW interleaved: a row
+// doctored to look 30% worse is not confirmed (the programs are the same),
+// kernels forced to the scalar path are (PSLD_KERNEL_ISA, which the report
+// records and the rerun applies to NEW's side only).
+TEST(BenchRun, RerunConfirmsARealRegressionAndNotADoctoredOne) {
+  psld::testing::TempDir dir("psld-bench-rerun");
+  const std::string base = dir.path() + "/base.json", slow = dir.path() + "/scalar.json";
+  const std::vector<std::string> kernels = {"run",       "--suite",       "kernels", "--size",
+                                            "quick",     "--repetitions", "2",       "--bench-dir",
+                                            bench_dir(), "--json"};
+  auto args = kernels;
+  args.push_back(base);
+  auto run = bench(args);
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  auto report = psld::bench::read_report(base);
+  ASSERT_TRUE(report.ok()) << report.status().to_string();
+  if (report->context["psld"]["isa"] == "scalar") {
+    GTEST_SKIP() << "this CPU runs the scalar kernels only: no slower path to force";
+  }
+
+  const std::string victim = "kernels/BM_reduce_fp32/1048576";
+  Report doctored = *report;
+  for (Row& r : doctored.rows) {
+    if (r.name == victim) r.values["ratio"] *= 0.7;
+  }
+  const std::string fake = dir.path() + "/doctored.json";
+  ASSERT_TRUE(psld::bench::write_report(fake, doctored).ok());
+  auto same = bench({"compare", base, fake, "--rerun-repetitions", "2", "--threshold", "15%"});
+  EXPECT_EQ(same.exit_code, 0) << same.output;
+  EXPECT_NE(same.output.find("Rerun of the flagged rows"), std::string::npos) << same.output;
+  EXPECT_EQ(same.output.find(" regressed:"), std::string::npos) << same.output;
+
+  args = kernels;
+  args.push_back(slow);
+  args.insert(args.begin(), {psld(), "bench"});
+  run = psld::testing::run_process(args, {"PSLD_KERNEL_ISA=scalar"}, 400s);
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  auto worse = bench({"compare", base, slow, "--rerun-repetitions", "2", "--threshold", "15%"});
+  EXPECT_EQ(worse.exit_code, 1) << worse.output;
+  EXPECT_NE(worse.output.find("kernels/BM_adam_fp32/1048576 regressed"), std::string::npos)
+      << worse.output;
+}
+
 TEST(BenchRun, BadOptionsAreRefusedWithReasons) {
   auto r = bench({"run", "--suite", "kernels,nope"});
   EXPECT_EQ(r.exit_code, 2);
