@@ -96,6 +96,21 @@ TEST(CheckpointKill, AJobKilledAtRandomAndResumedEndsBitIdentical) {
     if (!run.wait_for_output("worker 0: round " + std::to_string(at) + "\n", 120s)) {
       FAIL() << "the job did not reach round " << at << "\n" << run.output();
     }
+    // A checkpoint is whole once its files are written and synced, which on a
+    // busy disk can take longer than the rounds to `at` do: kill only once
+    // this run has sealed one of its own (the later ones are still being
+    // written when the kill comes, at a random moment).
+    const auto sealed_by = std::chrono::steady_clock::now() + 60s;
+    for (;;) {
+      auto latest = psld::checkpoint::find_latest(dir);
+      if (latest.ok() && (!resume || latest->manifest.round > from)) break;
+      if (std::chrono::steady_clock::now() > sealed_by) {
+        FAIL() << "no whole checkpoint past round " << from << " 60 s after round " << at << ": "
+               << latest.status().to_string() << "\n"
+               << run.output();
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 40));
     ASSERT_EQ(kill(-run.pid(), SIGKILL), 0);
     ASSERT_TRUE(run.wait(10s));
