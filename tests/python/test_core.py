@@ -96,7 +96,9 @@ def job(workers=1, servers=1, **settings):
         assert not any(t.is_alive() for t in threads), "the job did not start within 60 s"
         yield sorted((m for m in members if isinstance(m, psld.Worker)), key=lambda w: w.rank)
     finally:
-        for m in members:
+        # Workers first: a worker whose request is still in flight (a test
+        # that stopped waiting) must not outlive the server it waits on.
+        for m in sorted(members, key=lambda m: not isinstance(m, psld.Worker)):
             m.shutdown()
         coordinator.shutdown()
 
