@@ -225,4 +225,50 @@ int cmd_compare(int argc, char** argv) {
   return verdicts->count(Verdict::kRegression) > 0 ? 1 : 0;
 }
 
+int cmd_merge(int argc, char** argv) {
+  constexpr const char* kMergeUsage =
+      "usage: psld bench merge OUT IN IN...\n"
+      "  One report of the repetitions of every IN (runs of the same suites, e.g.\n"
+      "  a baseline measured several times so that its medians are the\n"
+      "  machine's usual level, not one run's). The context is the last IN's,\n"
+      "  with psld.merged_from the number of runs.\n";
+  if (argc >= 1 && (std::string(argv[0]) == "-h" || std::string(argv[0]) == "--help")) {
+    std::fputs(kMergeUsage, stdout);
+    return 0;
+  }
+  if (argc < 3) {
+    std::fprintf(stderr, "psld bench merge: needs OUT and at least two INs\n%s", kMergeUsage);
+    return 2;
+  }
+  Report merged;
+  int offset = 0;
+  for (int i = 1; i < argc; ++i) {
+    auto r = read_report(argv[i]);
+    if (!r.ok()) {
+      std::fprintf(stderr, "psld bench merge: %s\n", r.status().message().c_str());
+      return 2;
+    }
+    int most = 0;
+    for (Row& row : r->rows) {
+      most = std::max(most, row.repetition + 1);
+      row.repetition += offset;
+      merged.rows.push_back(std::move(row));
+    }
+    offset += most;
+    merged.context = r->context;
+  }
+  for (Row& row : merged.rows)
+    row.repetitions = offset;
+  merged.context["psld"]["merged_from"] = argc - 1;
+  merged.context["psld"]["repetitions"] = offset;
+  const Status w = write_report(argv[0], merged);
+  if (!w.ok()) {
+    std::fprintf(stderr, "psld bench merge: %s\n", w.to_string().c_str());
+    return 1;
+  }
+  std::fprintf(stderr, "psld bench merge: %s: %zu rows from %d reports\n", argv[0],
+               merged.rows.size(), argc - 1);
+  return 0;
+}
+
 }  // namespace psld::bench

@@ -72,6 +72,17 @@ TEST(BenchRun, QuickSuiteComparesCleanWithItselfAndCatchesADoctoredRow) {
   EXPECT_EQ(same.exit_code, 0) << same.output;
   EXPECT_NE(same.output.find("0 regressions"), std::string::npos) << same.output;
 
+  // Two runs merged into one report: a baseline of more repetitions.
+  const std::string merged = (root / "merged.json").string();
+  auto merge = bench({"merge", merged, a, a});
+  ASSERT_EQ(merge.exit_code, 0) << merge.output;
+  auto m = psld::bench::read_report(merged);
+  ASSERT_TRUE(m.ok()) << m.status().to_string();
+  EXPECT_EQ(psld::bench::samples_of(*m, "kernels/BM_reduce_fp32/1048576", "ratio").size(), 4U);
+  EXPECT_EQ(m->context["psld"]["merged_from"], 2);
+  EXPECT_EQ(bench({"compare", merged, a}).exit_code, 0);
+  EXPECT_EQ(bench({"merge", merged, a}).exit_code, 2);
+
   // One row 30% worse in NEW, in both repetitions.
   const std::string victim = "kernels/BM_reduce_fp32/1048576";
   Report doctored = *report;

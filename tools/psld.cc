@@ -7,6 +7,7 @@
 //   psld config [--key=value ...]
 //   psld bench run [flags]
 //   psld bench compare BASE NEW [flags]
+//   psld bench merge OUT IN...
 //   psld bench stragglers [flags]
 //
 // Every subcommand but launch reads the configuration the same way a worker
@@ -58,6 +59,7 @@ constexpr const char* kUsage = R"(usage:
                                        report (--help for flags)
   psld bench compare BASE NEW [flags]  compare two benchmark reports; exit 1
                                        on a regression (docs/perf-ci.md)
+  psld bench merge OUT IN...           several runs' reports in one (a baseline)
 Configuration keys and their PSLD_* variables: docs/configuration.md.
 )";
 
@@ -148,12 +150,15 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape)
     if (argc >= 3 && std::string(argv[2]) == "compare") {
       return psld::bench::cmd_compare(argc - 3, argv + 3);
     }
+    if (argc >= 3 && std::string(argv[2]) == "merge") {
+      return psld::bench::cmd_merge(argc - 3, argv + 3);
+    }
     if (argc >= 3 && std::string(argv[2]) == "run") {
       return psld::bench::cmd_run(argc - 3, argv + 3);
     }
     if (argc < 3 || std::string(argv[2]) != "stragglers") {
       std::fputs(kUsage, stderr);
-      return fail("psld bench: the subcommands are `run`, `compare` and `stragglers`");
+      return fail("psld bench: the subcommands are `run`, `compare`, `merge` and `stragglers`");
     }
     psld::bench::reexec_with_ucx_defaults(argv);
     return psld::bench::run_stragglers(argc - 2, argv + 2);
