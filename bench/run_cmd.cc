@@ -56,7 +56,7 @@ std::string balancer_yardstick(const std::string& name) {
 struct Suite {
   const char* name;
   // In the bench directory ("../tools/psld": the build's psld), or a script
-  // in the source tree's tools/ (script_measures).
+  // of the source tree (script_measures), relative to its root.
   const char* program;
   const char* what;
   std::vector<std::string> quick_args, full_args;
@@ -67,12 +67,16 @@ struct Suite {
   Speed speed;
   int timeout_s;  // one run
   bool in_quick = true;
-  // A script of the source tree's tools/ measuring this bench program
-  // (passed as --bench DIR/PROGRAM), rather than a program of its own.
+  // A script of the source tree measuring this bench program (passed as
+  // `measures_flag DIR/PROGRAM`), run by `interpreter` (relative to the
+  // source root) when one is given.
   const char* script_measures = nullptr;
   // The program's rows are many samples each (rounds): repetition r keeps
   // them all, numbered r * kSamplesPerRun + their own index.
   bool samples_within_run = false;
+  const char* measures_flag = "--bench";
+  const char* interpreter = nullptr;
+  const char* json_flag = "--json";  // how a non-Google Benchmark program is told its output
 };
 
 constexpr int kSamplesPerRun = 100000;
@@ -84,7 +88,9 @@ constexpr int kSamplesPerRun = 100000;
 // The program a suite runs, and the one it measures, when a script.
 std::vector<fs::path> programs_of(const Suite& s, const fs::path& dir) {
   if (s.script_measures == nullptr) return {(dir / s.program).lexically_normal()};
-  return {fs::path(PSLD_SOURCE_DIR) / "tools" / s.program, dir / s.script_measures};
+  std::vector<fs::path> p = {fs::path(PSLD_SOURCE_DIR) / s.program, dir / s.script_measures};
+  if (s.interpreter != nullptr) p.push_back(fs::path(PSLD_SOURCE_DIR) / s.interpreter);
+  return p;
 }
 
 const std::vector<Suite>& all_suites() {
@@ -133,7 +139,7 @@ const std::vector<Suite>& all_suites() {
        300},
       // Not in quick: ucx_perftest's runs take ~10 s per repetition even narrowed.
       {"transport",
-       "transport-bench",
+       "tools/transport-bench",
        "UCX transport writes (and latency, full) vs the best ucx_perftest primitive",
        {"--media", "shm", "--sizes", "1048576,4194304", "--bandwidth-only", "--quick"},
        {"--quick"},
@@ -161,6 +167,23 @@ const std::vector<Suite>& all_suites() {
        false,
        nullptr,
        true},
+      // Not in quick: needs .venv with the package (tools/dev python), and
+      // its processes start slowly. C++ and Python alternate within a run.
+      {"python",
+       "bench/python/register_push_pull.py",
+       "register + push_pull of a heap tensor from Python (numpy) vs the same from C++",
+       {"--mib", "16", "--rounds", "2", "--repeat", "4"},
+       {"--mib", "64", "--rounds", "4", "--repeat", "6"},
+       false,
+       nullptr,
+       Speed::kInverseTime,
+       600,
+       false,
+       "register_push_pull",
+       false,
+       "--cxx",
+       ".venv/bin/python",
+       "--report"},
   };
   return suites;
 }
@@ -340,9 +363,11 @@ Result<std::vector<Row>> run_suite_once(const Suite& s, const RunPlan& plan, siz
   const fs::path out = work / (tag + ".json");
   const fs::path log = work / (tag + ".log");
   const std::vector<fs::path> programs = programs_of(s, dir);
-  std::vector<std::string> argv = {programs[0].string()};
+  std::vector<std::string> argv;
+  if (programs.size() > 2) argv.push_back(programs[2].string());  // the interpreter
+  argv.push_back(programs[0].string());
   if (programs.size() > 1) {
-    argv.push_back("--bench");
+    argv.push_back(s.measures_flag);
     argv.push_back(programs[1].string());
   }
   for (const std::string& a : plan.quick ? s.quick_args : s.full_args)
@@ -351,7 +376,7 @@ Result<std::vector<Row>> run_suite_once(const Suite& s, const RunPlan& plan, siz
     argv.push_back("--benchmark_out=" + out.string());
     argv.push_back("--benchmark_out_format=json");
   } else {
-    argv.push_back("--json");
+    argv.push_back(s.json_flag);
     argv.push_back(out.string());
   }
   const std::map<std::string, std::string> none;
@@ -520,13 +545,21 @@ Result<std::vector<Report>> run_suites(const RunPlan& plan) {
   }
   for (const std::string& dir : plan.bench_dirs) {
     for (const Suite* s : suites) {
-      for (const fs::path& p : programs_of(*s, dir)) {
-        if (access(p.c_str(), X_OK) != 0) {
-          return NotFound(
-              fmt::format("{} is not there: psld bench run needs a build with -Dbench=true (its "
-                          "bench/ directory), or --bench-dir DIR",
-                          p.string()));
+      const std::vector<fs::path> programs = programs_of(*s, dir);
+      for (size_t i = 0; i < programs.size(); ++i) {
+        // A script run by an interpreter needs only be readable.
+        const int mode = i == 0 && s->interpreter != nullptr ? R_OK : X_OK;
+        if (access(programs[i].c_str(), mode) == 0) continue;
+        if (i == 2) {
+          return NotFound(fmt::format(
+              "{} is not there: the {} suite needs the Python package in the source tree's .venv "
+              "(tools/dev python)",
+              programs[i].string(), s->name));
         }
+        return NotFound(
+            fmt::format("{} is not there: psld bench run needs a build with -Dbench=true (its "
+                        "bench/ directory), or --bench-dir DIR",
+                        programs[i].string()));
       }
     }
   }

@@ -2,7 +2,7 @@
 """register + push_pull of one 64 MiB CPU tensor: from Python, and from C++ in the same sitting.
 
     .venv/bin/python bench/python/register_push_pull.py [--cxx build/bench/register_push_pull]
-        [--mib 64] [--rounds 4] [--repeat 6] [--json FILE]
+        [--mib 64] [--rounds 4] [--repeat 6] [--json FILE] [--report FILE]
 
 Each side runs in its own process: one job there (a coordinator, one server
 and one worker) and, `--repeat` times, a fresh heap tensor (a numpy array on
@@ -11,6 +11,10 @@ The two sides alternate `--rounds` times (A B A B ...), so load on this
 shared machine falls on both; the first repetition of each process is
 warm-up and is dropped. The table gives medians and Python/C++ ratios: psld
 uses the array's own memory, so a hidden copy would show as a ratio above 1.
+
+--report FILE writes Google Benchmark-shaped JSON (bench/report.h; psld bench
+run's python suite): BM_python_<step> with its ratio C++/Python (higher is
+better: 1 is as fast as C++) against BM_cxx_<step>, medians of this run.
 """
 
 import argparse
@@ -85,6 +89,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=6)
     ap.add_argument("--json")
+    ap.add_argument("--report", help="also write Google Benchmark-shaped JSON rows to this file")
     ap.add_argument("--python-side", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -122,7 +127,27 @@ def main() -> int:
     print(f"{'register + push_pull':22} {total_cxx:10.2f} {total_py:10.2f} {total_py / total_cxx:11.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": table, "samples": samples}, indent=1))
+    if args.report:
+        write_report(args.report, table, total_cxx, total_py)
     return 0
+
+
+def write_report(path: str, table: list, total_cxx_ms: float, total_py_ms: float) -> None:
+    rows = []
+    steps = [(r["step"], r["cxx_ms"], r["python_ms"]) for r in table]
+    steps.append(("register_push_pull", total_cxx_ms, total_py_ms))
+    for step, cxx_ms, py_ms in steps:
+        for side, ms in (("cxx", cxx_ms), ("python", py_ms)):
+            row = {"name": f"BM_{side}_{step}", "run_type": "iteration", "repetitions": 1,
+                   "repetition_index": 0, "threads": 1, "iterations": 1,
+                   "real_time": ms * 1e6, "cpu_time": ms * 1e6, "time_unit": "ns"}
+            if side == "python":
+                row.update({"yardstick": f"BM_cxx_{step}", "ratio": cxx_ms / py_ms})
+            row["run_name"] = row["name"]
+            rows.append(row)
+    doc = {"context": {"executable": "bench/python/register_push_pull.py"}, "benchmarks": rows}
+    Path(path + ".tmp").write_text(json.dumps(doc, indent=1))
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":
