@@ -33,7 +33,10 @@ using psld::testing::psld;
 using psld::testing::trainer;
 namespace fs = std::filesystem;
 
-constexpr int kRounds = 300;
+// Rounds take well under a millisecond here and a checkpoint is sealed on the
+// next progress report (every 20 ms) once its files are synced: a job must
+// run long enough to seal some before it ends.
+constexpr int kRounds = 1000;
 
 std::vector<std::string> adam_env(const std::string& dir) {
   std::vector<std::string> env = psld::testing::kLaunchedJobEnv;
@@ -101,9 +104,14 @@ TEST(CheckpointKill, AJobKilledAtRandomAndResumedEndsBitIdentical) {
     // this run has sealed one of its own (the later ones are still being
     // written when the kill comes, at a random moment).
     const auto sealed_by = std::chrono::steady_clock::now() + 60s;
+    bool ended = false;
     for (;;) {
       auto latest = psld::checkpoint::find_latest(dir);
       if (latest.ok() && (!resume || latest->manifest.round > from)) break;
+      if (run.wait(std::chrono::milliseconds(0))) {
+        ended = true;  // it finished before it sealed one: nothing left to kill
+        break;
+      }
       if (std::chrono::steady_clock::now() > sealed_by) {
         FAIL() << "no whole checkpoint past round " << from << " 60 s after round " << at << ": "
                << latest.status().to_string() << "\n"
@@ -111,6 +119,7 @@ TEST(CheckpointKill, AJobKilledAtRandomAndResumedEndsBitIdentical) {
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
+    if (ended) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 40));
     ASSERT_EQ(kill(-run.pid(), SIGKILL), 0);
     ASSERT_TRUE(run.wait(10s));
