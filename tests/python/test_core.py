@@ -96,9 +96,7 @@ def job(workers=1, servers=1, **settings):
         assert not any(t.is_alive() for t in threads), "the job did not start within 60 s"
         yield sorted((m for m in members if isinstance(m, psld.Worker)), key=lambda w: w.rank)
     finally:
-        # Workers first: a worker whose request is still in flight (a test
-        # that stopped waiting) must not outlive the server it waits on.
-        for m in sorted(members, key=lambda m: not isinstance(m, psld.Worker)):
+        for m in members:
             m.shutdown()
         coordinator.shutdown()
 
@@ -226,8 +224,12 @@ def test_ctrl_c_interrupts_a_wait(tmp_path):
             except KeyboardInterrupt:
                 print("interrupted", flush=True)
     """))
+    # SIGINT at its default in the child whatever this process inherited: a
+    # shell's background job (`.ci/run &`) ignores it, and an ignored SIGINT
+    # stays ignored across exec, so Python would never raise KeyboardInterrupt.
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                            env=job_env(), start_new_session=True)
+                            env=job_env(), start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.readline().strip() == "waiting"
         time.sleep(0.3)
