@@ -45,11 +45,13 @@ std::string string_in(const json& context, std::initializer_list<const char*> pa
   return {};
 }
 
-// The 1-minute load average at the start or end of a run, if recorded.
+// The 1-minute load average at the start or end of a run, if recorded: a
+// number (psld bench run) or getloadavg's three, 1-minute first.
 std::optional<double> load_at(const json& context, const char* key) {
   const json* v = find_path(context, {"psld", key});
-  if (v == nullptr || !v->is_array() || v->empty() || !(*v)[0].is_number()) return std::nullopt;
-  return (*v)[0].get<double>();
+  if (v != nullptr && v->is_array() && !v->empty()) v = &(*v)[0];
+  if (v == nullptr || !v->is_number()) return std::nullopt;
+  return v->get<double>();
 }
 
 std::optional<double> cores_of(const json& context) {

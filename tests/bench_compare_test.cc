@@ -214,6 +214,12 @@ TEST(Compare, WarnsAboutLoadHostsAndNoisyYardsticks) {
   EXPECT_TRUE(has_warning(*c, "NEW ran on a loaded machine: load average 3.50 at its start"));
   EXPECT_TRUE(has_warning(*c, "NEW: the yardstick k/yard varied by"));
   EXPECT_FALSE(has_warning(*c, "BASE ran on a loaded"));
+
+  // As psld bench run records it: one number.
+  base.context["psld"]["load_avg_end"] = 2.5;
+  c = compare(base, fresh, {});
+  ASSERT_TRUE(c.ok());
+  EXPECT_TRUE(has_warning(*c, "BASE ran on a loaded machine: load average 2.50 at its end"));
 }
 
 TEST(Report, RoundTripsThroughGoogleBenchmarkJson) {
