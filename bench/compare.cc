@@ -26,25 +26,6 @@ bool ends_with(const std::string& s, std::string_view tail) {
   return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
 }
 
-const json* find_path(const json& j, std::initializer_list<const char*> path) {
-  const json* at = &j;
-  for (const char* key : path) {
-    if (!at->is_object()) return nullptr;
-    auto it = at->find(key);
-    if (it == at->end()) return nullptr;
-    at = &*it;
-  }
-  return at;
-}
-
-std::string string_in(const json& context, std::initializer_list<const char*> path) {
-  const json* v = find_path(context, path);
-  if (v == nullptr) return {};
-  if (v->is_string()) return v->get<std::string>();
-  if (v->is_number()) return v->dump();
-  return {};
-}
-
 // The 1-minute load average at the start or end of a run, if recorded: a
 // number (psld bench run) or getloadavg's three, 1-minute first.
 std::optional<double> load_at(const json& context, const char* key) {

@@ -55,10 +55,7 @@ bool parse_threshold(const std::string& text, double& out) {
 }
 
 std::string context_string(const Report& r, const char* key) {
-  const auto& c = r.context;
-  if (!c.contains("psld") || !c["psld"].is_object()) return "";
-  const auto it = c["psld"].find(key);
-  return it != c["psld"].end() && it->is_string() ? it->get<std::string>() : "";
+  return string_in(r.context, {"psld", key});
 }
 
 // Only the rows named (and their yardsticks, for the noise warnings).

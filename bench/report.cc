@@ -121,6 +121,25 @@ Result<Report> read_report(const std::string& path) {
   return parse_report(text.str(), path);
 }
 
+const json* find_path(const json& context, std::initializer_list<const char*> path) {
+  const json* at = &context;
+  for (const char* key : path) {
+    if (!at->is_object()) return nullptr;
+    auto it = at->find(key);
+    if (it == at->end()) return nullptr;
+    at = &*it;
+  }
+  return at;
+}
+
+std::string string_in(const json& context, std::initializer_list<const char*> path) {
+  const json* v = find_path(context, path);
+  if (v == nullptr) return {};
+  if (v->is_string()) return v->get<std::string>();
+  if (v->is_number()) return v->dump();
+  return {};
+}
+
 std::vector<double> samples_of(const Report& report, const std::string& name,
                                const std::string& metric) {
   std::vector<std::pair<int, double>> v;

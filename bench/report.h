@@ -19,6 +19,7 @@
 // the same repetition (higher is better); a yardstick row has none.
 #pragma once
 
+#include <initializer_list>
 #include <map>
 #include <string>
 #include <vector>
@@ -55,6 +56,12 @@ Result<Report> read_report(const std::string& path);
 // The document: the iteration rows, then one median aggregate per name.
 std::string format_report(const Report& report);
 Status write_report(const std::string& path, const Report& report);
+
+// The value at `path` in a context (find_path({"psld", "isa"})), or nullptr.
+const nlohmann::json* find_path(const nlohmann::json& context,
+                                std::initializer_list<const char*> path);
+// That value as text (a number as JSON writes it), or "" when absent.
+std::string string_in(const nlohmann::json& context, std::initializer_list<const char*> path);
 
 // The values of `metric` of the rows named `name`, in repetition order.
 std::vector<double> samples_of(const Report& report, const std::string& name,
