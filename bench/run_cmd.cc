@@ -202,8 +202,8 @@ constexpr const char* kRunUsage =
     "  Runs every suite's benchmark program once per repetition, the suites\n"
     "  interleaved, and writes one Google Benchmark-shaped report (default\n"
     "  psld-bench.json) whose rows carry a ratio against a yardstick measured in\n"
-    "  the same run. quick (default): short runs of every suite but transport;\n"
-    "  full: every suite, more rows, longer runs; NAME,...: those suites (--list\n"
+    "  the same run. quick (default): short runs of kernels, placement, balancer\n"
+    "  and ps; full: every suite, more rows, longer runs; NAME,...: those suites (--list\n"
     "  names them), full unless --size quick. --repetitions: 9 by default\n"
     "  (fewer cannot show a 10% change under 3% noise). The programs are looked\n"
     "  for in DIR (default: ../bench beside this psld, a build directory's).\n"
@@ -309,14 +309,6 @@ Status run_program(const std::vector<std::string>& argv,
                                  verbose ? "" : "; the end of its output:\n" + tail_of(log, 20)));
 }
 
-Result<std::string> read_file(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return NotFound(fmt::format("{} was not written", path));
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
 // ---- the report's context
 
 double load_average() {
@@ -356,8 +348,9 @@ struct Options {
 
 // ---- one run of one suite
 
-Result<std::vector<Row>> run_suite_once(const Suite& s, const RunPlan& plan, size_t side,
-                                        const fs::path& work, int rep) {
+// The rows of one run of one suite, and the program's own context.
+Result<Report> run_suite_once(const Suite& s, const RunPlan& plan, size_t side,
+                              const fs::path& work, int rep) {
   const fs::path dir = plan.bench_dirs[side];
   const std::string tag = fmt::format("{}-{}-{}", s.name, rep, side);
   const fs::path out = work / (tag + ".json");
@@ -382,8 +375,7 @@ Result<std::vector<Row>> run_suite_once(const Suite& s, const RunPlan& plan, siz
   const std::map<std::string, std::string> none;
   PSLD_RETURN_IF_ERROR(run_program(argv, side < plan.env.size() ? plan.env[side] : none,
                                    log.string(), plan.verbose, s.timeout_s));
-  PSLD_ASSIGN_OR_RETURN(std::string text, read_file(out.string()));
-  PSLD_ASSIGN_OR_RETURN(Report r, parse_report(text, out.string()));
+  PSLD_ASSIGN_OR_RETURN(Report r, read_report(out.string()));
   if (s.google_benchmark) {
     add_ratios(r.rows, s.name, s.yardstick_of, s.speed);
   } else {
@@ -396,21 +388,7 @@ Result<std::vector<Row>> run_suite_once(const Suite& s, const RunPlan& plan, siz
     row.repetition = s.samples_within_run ? rep * kSamplesPerRun + row.repetition : rep;
     row.repetitions = plan.repetitions;
   }
-  return std::move(r.rows);
-}
-
-// The first Google Benchmark context seen (CPU, caches, library build type).
-Result<nlohmann::json> gbench_context(const fs::path& work) {
-  for (const auto& entry : fs::directory_iterator(work)) {
-    if (entry.path().extension() != ".json") continue;
-    auto text = read_file(entry.path().string());
-    if (!text.ok()) continue;
-    auto doc = nlohmann::json::parse(*text, nullptr, false);
-    if (!doc.is_discarded() && doc.contains("context") && doc["context"].contains("num_cpus")) {
-      return doc["context"];
-    }
-  }
-  return nlohmann::json::object();
+  return r;
 }
 
 void print_summary(const Report& report) {
@@ -578,6 +556,8 @@ Result<std::vector<Report>> run_suites(const RunPlan& plan) {
 
   std::vector<Report> reports(plan.bench_dirs.size());
   const double load_start = load_average();
+  // The first Google Benchmark context seen (CPU, caches, library build type).
+  nlohmann::json gbench = nlohmann::json::object();
   Status failed = Status::Ok();
   for (int rep = 0; rep < plan.repetitions && failed.ok(); ++rep) {
     for (size_t d = 0; d < plan.bench_dirs.size() && failed.ok(); ++d) {
@@ -585,30 +565,26 @@ Result<std::vector<Report>> run_suites(const RunPlan& plan) {
           plan.bench_dirs.size() > 1 ? fmt::format(" ({})", d == 0 ? "BASE" : "NEW") : "";
       for (const Suite* s : suites) {
         const auto started = Clock::now();
-        auto rows = run_suite_once(*s, plan, d, work, rep);
+        auto run = run_suite_once(*s, plan, d, work, rep);
         if (g_interrupted.load() != 0) {
           failed = Aborted("interrupted");
           break;
         }
-        if (!rows.ok()) {
+        if (!run.ok()) {
           failed =
-              rows.status().with_context(fmt::format("suite {}, repetition {}", s->name, rep + 1));
+              run.status().with_context(fmt::format("suite {}, repetition {}", s->name, rep + 1));
           break;
         }
         std::fprintf(stderr, "[bench] %d/%d %s%s: %zu rows in %.1f s\n", rep + 1, plan.repetitions,
-                     s->name, which.c_str(), rows->size(),
+                     s->name, which.c_str(), run->rows.size(),
                      std::chrono::duration<double>(Clock::now() - started).count());
-        for (Row& r : *rows)
+        if (gbench.empty() && run->context.contains("num_cpus")) gbench = run->context;
+        for (Row& r : run->rows)
           reports[d].rows.push_back(std::move(r));
       }
     }
   }
   const double load_end = load_average();
-  nlohmann::json gbench = nlohmann::json::object();
-  if (failed.ok()) {
-    auto ctx = gbench_context(work);
-    if (ctx.ok()) gbench = *ctx;
-  }
   std::error_code ec;
   fs::remove_all(work, ec);
   sigaction(SIGINT, &old_int, nullptr);
