@@ -5,7 +5,7 @@
 //            [--mode push_pull|push|pull|all|raw] [--seconds T] [--repeat N]
 //            [--chunk-bytes B] [--slots N] [--raw-threads N]
 //            [--tensor-memory psld|heap] [--server-device cpu|cuda] [--quick]
-//            [--json FILE]
+//            [--replication 1,2] [--json FILE]
 //
 // One process holds a coordinator, S servers and W workers on the `ucx`
 // transport (tcp: UCX_TLS=tcp; shm: UCX_TLS=sm,tcp), server mode sum, BSP,
@@ -38,6 +38,9 @@
 // bytes_per_second = goodput, ratio = goodput / raw and yardstick
 // BM_ps_raw/<tls>/<W>x<S>/<bytes>, whose bytes_per_second is the raw rate;
 // real_time is the ns a MiB took.
+// --replication 1,2 runs a job per replication.factor side by side (each
+// point measured on both, interleaved; docs/replication.md) and ends with a
+// table of their goodputs; rows of factor 2 are BM_ps_<mode>_r2/....
 // Every wait has a timeout and a watchdog ends the process with a message
 // if a phase overruns, so the benchmark never hangs.
 
@@ -63,6 +66,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "bench/bench_util.h"
@@ -119,7 +123,8 @@ struct Options {
   uint32_t raw_threads = 0;  // 0: one sleeping progress thread per transport
   bool psld_memory = true;   // tensors in Worker::allocate memory, else malloc'd
   ServerDeviceKind server_device = ServerDeviceKind::kCpu;
-  std::string json;  // --json FILE, or empty
+  std::vector<uint32_t> replication = {1};  // replication.factor of the jobs, side by side
+  std::string json;                         // --json FILE, or empty
 };
 
 constexpr std::string_view kUsage =
@@ -127,7 +132,7 @@ constexpr std::string_view kUsage =
     "                [--mode push_pull|push|pull|all|raw] [--seconds T] [--repeat N]\n"
     "                [--chunk-bytes B] [--slots N] [--raw-threads N]\n"
     "                [--tensor-memory psld|heap] [--server-device cpu|cuda] [--quick]\n"
-    "                [--json FILE]\n"
+    "                [--replication 1,2] [--json FILE]\n"
     "\n"
     "  --tls         tcp (UCX_TLS=tcp), shm (UCX_TLS=sm,tcp) or all (default: all)\n"
     "  --workers, --servers  one job shape, given together (default: 2x2 and 4x2)\n"
@@ -147,6 +152,8 @@ constexpr std::string_view kUsage =
     "                server.device = cuda; needs a GPU)\n"
     "  --quick       a short run for CI: 2x2, sizes 64K,1M,4M, 0.2 s per point\n"
     "                (flags given explicitly still win)\n"
+    "  --replication replication.factor of the job: 1, 2, or 1,2 (a job of each, measured\n"
+    "                side by side; default: 1)\n"
     "  --json        also write the rows to FILE as Google Benchmark-shaped JSON\n";
 
 Status bad_flag(const std::string& message) {
@@ -214,7 +221,7 @@ std::string human_size(uint64_t n) {
 
 Result<Options> parse_args(int argc, char** argv) {
   Options o;
-  std::optional<std::string> tls, mode, sizes;
+  std::optional<std::string> tls, mode, sizes, replication;
   std::optional<uint64_t> workers, servers, repeat, chunk, slots;
   std::optional<double> seconds;
   std::optional<uint64_t> raw_threads;
@@ -237,9 +244,9 @@ Result<Options> parse_args(int argc, char** argv) {
       arg.resize(eq);
     } else {
       static const char* const kTakesValue[] = {
-          "--tls",           "--workers",       "--servers",     "--sizes", "--mode",
-          "--seconds",       "--repeat",        "--chunk-bytes", "--slots", "--raw-threads",
-          "--tensor-memory", "--server-device", "--json"};
+          "--tls",           "--workers",       "--servers",     "--sizes",      "--mode",
+          "--seconds",       "--repeat",        "--chunk-bytes", "--slots",      "--raw-threads",
+          "--tensor-memory", "--server-device", "--json",        "--replication"};
       const bool known = std::any_of(std::begin(kTakesValue), std::end(kTakesValue),
                                      [&](const char* f) { return arg == f; });
       if (!known) return bad_flag(fmt::format("unknown argument '{}'", arg));
@@ -268,6 +275,8 @@ Result<Options> parse_args(int argc, char** argv) {
         return bad_flag(fmt::format("--server-device '{}' is not cpu or cuda", value));
       }
       o.server_device = value == "cuda" ? ServerDeviceKind::kCuda : ServerDeviceKind::kCpu;
+    } else if (arg == "--replication") {
+      replication = value;
     } else if (arg == "--json") {
       if (value.empty()) return bad_flag("--json needs a file name");
       o.json = value;
@@ -340,6 +349,18 @@ Result<Options> parse_args(int argc, char** argv) {
   o.slots = static_cast<uint32_t>(slots.value_or(16));
   o.raw_threads = static_cast<uint32_t>(raw_threads.value_or(0));
   o.psld_memory = tensor_memory != "heap";
+  if (replication) {
+    o.replication.clear();
+    for (std::string_view part : split(*replication, ',')) {
+      PSLD_ASSIGN_OR_RETURN(const uint64_t f, parse_uint("--replication", part, 1, 2));
+      o.replication.push_back(static_cast<uint32_t>(f));
+    }
+    for (const Shape& shape : o.shapes) {
+      if (shape.servers < 2 && std::count(o.replication.begin(), o.replication.end(), 2u) > 0) {
+        return bad_flag("--replication 2 needs at least 2 servers");
+      }
+    }
+  }
   return o;
 }
 
@@ -619,7 +640,8 @@ class RawRig {
 
 class Cluster {
  public:
-  static Result<std::unique_ptr<Cluster>> start(const Options& opts, const Medium& m, Shape shape) {
+  static Result<std::unique_ptr<Cluster>> start(const Options& opts, const Medium& m, Shape shape,
+                                                uint32_t replication) {
     std::unique_ptr<Cluster> c(new Cluster);
     c->psld_memory_ = opts.psld_memory;
     RuntimeOptions& base = c->base_;
@@ -634,6 +656,7 @@ class Cluster {
     base.sync = SyncMode::kBsp;
     base.mode = ServerMode::kSum;
     base.server_device = opts.server_device;
+    base.replication_factor = replication;
     // Generous: two cores run every member's threads at full load.
     base.heartbeat_timeout = 20s;
     base.connect_timeout = 30s;
@@ -848,21 +871,23 @@ struct Row {
   Mode mode = Mode::kPushPull;
   double goodput = 0;  // bytes/s
   double raw = 0;      // bytes/s
+  uint32_t replication = 1;
 };
 
 constexpr double kTarget = 0.8;
 constexpr uint64_t kTargetFrom = uint64_t{1} << 20;
 
 std::string target_cell(const Row& r) {
-  if (r.mode != Mode::kPushPull || r.size < kTargetFrom) return "";
+  if (r.mode != Mode::kPushPull || r.size < kTargetFrom || r.replication != 1) return "";
   return r.goodput >= kTarget * r.raw ? "ok" : "MISS";
 }
 
 void print_row(const Row& r) {
-  std::printf("| %s | %ux%u | %s | %s | %.2f | %.2f | %.2fx | %s |\n", r.medium.c_str(),
+  std::printf("| %s | %ux%u | %s | %s%s | %.2f | %.2f | %.2fx | %s |\n", r.medium.c_str(),
               r.shape.workers, r.shape.servers, human_size(r.size).c_str(),
-              std::string(mode_name(r.mode)).c_str(), r.goodput / 1e9, r.raw / 1e9,
-              r.raw > 0 ? r.goodput / r.raw : 0.0, target_cell(r).c_str());
+              std::string(mode_name(r.mode)).c_str(), r.replication > 1 ? " r=2" : "",
+              r.goodput / 1e9, r.raw / 1e9, r.raw > 0 ? r.goodput / r.raw : 0.0,
+              target_cell(r).c_str());
   std::fflush(stdout);
 }
 
@@ -891,10 +916,30 @@ Status write_json(const std::string& path, const std::vector<Row>& rows) {
       add(raw, "", r.raw, 0);
       raw_written[raw] = true;
     }
-    add(fmt::format("BM_ps_{}/{}", mode_name(r.mode), point), raw, r.goodput,
-        r.raw > 0 ? r.goodput / r.raw : 0);
+    add(fmt::format("BM_ps_{}{}/{}", mode_name(r.mode), r.replication > 1 ? "_r2" : "", point), raw,
+        r.goodput, r.raw > 0 ? r.goodput / r.raw : 0);
   }
   return bench::write_report(path, report);
+}
+
+// With --replication 1,2: each point's goodput with two copies next to one.
+void print_replication_table(const std::vector<Row>& rows) {
+  std::map<std::tuple<std::string, uint32_t, uint32_t, uint64_t, Mode>, std::pair<double, double>>
+      by_point;
+  for (const Row& r : rows) {
+    auto& [one, two] = by_point[{r.medium, r.shape.workers, r.shape.servers, r.size, r.mode}];
+    (r.replication > 1 ? two : one) = r.goodput;
+  }
+  std::printf("\n| tls | WxS | size | mode | r=1 GB/s | r=2 GB/s | r=2 / r=1 |\n");
+  std::printf("| --- | --- | ---: | --- | ---: | ---: | ---: |\n");
+  for (const auto& [point, rates] : by_point) {
+    const auto& [medium, w, srv, size, mode] = point;
+    if (rates.first <= 0 || rates.second <= 0) continue;
+    std::printf("| %s | %ux%u | %s | %s | %.2f | %.2f | %.2fx |\n", medium.c_str(), w, srv,
+                human_size(size).c_str(), std::string(mode_name(mode)).c_str(), rates.first / 1e9,
+                rates.second / 1e9, rates.second / rates.first);
+  }
+  std::fflush(stdout);
 }
 
 template <typename... Args>
@@ -919,26 +964,33 @@ Status run(const Options& o, Watchdog& watchdog, std::vector<Row>& rows) {
         max_chunk = std::max(max_chunk, std::min(s, o.chunk_bytes));
       auto rig = RawRig::create(m, shape, o.slots, max_chunk, o.raw_threads);
       if (!rig.ok()) return rig.status().with_context("the raw transport rig, " + where);
-      // --mode raw: the yardstick alone, no job.
-      Result<std::unique_ptr<Cluster>> cluster = std::unique_ptr<Cluster>();
-      if (!o.modes.empty()) cluster = Cluster::start(o, m, shape);
-      if (!cluster.ok()) return cluster.status().with_context("starting the job, " + where);
+      // --mode raw: the yardstick alone, no job. One job per replication
+      // factor, side by side.
+      std::vector<std::unique_ptr<Cluster>> clusters;
+      for (uint32_t f : o.modes.empty() ? std::vector<uint32_t>{} : o.replication) {
+        auto c = Cluster::start(o, m, shape, f);
+        if (!c.ok()) {
+          return c.status().with_context(
+              fmt::format("starting the job (replication.factor {}), {}", f, where));
+        }
+        clusters.push_back(std::move(c).value());
+      }
       progress("{}: ready; raw writes use {}; server keys in {} memory", where, (*rig)->path(),
                o.server_device == ServerDeviceKind::kCuda ? "GPU" : "host");
       for (uint64_t size : o.sizes) {
         const uint64_t chunk = std::min(size, o.chunk_bytes);
         watchdog.arm(point_limit, fmt::format("{} {}", where, human_size(size)));
-        if (*cluster) {
-          PSLD_RETURN_IF_ERROR((*cluster)->prepare(size).with_context(
+        for (auto& cluster : clusters) {
+          PSLD_RETURN_IF_ERROR(cluster->prepare(size).with_context(
               fmt::format("registering {} tensors, {}", human_size(size), where)));
-          const auto [share, even] = (*cluster)->balance(size);
+          const auto [share, even] = cluster->balance(size);
           progress(
               "{} {}: {} tensors per worker; a round puts at most {} chunks on one server "
               "(even share {:.1f})",
-              where, human_size(size), (*cluster)->tensors(size), share, even);
+              where, human_size(size), cluster->tensors(size), share, even);
         }
         Rate raw;
-        std::map<Mode, Rate> best;
+        std::map<std::pair<uint32_t, Mode>, Rate> best;
         for (uint32_t rep = 0; rep < o.repeat; ++rep) {
           auto r = (*rig)->measure(chunk, o.seconds);
           if (!r.ok()) {
@@ -946,28 +998,35 @@ Status run(const Options& o, Watchdog& watchdog, std::vector<Row>& rows) {
                 fmt::format("raw writes of {}, {}", human_size(chunk), where));
           }
           if (r->bytes_per_s > raw.bytes_per_s) raw = *r;
-          for (Mode mode : o.modes) {
-            auto g = (*cluster)->measure(size, mode, o.seconds);
-            if (!g.ok()) {
-              return g.status().with_context(
-                  fmt::format("{} of {}, {}", mode_name(mode), human_size(size), where));
+          for (size_t ci = 0; ci < clusters.size(); ++ci) {
+            const uint32_t f = o.replication[ci];
+            for (Mode mode : o.modes) {
+              auto g = clusters[ci]->measure(size, mode, o.seconds);
+              if (!g.ok()) {
+                return g.status().with_context(fmt::format("{} of {} (replication.factor {}), {}",
+                                                           mode_name(mode), human_size(size), f,
+                                                           where));
+              }
+              if (g->bytes_per_s > best[{f, mode}].bytes_per_s) best[{f, mode}] = *g;
             }
-            if (g->bytes_per_s > best[mode].bytes_per_s) best[mode] = *g;
           }
         }
         progress("{} {} raw: {:.2f} GB/s on {:.2f} cores", where, human_size(size),
                  raw.bytes_per_s / 1e9, raw.cores);
-        for (Mode mode : o.modes) {
-          Row row{m.label, shape, size, mode, best[mode].bytes_per_s, raw.bytes_per_s};
-          progress("{} {} {}: {:.2f} GB/s on {:.2f} cores, {:.2f}x raw", where, human_size(size),
-                   mode_name(mode), row.goodput / 1e9, best[mode].cores,
-                   row.raw > 0 ? row.goodput / row.raw : 0.0);
-          print_row(row);
-          rows.push_back(row);
+        for (uint32_t f : clusters.empty() ? std::vector<uint32_t>{} : o.replication) {
+          for (Mode mode : o.modes) {
+            const Rate& got = best[{f, mode}];
+            Row row{m.label, shape, size, mode, got.bytes_per_s, raw.bytes_per_s, f};
+            progress("{} {} {}{}: {:.2f} GB/s on {:.2f} cores, {:.2f}x raw", where,
+                     human_size(size), mode_name(mode), f > 1 ? " r=2" : "", row.goodput / 1e9,
+                     got.cores, row.raw > 0 ? row.goodput / row.raw : 0.0);
+            print_row(row);
+            rows.push_back(row);
+          }
         }
       }
       watchdog.arm(60s, "stopping " + where);
-      cluster->reset();
+      clusters.clear();
       rig->reset();
     }
   }
@@ -998,6 +1057,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "ps_bench: %s\n", s.to_string().c_str());
     return 1;
   }
+  if (opts->replication.size() > 1) psld::print_replication_table(rows);
   if (!opts->json.empty()) {
     s = psld::write_json(opts->json, rows);
     if (!s.ok()) {

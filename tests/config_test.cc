@@ -205,6 +205,8 @@ TEST(Config, EveryKeyCanBeSetFromEachSource) {
       {"checkpoint.every_rounds", "0"},
       {"checkpoint.keep", "5"},
       {"checkpoint.resume", "false"},
+      // 1: data.sync is staleness above, and replication needs bsp.
+      {"replication.factor", "1"},
   };
   ASSERT_EQ(values.size(), config_keys().size()) << "a key was added: give it a test value";
 
@@ -832,6 +834,21 @@ TEST(Config, EveryValidationRuleNamesItsKey) {
        },
        "checkpoint.every_rounds", "needs data.sync = bsp"},
       {"keep 0", [](Config& c) { c.checkpoint.keep = 0; }, "checkpoint.keep", "1..1000000"},
+      {"replication 0", [](Config& c) { c.replication.factor = 0; }, "replication.factor", "1..2"},
+      {"replication 3", [](Config& c) { c.replication.factor = 3; }, "replication.factor", "1..2"},
+      {"replicated async",
+       [](Config& c) {
+         c.replication.factor = 2;
+         c.data.sync = SyncMode::kAsync;
+       },
+       "replication.factor", "needs data.sync = bsp"},
+      {"replicated with the balancer",
+       [](Config& c) {
+         c.replication.factor = 2;
+         c.balancer.enabled = true;
+       },
+       "replication.factor", "needs balancer.enabled = false"},
+
       {"dir newline", [](Config& c) { c.checkpoint.dir = "/a\nb"; }, "checkpoint.dir",
        "a newline or NUL"},
   };

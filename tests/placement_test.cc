@@ -157,6 +157,16 @@ TEST(PlacementInitial, EqualArcsTileTheRingInProportionToWeight) {
   EXPECT_EQ(p.share_of(42), 0.0);
 }
 
+TEST(PlacementBackup, IsTheNextMemberByIdWrappingAround) {
+  ASSERT_OK_AND_ASSIGN(Placement p, Placement::initial({{3, 1.0}, {1, 1.0}, {7, 1.0}}, 10));
+  EXPECT_EQ(backup_of(p, 1), std::optional<ServerId>(3));
+  EXPECT_EQ(backup_of(p, 3), std::optional<ServerId>(7));
+  EXPECT_EQ(backup_of(p, 7), std::optional<ServerId>(1));
+  EXPECT_EQ(backup_of(p, 4), std::nullopt);  // not a member
+  ASSERT_OK_AND_ASSIGN(Placement one, Placement::initial({{5, 1.0}}, 10));
+  EXPECT_EQ(backup_of(one, 5), std::nullopt);
+}
+
 TEST(PlacementInitial, ServersAreInterleavedAroundTheRing) {
   // Equal arcs handed out in token-hash order, not in blocks: each server's
   // arcs are spread, so every quarter of the ring has arcs of every server.

@@ -77,6 +77,10 @@ std::vector<Message> examples() {
       CheckpointSeal{300},
       CheckpointSealed{300, 1 << 20, 17, std::string(64, 'a'), ""},
       JoinWaiting{2, 3, {1, 3}, {0, 2, 4}},
+      ReplicaOpen{8, make_key(12, 4), DType::kFloat32, 4096, 3},
+      ReplicaGrant{8, make_key(12, 4), {1, 2, 3}},
+      ReplicaAck{9, 120},
+      ReplicaSynced{4},
   };
 }
 
@@ -200,8 +204,16 @@ TEST(Protocol, BadEnumsAndHugeCountsAreRejected) {
   // is no round -1 to ship).
   auto change = encode(EpochChange{EpochStep::kCommit, 1, 2, {}, 0});
   change[4] = 3;
+  EXPECT_TRUE(decode(change).ok());  // failover
+  change[4] = 4;
   EXPECT_FALSE(decode(change).ok());
   EXPECT_FALSE(decode(encode(StateOffer{1, 0, DType::kFloat32, 4})).ok());
+  // A replica's tag is even (its slots notify tag and tag + 1), its copy 1
+  // to 3 arrays.
+  EXPECT_TRUE(decode(encode(ReplicaOpen{2, 1, DType::kFloat32, 4, 3})).ok());
+  EXPECT_FALSE(decode(encode(ReplicaOpen{3, 1, DType::kFloat32, 4, 1})).ok());
+  EXPECT_FALSE(decode(encode(ReplicaOpen{2, 1, DType::kFloat32, 4, 0})).ok());
+  EXPECT_FALSE(decode(encode(ReplicaOpen{2, 1, DType::kFloat32, 4, 4})).ok());
 
   // Missing ranks: ascending, no repeats, at most kMaxMissingListed.
   EXPECT_TRUE(decode(encode(JoinWaiting{0, 0, {0, 1}, {}})).ok());
@@ -212,6 +224,15 @@ TEST(Protocol, BadEnumsAndHugeCountsAreRejected) {
   EXPECT_FALSE(decode(encode(JoinWaiting{0, 0, many, {}})).ok());
   many.pop_back();
   EXPECT_TRUE(decode(encode(JoinWaiting{0, 0, {}, many})).ok());
+}
+
+TEST(Protocol, AFailoverNamesItsStepAndLostServer) {
+  auto back = decode(encode(EpochChange{EpochStep::kFailover, 4, 0, {7}, 1}));
+  ASSERT_TRUE(back.ok());
+  const auto& e = std::get<EpochChange>(*back);
+  EXPECT_EQ(e.step, EpochStep::kFailover);
+  EXPECT_EQ(epoch_step_name(e.step), "failover");
+  EXPECT_EQ(e.lost_server, 1u);
 }
 
 TEST(Protocol, AnAbortNamesItsStepAndLostServer) {

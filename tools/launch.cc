@@ -453,6 +453,7 @@ int cmd_launch(int argc, char** argv, const char* kUsage) {
     return false;
   };
   int signals_seen = 0;
+  const bool replicated = config->replication.factor > 1;
   while (running()) {
     std::vector<pollfd> fds;
     fds.push_back({wake[0], POLLIN, 0});
@@ -475,7 +476,18 @@ int cmd_launch(int argc, char** argv, const char* kUsage) {
         c.exited = true;
         c.status = status;
         if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
-          stop_job(fmt::format("{} (pid {}) {}", c.name, c.pid, describe_exit(status)));
+          const std::string what =
+              fmt::format("{} (pid {}) {}", c.name, c.pid, describe_exit(status));
+          if (replicated && c.name.rfind("server ", 0) == 0 &&
+              stop_deadline == std::chrono::steady_clock::time_point::max()) {
+            // Its ranges fail over to their backups (docs/replication.md);
+            // where they cannot, the coordinator fails the job, and the
+            // workers' exits stop it.
+            std::fprintf(stderr, "psld launch: %s; replication.factor is %u, so the job goes on\n",
+                         what.c_str(), config->replication.factor);
+            continue;
+          }
+          stop_job(what);
         }
       }
     }

@@ -249,6 +249,18 @@ struct CheckpointConfig {
   bool operator==(const CheckpointConfig&) const = default;
 };
 
+// [replication]: copies of every key range on other servers, so that a
+// server's loss loses nothing (docs/replication.md).
+struct ReplicationConfig {
+  // Copies of every key range: 1, only the owner (a lost server fails the
+  // job); 2, the owner (primary) and one backup on another server, which
+  // takes the range over when the primary dies. Needs data.sync = bsp and
+  // the balancer off.
+  uint32_t factor = 1;
+
+  bool operator==(const ReplicationConfig&) const = default;
+};
+
 struct Config {
   // Log level: "error", "warn", "info" or "debug" (key `log`, PSLD_LOG).
   std::string log = "warn";
@@ -263,6 +275,7 @@ struct Config {
   VerbsConfig verbs;
   LinkConfig link;
   CheckpointConfig checkpoint;
+  ReplicationConfig replication;
 
   // Where the values came from; filled by load_config, printed by to_string,
   // ignored by validate's checks and by ==.

@@ -141,7 +141,7 @@ bool operator==(const Config& a, const Config& b) {
   return a.log == b.log && a.job == b.job && a.data == b.data && a.server == b.server &&
          a.optimizer == b.optimizer && a.liveness == b.liveness && a.stats == b.stats &&
          a.balancer == b.balancer && a.ucx == b.ucx && a.verbs == b.verbs && a.link == b.link &&
-         a.checkpoint == b.checkpoint;
+         a.checkpoint == b.checkpoint && a.replication == b.replication;
 }
 
 Status validate(const Config& c) {
@@ -230,6 +230,20 @@ Status validate(const Config& c) {
         ck.resume ? "resume" : "every_rounds",
         ck.resume ? shown("checkpoint.resume") : shown("checkpoint.every_rounds"),
         shown("data.sync")));
+  }
+  if (c.replication.factor > 1) {
+    if (c.data.sync != SyncMode::kBsp) {
+      errors.push_back(fmt::format(
+          "replication.factor: {} needs data.sync = bsp ({}): a backup holds a key's state as of a "
+          "whole round",
+          shown("replication.factor"), shown("data.sync")));
+    }
+    if (c.balancer.enabled) {
+      errors.push_back(fmt::format(
+          "replication.factor: {} needs balancer.enabled = false ({}): ranges do not move between "
+          "servers while they are replicated (docs/replication.md)",
+          shown("replication.factor"), shown("balancer.enabled")));
+    }
   }
   return errors_status(errors);
 }

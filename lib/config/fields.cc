@@ -374,6 +374,11 @@ const std::vector<Field>& fields() {
       plain(PSLD_KEY(checkpoint.resume),
             "start from the newest complete checkpoint in checkpoint.dir: parameters, optimizer "
             "state and rounds as they were"),
+
+      integer(PSLD_KEY(replication.factor), 1, 2,
+              "copies of every key range: 1, the owner only (a lost server fails the job); 2, a "
+              "backup on another server takes the range over when its owner dies (needs "
+              "data.sync = bsp and the balancer off)"),
   };
   return kFields;
 }

@@ -90,6 +90,7 @@ RuntimeOptions runtime_options_from_config(const Config& c) {
   o.balancer.scale_in_utilisation = b.scale_in_utilisation;
   o.balancer.min_active_servers = b.min_active_servers;
   o.checkpoint = c.checkpoint;
+  o.replication_factor = c.replication.factor;
   return o;
 }
 

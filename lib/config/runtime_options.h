@@ -69,6 +69,8 @@ struct RuntimeOptions {
   GpuPath gpu_path = GpuPath::kAuto;
   // Consistent checkpoints and resuming from them (docs/checkpoint.md).
   CheckpointConfig checkpoint;
+  // Copies of every key range (replication.factor, docs/replication.md).
+  uint32_t replication_factor = 1;
 
   // In-process jobs only (benchmarks, tests), never from a Config:
   // The coordinator's epoch 0 instead of Placement::initial over servers

@@ -35,6 +35,10 @@ Status CoordinatorService::start_switch(const PlacementDelta& delta) {
 // mu_ held. The one way an epoch switch starts (propose() and the balancer).
 Status CoordinatorService::start_switch_locked(const PlacementDelta& delta) {
   if (!job_started_ || job_over_) return FailedPrecondition("the job is not running");
+  if (options_.replication_factor > 1) {
+    return FailedPrecondition(
+        "ranges do not move between servers while they are replicated (replication.factor > 1)");
+  }
   if (switch_) return FailedPrecondition("an epoch switch is in flight");
   if (transfer_) {
     return FailedPrecondition(
@@ -208,6 +212,9 @@ void CoordinatorService::publish_watermark() {
 // now: it may still be shipping what it owned).
 void CoordinatorService::server_lost(const Member& m, const std::string& what) {
   if (!job_started_) return fail_job(what);
+  if (options_.replication_factor > 1 && placement_->find_server(m.rank) != nullptr) {
+    return fail_over(m, what);
+  }
   if (ever_owned_.count(m.rank)) {
     const size_t arcs = placement_->arcs_of(m.rank).size();
     return fail_job(fmt::format(

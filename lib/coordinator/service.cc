@@ -40,6 +40,11 @@ Result<std::unique_ptr<CoordinatorService>> CoordinatorService::start(
   if (options.net.options.common.listen_address.empty()) {
     return InvalidArgument("the coordinator needs a listen address");
   }
+  if (options.replication_factor > options.num_servers) {
+    return InvalidArgument(
+        fmt::format("replication.factor {} needs at least {} servers; the job has {}",
+                    options.replication_factor, options.replication_factor, options.num_servers));
+  }
   if (const auto& p = options.initial_placement) {
     bool members_ok = p->epoch() == 0 && p->servers().size() == options.num_servers;
     for (uint32_t r = 0; members_ok && r < options.num_servers; ++r)
@@ -229,6 +234,8 @@ void CoordinatorService::handle_control(const ConnectionPtr& conn, protocol::Mes
     handle_transfer_done(m, *done);
   } else if (auto* sealed = std::get_if<protocol::CheckpointSealed>(&message)) {
     handle_sealed(m, *sealed);
+  } else if (auto* synced = std::get_if<protocol::ReplicaSynced>(&message)) {
+    handle_synced(m, *synced);
   } else if (auto* p = std::get_if<protocol::WorkerProgress>(&message)) {
     if (m.role != Role::kWorker) return;
     // The next switch round is chosen above max_round_: keeping it at or
@@ -445,6 +452,11 @@ bool CoordinatorService::switching() const {
 bool CoordinatorService::transferring() const {
   MutexLock lock(mu_);
   return transfer_.has_value();
+}
+
+uint64_t CoordinatorService::failovers() const {
+  MutexLock lock(mu_);
+  return failovers_;
 }
 
 uint64_t CoordinatorService::aborts() const {

@@ -5,7 +5,8 @@
 // falls silent fails the job with a message naming it, on every member,
 // except a server that held nothing but keys of a transfer that is not final:
 // that transfer is aborted and the job goes on without it
-// (docs/migration.md, "Abort").
+// (docs/migration.md, "Abort"), and, with replication.factor 2, a server
+// whose backup holds its ranges: they fail over to it (docs/replication.md).
 #pragma once
 
 #include <chrono>
@@ -72,6 +73,8 @@ class CoordinatorService final : public ProcessRuntime {
   uint64_t last_switch_round() const;
   // Transfers aborted because a server gaining keys died.
   uint64_t aborts() const;
+  // Failovers: replicated servers lost whose ranges went to their backups.
+  uint64_t failovers() const EXCLUDES(mu_);
   // Checkpoints (docs/checkpoint.md): complete ones written by this job,
   // the round of the newest, and those skipped (a server could not write
   // its file, or the files missed keys).
@@ -162,6 +165,11 @@ class CoordinatorService final : public ProcessRuntime {
   void server_lost(const Member& m, const std::string& what) REQUIRES(mu_);
   // Publishes the epoch that takes the lost server out (EpochStep::kAbort).
   void publish_abort(uint32_t rank) REQUIRES(mu_);
+  // Replication: publishes the epoch that gives the lost server's ranges to
+  // its backup (EpochStep::kFailover), or fails the job when the backup
+  // cannot hold them all (lib/coordinator/failover.cc).
+  void fail_over(const Member& m, const std::string& what) REQUIRES(mu_);
+  void handle_synced(const Member& m, const protocol::ReplicaSynced& synced) REQUIRES(mu_);
   // One balancer decision over the load reported since the last (mu_ held).
   void balance() REQUIRES(mu_);
   Status start_switch(const PlacementDelta& delta) EXCLUDES(mu_);
@@ -234,6 +242,11 @@ class CoordinatorService final : public ProcessRuntime {
   // has, so their death fails the job.
   std::set<uint32_t> ever_owned_ GUARDED_BY(mu_);
   uint64_t aborts_ GUARDED_BY(mu_) = 0;
+  // Replication: servers some of whose keys have no copy at their backup
+  // yet, since the last failover changed it; failovers so far.
+  std::set<uint32_t> unsynced_ GUARDED_BY(mu_);
+  uint64_t failovers_ GUARDED_BY(mu_) = 0;
+  uint32_t last_lost_ GUARDED_BY(mu_) = 0;  // the server of the last failover
   uint64_t max_round_ GUARDED_BY(mu_) = 0;  // the highest round any member reported
   // Each worker's last WorkerProgress, and the last LowWatermark sent.
   std::map<uint32_t, protocol::WorkerProgress> progress_ GUARDED_BY(mu_);

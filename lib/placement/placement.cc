@@ -546,6 +546,14 @@ const ServerInfo* Placement::find_server(ServerId id) const {
   return it != servers_.end() && it->id == id ? &*it : nullptr;
 }
 
+std::optional<ServerId> backup_of(const Placement& p, ServerId primary) {
+  const auto& members = p.servers();
+  if (members.size() < 2 || p.find_server(primary) == nullptr) return std::nullopt;
+  auto next = std::upper_bound(members.begin(), members.end(), primary,
+                               [](ServerId v, const ServerInfo& s) { return v < s.id; });
+  return next == members.end() ? members.front().id : next->id;
+}
+
 std::vector<Arc> Placement::arcs_of(ServerId id) const {
   std::vector<Arc> arcs;
   for (size_t i = 0; i < upper_.size(); ++i) {

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <set>
 #include <span>
 #include <string_view>
@@ -264,5 +265,10 @@ struct PlacementChange {
   Placement next;
   PlacementDelta delta;
 };
+
+// Replication (docs/replication.md): the server that keeps the copy of
+// `primary`'s ranges in `p`, the member after it in id order (the first
+// after the last); nullopt when `primary` is the only member or none.
+std::optional<ServerId> backup_of(const Placement& p, ServerId primary);
 
 }  // namespace psld

@@ -388,7 +388,7 @@ void put(WireWriter& w, const EpochChange& m) {
 }
 bool get(WireReader& r, EpochChange* m) {
   uint8_t step = 0;
-  if (!r.u8(&step) || step > static_cast<uint8_t>(EpochStep::kAbort)) return false;
+  if (!r.u8(&step) || step > static_cast<uint8_t>(EpochStep::kFailover)) return false;
   m->step = static_cast<EpochStep>(step);
   return r.u64(&m->epoch) && r.u64(&m->switch_round) && read_bytes(r, &m->delta, kMaxDeltaBytes) &&
          r.u32(&m->lost_server);
@@ -535,6 +535,42 @@ bool get(WireReader& r, JoinWaiting* m) {
          get_ranks(r, &m->missing_workers) && get_ranks(r, &m->missing_servers);
 }
 
+void put(WireWriter& w, const ReplicaOpen& m) {
+  w.u32(m.tag);
+  w.u64(m.key);
+  w.u8(static_cast<uint8_t>(m.dtype));
+  w.u64(m.bytes);
+  w.u8(m.arrays);
+}
+bool get(WireReader& r, ReplicaOpen* m) {
+  return r.u32(&m->tag) && m->tag % 2 == 0 && r.u64(&m->key) && read_dtype(r, &m->dtype) &&
+         r.u64(&m->bytes) && r.u8(&m->arrays) && m->arrays >= 1 && m->arrays <= 3;
+}
+
+void put(WireWriter& w, const ReplicaGrant& m) {
+  w.u32(m.tag);
+  w.u64(m.key);
+  w.blob(m.region);
+}
+bool get(WireReader& r, ReplicaGrant* m) {
+  return r.u32(&m->tag) && r.u64(&m->key) && read_bytes(r, &m->region, kMaxBlobBytes);
+}
+
+void put(WireWriter& w, const ReplicaAck& m) {
+  w.u32(m.tag);
+  w.u64(m.version);
+}
+bool get(WireReader& r, ReplicaAck* m) {
+  return r.u32(&m->tag) && r.u64(&m->version);
+}
+
+void put(WireWriter& w, const ReplicaSynced& m) {
+  w.u64(m.epoch);
+}
+bool get(WireReader& r, ReplicaSynced* m) {
+  return r.u64(&m->epoch);
+}
+
 // The wire type of each alternative of Message, in variant order.
 constexpr Type kTypes[] = {
     Type::kChallenge,
@@ -572,6 +608,10 @@ constexpr Type kTypes[] = {
     Type::kCheckpointSeal,
     Type::kCheckpointSealed,
     Type::kJoinWaiting,
+    Type::kReplicaOpen,
+    Type::kReplicaGrant,
+    Type::kReplicaAck,
+    Type::kReplicaSynced,
 };
 static_assert(std::size(kTypes) == std::variant_size_v<Message>);
 
@@ -611,6 +651,10 @@ constexpr const char* kNames[] = {
     "CheckpointSeal",
     "CheckpointSealed",
     "JoinWaiting",
+    "ReplicaOpen",
+    "ReplicaGrant",
+    "ReplicaAck",
+    "ReplicaSynced",
 };
 static_assert(std::size(kNames) == std::variant_size_v<Message>);
 
@@ -651,6 +695,8 @@ std::string_view epoch_step_name(EpochStep step) {
       return "commit";
     case EpochStep::kAbort:
       return "abort";
+    case EpochStep::kFailover:
+      return "failover";
   }
   return "unknown";
 }

@@ -38,6 +38,13 @@
 //   worker -> coordinator : WorkerProgress, with every LoadReport;
 //                           coordinator -> servers: LowWatermark, when it
 //                           advances (old runs of ownership can be freed)
+//   primary -> backup     : ReplicaOpen -> ReplicaGrant (a key's two replica
+//                           slots); then per state change a write into a slot,
+//                           notify = slot tag, answered with ReplicaAck
+//   server -> coordinator : ReplicaSynced, once every key it holds has a copy
+//                           at its backup of the newest epoch;
+//                           coordinator -> all: EpochChange(failover) when a
+//                           replicated server died (docs/replication.md)
 #pragma once
 
 #include <cstdint>
@@ -59,8 +66,9 @@ namespace psld::protocol {
 // Ack.flags, kPushMapped. 5: PushMeta.lr. 6: HMAC proofs and CSPRNG nonces
 // (Challenge, Hello, Welcome, Grant), PeerHello (was WorkerHello) and PeerProof.
 // 7: checkpoints (CheckpointSeal, CheckpointSealed, Welcome.resume_round,
-// TensorInfo.round). 8: JoinWaiting.
-inline constexpr uint16_t kVersion = 8;
+// TensorInfo.round). 8: JoinWaiting. 9: replication (ReplicaOpen,
+// ReplicaGrant, ReplicaAck, ReplicaSynced, EpochStep::kFailover).
+inline constexpr uint16_t kVersion = 9;
 
 // A member's psld::Role and a tensor's psld::DType travel as one byte each,
 // their enum values (protocol.cc checks them); psld::Role::kAuto never does.
@@ -110,6 +118,10 @@ enum class Type : uint16_t {
   kCheckpointSeal = 38,
   kCheckpointSealed = 39,
   kJoinWaiting = 40,
+  kReplicaOpen = 41,
+  kReplicaGrant = 42,
+  kReplicaAck = 43,
+  kReplicaSynced = 44,
 };
 
 // The acceptor's nonce: the coordinator sends it as soon as a member
@@ -345,8 +357,16 @@ struct Ack {
 // Nothing moves between live servers, so no server can have taken a round
 // this epoch takes away. Every member drops its connections to the lost
 // server for good; workers send what it never answered to the owners again.
+//
+// `failover` (replication.factor 2) is committed like an abort, servers
+// first: server `lost_server` died, and this epoch gives every range it owned
+// to its backup, which holds the state of its last durable round
+// (docs/replication.md). It takes the place of the epochs before it for
+// every round (same switch_round). Workers send what the lost server never
+// answered to the new owners, which take a round they already applied as
+// answered.
 inline constexpr size_t kMaxDeltaBytes = 7168;
-enum class EpochStep : uint8_t { kPrepare = 0, kCommit = 1, kAbort = 2 };
+enum class EpochStep : uint8_t { kPrepare = 0, kCommit = 1, kAbort = 2, kFailover = 3 };
 std::string_view epoch_step_name(EpochStep step);
 struct EpochChange {
   EpochStep step = EpochStep::kPrepare;
@@ -471,13 +491,42 @@ struct JoinWaiting {
   bool operator==(const JoinWaiting&) const = default;
 };
 
-using Message =
-    std::variant<Challenge, Hello, Welcome, Reject, ServerList, PlacementChunk, RegisterTensor,
-                 TensorInfo, BarrierEnter, BarrierRelease, Heartbeat, JobFailed, Shutdown,
-                 LoadReport, PeerHello, Grant, TensorKey, PushMeta, PullRequest, Credit, Moved,
-                 Error, Ack, EpochChange, EpochVote, StateRequest, StateOffer, TransferDone,
-                 EpochFinal, WorkerProgress, LowWatermark, PeerProof, CheckpointSeal,
-                 CheckpointSealed, JoinWaiting>;
+// Replication (docs/replication.md). A primary asks its backup for a key's
+// replica slots: two regions of kStateHeader + 3 * elements * 4 bytes each
+// (the layout a StateRequest's write has, with only `arrays` of the three
+// arrays), written in turn, so that a write
+// torn by the primary's death never touches the last complete copy.
+struct ReplicaOpen {
+  uint32_t tag = 0;  // the primary's, even, echoed in ReplicaGrant; slot s's writes notify tag + s
+  Key key = 0;
+  DType dtype = DType::kFloat32;
+  uint64_t bytes = 0;  // of the chunk, in dtype
+  uint8_t arrays = 1;  // fp32 arrays per copy, 1 to 3: the parameter and the moments kept
+};
+struct ReplicaGrant {
+  uint32_t tag = 0;
+  Key key = 0;
+  std::vector<uint8_t> region;  // remote key of both slots, back to back
+};
+// The backup has the copy the write with notify `tag` + slot carried: the
+// key's state as of `version` is durable.
+struct ReplicaAck {
+  uint32_t tag = 0;
+  uint64_t version = 0;
+};
+// Every key this server holds has a copy at its backup in `epoch`: its loss
+// loses nothing.
+struct ReplicaSynced {
+  uint64_t epoch = 0;
+};
+
+using Message = std::variant<Challenge, Hello, Welcome, Reject, ServerList, PlacementChunk,
+                             RegisterTensor, TensorInfo, BarrierEnter, BarrierRelease, Heartbeat,
+                             JobFailed, Shutdown, LoadReport, PeerHello, Grant, TensorKey, PushMeta,
+                             PullRequest, Credit, Moved, Error, Ack, EpochChange, EpochVote,
+                             StateRequest, StateOffer, TransferDone, EpochFinal, WorkerProgress,
+                             LowWatermark, PeerProof, CheckpointSeal, CheckpointSealed, JoinWaiting,
+                             ReplicaOpen, ReplicaGrant, ReplicaAck, ReplicaSynced>;
 
 // Rounds of tensors 1..n (by_tensor[t - 1]) as at most kMaxRoundRanges
 // ranges: exact where neighbours share a round or there are few tensors,

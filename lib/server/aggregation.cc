@@ -116,9 +116,14 @@ void ServerService::process_push(Shard& shard, PushWork& w) {
     }
     return;
   }
-  // A plain push completes at the worker once taken here (reduced or kept).
+  // A plain push completes at the worker once taken here (reduced or kept);
+  // replicated, once its round is durable at the backup.
   if (!then_pull && !w.taken) {
-    shard.accepted[w.conn].push_back(meta.tag);
+    if (replicated()) {
+      k.unaccepted.push_back({w.conn, meta.tag, round});
+    } else {
+      shard.accepted[w.conn].push_back(meta.tag);
+    }
     w.taken = true;
   }
   if (k.awaiting_state) {
@@ -144,15 +149,30 @@ void ServerService::process_push(Shard& shard, PushWork& w) {
       send_error(w.conn, meta.tag, k.failed);
       return;
     }
+    replicate(shard, k);
     if (then_pull) {
       follow.req.round = 0;
-      serve_pull(shard, k, follow);
+      if (pull_ready(k, follow.req)) {
+        serve_pull(shard, k, follow);
+      } else {
+        k.waiting.push_back(follow);  // until the backup has the value
+      }
     }
     return;
   }
 
   if (options_.sync == SyncMode::kBsp) {
     const Aggregator::Admission admission = k.agg.admit(w.worker, meta.round);
+    if (admission == Aggregator::Admission::kApplied && k.taken_over &&
+        meta.round == k.agg.version()) {
+      // Sent again after a failover: the lost primary applied this round
+      // and its copy holds it, so the push is done; its pull is answered.
+      free_slot(shard, w.conn, meta.slot);
+      accept_durable(shard, k);
+      if (then_pull) k.waiting.push_back(follow);
+      serve_ready_pulls(shard, k);
+      return;
+    }
     if (admission == Aggregator::Admission::kApplied) {
       free_slot(shard, w.conn, meta.slot);
       send_error(w.conn, meta.tag,
@@ -191,8 +211,10 @@ void ServerService::process_push(Shard& shard, PushWork& w) {
 }
 
 void ServerService::try_apply(Shard& shard, KeyState& k) {
-  if (k.inflight > 0) {
-    k.apply_pending = true;  // pull writes of the last round still read param
+  if (k.inflight > 0 || !k.durable) {
+    // Pull writes of the last round still read param, or its copy has not
+    // reached the backup yet.
+    k.apply_pending = true;
     return;
   }
   apply_round(shard, k);
@@ -221,7 +243,9 @@ void ServerService::apply_round(Shard& shard, KeyState& k) {
       every > 0 && options_.sync == SyncMode::kBsp && k.agg.version() % every == 0) {
     save_checkpoint(shard, k);
   }
-  // Serve the pulls this round satisfies.
+  // Serve the pulls this round satisfies (replicated: once the backup has it).
+  replicate(shard, k);
+  accept_durable(shard, k);
   serve_ready_pulls(shard, k);
   maybe_ship(shard, k);
   // BSP: pushes parked for the next round can be reduced now.
@@ -229,7 +253,7 @@ void ServerService::apply_round(Shard& shard, KeyState& k) {
 }
 
 bool ServerService::pull_ready(const KeyState& k, const protocol::PullRequest& req) const {
-  return k.agg.pull_ready(req.round);
+  return k.durable && k.agg.pull_ready(req.round);
 }
 
 void ServerService::process_pull(Shard& shard, PullWork& w) {

@@ -264,10 +264,8 @@ Status Aggregator::save(ComputeLane& lane, float* out) const {
 
 Status Aggregator::restore(ComputeLane& lane, const float* in, uint64_t version,
                            uint64_t last_round) {
-  const OptimizerKind kind = options_.optimizer.kind;
-  const bool optimizer = options_.mode == ServerMode::kOptimizer;
-  const bool with_m = optimizer && (kind != OptimizerKind::kSgd || options_.optimizer.momentum > 0);
-  const bool with_v = optimizer && (kind == OptimizerKind::kAdam || kind == OptimizerKind::kAdamW);
+  const size_t arrays = state_arrays();
+  const bool with_m = arrays >= 2, with_v = arrays == 3;
   const size_t bytes = elements_ * sizeof(float);
   Status st = lane.copy(param_.get(), in, bytes);
   if (st.ok() && with_m) st = lane.ensure(first_moment_, elements_);

@@ -161,6 +161,18 @@ class Aggregator {
   // to `last_round`. Waits for the copies out of `in`.
   Status restore(ComputeLane& lane, const float* in, uint64_t version, uint64_t last_round);
 
+  // The arrays of the state restore() reads: the parameter, and the
+  // moments the optimizer keeps (1 to 3); save() writes all three.
+  size_t state_arrays() const {
+    const OptimizerKind kind = options_.optimizer.kind;
+    const bool optimizer = options_.mode == ServerMode::kOptimizer;
+    const bool with_m =
+        optimizer && (kind != OptimizerKind::kSgd || options_.optimizer.momentum > 0);
+    const bool with_v =
+        optimizer && (kind == OptimizerKind::kAdam || kind == OptimizerKind::kAdamW);
+    return 1 + (with_m ? 1 : 0) + (with_v ? 1 : 0);
+  }
+
   DType dtype() const { return dtype_; }
   uint64_t bytes() const { return bytes_; }  // in the workers' dtype
   size_t size() const { return elements_; }  // elements

@@ -127,7 +127,8 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
   }
   if (!authenticated) return admit(conn, w, message);
   if (std::holds_alternative<protocol::StateRequest>(message) ||
-      std::holds_alternative<protocol::StateOffer>(message)) {
+      std::holds_alternative<protocol::StateOffer>(message) ||
+      std::holds_alternative<protocol::ReplicaOpen>(message)) {
     if (peer_role != Role::kServer) {
       send_error(conn->id(), 0,
                  FailedPrecondition(fmt::format("worker {} sent {}, which only servers send",
@@ -148,6 +149,11 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
       return;
     }
     dispatch(req->key, StateWork{conn->id(), *req, *region});
+    return;
+  }
+  if (auto* open = std::get_if<protocol::ReplicaOpen>(&message)) {
+    // This server is the key's backup (replication).
+    open_copy(conn, w->rank, *open);
     return;
   }
   if (auto* offer = std::get_if<protocol::StateOffer>(&message)) {
@@ -258,6 +264,7 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
 }
 
 void ServerService::on_write(const ConnectionPtr& conn, uint32_t tag, uint64_t length) {
+  if (replicated() && copy_landed(conn, tag, length)) return;
   {
     UniqueLock lock(peers_mu_);
     auto it = incoming_.find({conn->id(), tag});

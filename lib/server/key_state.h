@@ -70,6 +70,34 @@ struct ServerService::KeyState {
   // A device operation on the key failed (a CUDA error): every request for
   // it is answered with this.
   Status failed;
+  // Replication (docs/replication.md), as the key's primary: its slots at
+  // the backup, the copy in flight, and whether the backup holds the
+  // current state (a pull is answered and a plain push accepted only then).
+  struct Replica {
+    bool granted = false;
+    ServerId backup = 0;
+    uint64_t conn = 0;  // the connection to the backup the slots belong to
+    uint32_t tag = 0;
+    std::shared_ptr<transport::RemoteRegion> slots;
+    std::shared_ptr<transport::MemoryRegion> staging;  // the copy being written
+    uint32_t slot = 0;                                 // where the next copy goes
+    bool opening = false;
+    bool writing = false;  // a copy on its way, or waiting for its ack
+    bool dirty = false;    // the state changed since that copy was taken
+    uint64_t version = 0;  // of the copy in flight
+  };
+  Replica replica;
+  bool durable = true;
+  // Plain pushes taken, accepted once their round is durable.
+  struct Unaccepted {
+    uint64_t conn = 0;
+    uint32_t tag = 0;
+    uint64_t round = 0;
+  };
+  std::vector<Unaccepted> unaccepted;
+  // Taken over from a lost primary's copy: a push of the round the copy
+  // holds reached the primary before it died, so it is answered as done.
+  bool taken_over = false;
 };
 
 struct ServerService::Shard {
@@ -92,6 +120,10 @@ struct ServerService::Shard {
   // The last LowWatermark: no request of a tensor's rounds below the
   // round it gives that tensor will come.
   protocol::LowWatermark low;
+  // Keys whose copy at their new backup is not acknowledged yet, after the
+  // failover of resync_epoch (0: none).
+  uint64_t resync_epoch = 0;
+  std::set<Key> resync;
   std::thread thread;
 };
 

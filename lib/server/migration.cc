@@ -291,8 +291,8 @@ void ServerService::on_epoch_change(const protocol::EpochChange& change) {
         }
         next = prepared_->placement;
       } else {
-        // An abort is committed without a prepare: it only takes keys away
-        // from the lost server (protocol.h).
+        // An abort (or failover) is committed without a prepare: it only
+        // takes keys away from the lost server (protocol.h).
         auto n = epochs_->follow(change.epoch, change.delta);
         if (!n.ok()) {
           PSLD_LOG_ERROR("server {}: an abort refused: {}", me, n.status().to_string());
@@ -323,10 +323,13 @@ void ServerService::on_epoch_change(const protocol::EpochChange& change) {
         std::fill(transfer_.pending.begin(), transfer_.pending.end(), -1);
         scan = transfer_.losing;
       }
-      PSLD_LOG_INFO("server {}: epoch {} from round {}{}", me, change.epoch, change.switch_round,
-                    change.step == EpochStep::kAbort
-                        ? fmt::format(" (server {} lost: its transfer aborted)", change.lost_server)
-                        : "");
+      PSLD_LOG_INFO(
+          "server {}: epoch {} from round {}{}", me, change.epoch, change.switch_round,
+          change.step == EpochStep::kAbort
+              ? fmt::format(" (server {} lost: its transfer aborted)", change.lost_server)
+          : change.step == EpochStep::kFailover
+              ? fmt::format(" (server {} lost: its ranges go to their backups)", change.lost_server)
+              : "");
       // Requests that waited for this epoch are looked at again.
       const uint64_t newest = change.epoch;
       std::vector<std::tuple<uint64_t, Key, Work>> still;
@@ -343,7 +346,12 @@ void ServerService::on_epoch_change(const protocol::EpochChange& change) {
     if (!dial.servers.empty()) dispatch(0, std::move(dial));
     return;
   }
-  if (change.step == EpochStep::kAbort) forget_peer(change.lost_server);
+  if (change.step == EpochStep::kAbort || change.step == EpochStep::kFailover) {
+    forget_peer(change.lost_server);
+  }
+  // Before the requests that waited for this epoch: the lost server's keys
+  // are installed from their copies first.
+  if (change.step == EpochStep::kFailover) on_failover(change);
   if (scan) dispatch_all(TransferScan{change.switch_round});
   for (auto& [epoch, key, work] : wake)
     dispatch(key, std::move(work));

@@ -211,6 +211,7 @@ void ServerService::on_disconnect(const ConnectionPtr& conn, const Status& why) 
 void ServerService::on_control(const ConnectionPtr& conn, protocol::Message&& message) {
   if (session_.handle(conn, message)) return;
   if (handle_dialing(conn, message)) return;
+  if (replicated() && handle_replica_answer(conn, message)) return;
   handle_worker_message(conn, message);
 }
 

@@ -132,8 +132,54 @@ class ServerService final : public ProcessRuntime {
   struct Dial {
     std::vector<ServerId> servers;
   };
+  // Replication (docs/replication.md; lib/server/replication.cc). A copy
+  // this server keeps of another server's key, in two slots written in turn.
+  struct ReplicaCopy {
+    Key key = 0;
+    ServerId primary = 0;
+    DType dtype = DType::kFloat32;
+    uint64_t bytes = 0;
+    uint64_t slot_bytes = 0;
+    std::shared_ptr<transport::MemoryRegion> region;  // both slots
+    int committed = -1;                               // the slot of the newest complete copy
+    uint64_t version = 0;
+  };
+  // As a key's primary: the backup granted its slots; acknowledged the copy
+  // of `version`; the write of a copy failed.
+  struct ReplicaGranted {
+    Key key = 0;
+    uint64_t run = 0;
+    ServerId backup = 0;
+    uint64_t conn = 0;
+    uint32_t tag = 0;
+    std::shared_ptr<transport::RemoteRegion> slots;
+  };
+  struct ReplicaAcked {
+    Key key = 0;
+    uint64_t run = 0;
+    uint32_t tag = 0;
+    uint64_t version = 0;
+  };
+  struct ReplicaFailed {
+    Key key = 0;
+    uint64_t run = 0;
+    uint32_t tag = 0;
+  };
+  // A failover gave this server a lost primary's key: its state is the copy's
+  // slot `slot`, as of `version`.
+  struct TakeOver {
+    std::shared_ptr<const ReplicaCopy> copy;
+    int slot = 0;
+    uint64_t version = 0;
+  };
+  // A failover changed the backups: every key gets a copy at its backup of
+  // `epoch`, and the server reports ReplicaSynced once all have one.
+  struct Resync {
+    uint64_t epoch = 0;
+  };
   using Work = std::variant<PushWork, PullWork, PullDone, StateWork, StateArrived, TransferScan,
-                            ShipDone, Offered, Release, Dial, Trim>;
+                            ShipDone, Offered, Release, Dial, Trim, ReplicaGranted, ReplicaAcked,
+                            ReplicaFailed, TakeOver, Resync>;
 
   struct KeyState;
   struct Shard;
@@ -176,11 +222,44 @@ class ServerService final : public ProcessRuntime {
   void handle(Shard& shard, const Release& w);
   void handle(Shard& shard, const Dial& w);
   void handle(Shard& shard, const Trim& w);
+  void handle(Shard& shard, const ReplicaGranted& w);
+  void handle(Shard& shard, const ReplicaAcked& w);
+  void handle(Shard& shard, const ReplicaFailed& w);
+  void handle(Shard& shard, const TakeOver& w);
+  void handle(Shard& shard, const Resync& w);
+  // Replication, as a key's primary: its state changed (an initial value, a
+  // round): it is not durable until its backup acknowledged a copy, and
+  // until then no pull of it is answered and no plain push of it accepted.
+  bool replicated() const { return options_.replication_factor > 1; }
+  void replicate(Shard& shard, KeyState& k);
+  // Sends the key's state to its backup: opens its slots first, or marks
+  // the copy to follow the one in flight.
+  void push_replica(Shard& shard, KeyState& k);
+  // The backup has the key's current state: serves what waited for it.
+  void now_durable(Shard& shard, KeyState& k);
+  // Plain pushes of durable rounds are accepted (all, without replication).
+  void accept_durable(Shard& shard, KeyState& k);
+  void note_resynced(Shard& shard, Key key);
+  // The backup of this server in the newest epoch.
+  std::optional<ServerId> backup_now() const;
+  // As a backup: a primary opens a key's slots; a copy landed in a slot
+  // (true if the write was one); a failover gives this server the lost
+  // primary's keys.
+  void open_copy(const transport::ConnectionPtr& conn, ServerId primary,
+                 const protocol::ReplicaOpen& open);
+  bool copy_landed(const transport::ConnectionPtr& conn, uint32_t notify, uint64_t length);
+  // A ReplicaGrant, ReplicaAck or Error on a connection this server dialled
+  // to a backup: true if it was one.
+  bool handle_replica_answer(const transport::ConnectionPtr& conn, protocol::Message& message);
+  void on_failover(const protocol::EpochChange& change);
   void process_push(Shard& shard, PushWork& w);
   void process_pull(Shard& shard, PullWork& w);
   // The key's state, created on first use; `round` is the round of the
   // request that creates it (a key gained by migration waits for its state).
-  KeyState& key_state(Shard& shard, Key key, DType dtype, uint64_t bytes, uint64_t round);
+  // A key taken over from a replica (`from_replica`) is not read from a
+  // resumed job's checkpoint: the copy is newer.
+  KeyState& key_state(Shard& shard, Key key, DType dtype, uint64_t bytes, uint64_t round,
+                      bool from_replica = false);
   // Reduces a push into the key's accumulator (Aggregator::reduce), waits
   // for it, records the busy time and frees the landing slot. On an error
   // it fails the key and answers the push: false.
@@ -333,6 +412,19 @@ class ServerService final : public ProcessRuntime {
   Mutex compute_mu_;
   transport::Clock::time_point compute_free_ GUARDED_BY(compute_mu_){};
   std::unique_ptr<LoadRecorder> load_;
+  // Replication: the copies this server keeps as a backup, by (the
+  // primary's connection, tag); and, as a primary, its opened slots by
+  // (connection to the backup, tag) -> (key, run).
+  Mutex replicas_mu_;
+  std::map<std::pair<uint64_t, uint32_t>, std::shared_ptr<ReplicaCopy>> copies_
+      GUARDED_BY(replicas_mu_);
+  std::map<std::pair<uint64_t, uint32_t>, std::pair<Key, uint64_t>> replica_opens_
+      GUARDED_BY(replicas_mu_);
+  uint32_t next_replica_tag_ GUARDED_BY(replicas_mu_) = 2;
+  std::atomic<int64_t> unreachable_backup_{-1};  // a backup whose dial failed
+  // The failover epoch being resynced and the shards still copying keys.
+  uint64_t resync_epoch_ GUARDED_BY(replicas_mu_) = 0;
+  size_t resync_shards_left_ GUARDED_BY(replicas_mu_) = 0;
   Mutex ckpt_mu_;
   bool writer_tried_ GUARDED_BY(ckpt_mu_) = false;
   std::unique_ptr<CheckpointWriter> writer_ GUARDED_BY(ckpt_mu_);

@@ -61,7 +61,7 @@ void ServerService::handle(Shard& shard, const PullDone& w) {
   KeyState& k = *found;
   if (k.inflight > 0) --k.inflight;
   if (k.inflight == 0) {
-    if (k.apply_pending) {
+    if (k.apply_pending && k.durable) {
       k.apply_pending = false;
       apply_round(shard, k);
     }
@@ -154,7 +154,8 @@ void ServerService::handle(Shard& shard, const Trim& w) {
 }
 
 ServerService::KeyState& ServerService::key_state(Shard& shard, Key key, DType dtype,
-                                                  uint64_t bytes, uint64_t round) {
+                                                  uint64_t bytes, uint64_t round,
+                                                  bool from_replica) {
   const auto g = gained(key, round);
   const uint64_t run = g ? g->first : 0;
   auto& runs = shard.keys[key];
@@ -197,7 +198,7 @@ ServerService::KeyState& ServerService::key_state(Shard& shard, Key key, DType d
   if (g) {
     k.awaiting_final = hold_until_final(k.owned_from);
     request_state(k, g->first, g->second);
-  } else if (made.ok() && session_.welcome().resume_round > 0) {
+  } else if (made.ok() && session_.welcome().resume_round > 0 && !from_replica) {
     if (Status st = restore_checkpoint(shard, k); !st.ok()) fail_key(shard, k, st);
   }
   // A run that holds round out_round - 1 of a key leaving at out_round,

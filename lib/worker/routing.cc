@@ -79,7 +79,8 @@ void WorkerService::on_epoch_change(const protocol::EpochChange& change) {
     }
     epochs_->push(*next, change.switch_round);
     PSLD_LOG_DEBUG("worker {}: epoch {} from round {}", rank(), change.epoch, change.switch_round);
-    if (change.step == protocol::EpochStep::kAbort) {
+    if (change.step == protocol::EpochStep::kAbort ||
+        change.step == protocol::EpochStep::kFailover) {
       // Also when its connection still looks fine (it hung): the epoch
       // routes nothing to it any more.
       auto lost = servers_.find(change.lost_server);

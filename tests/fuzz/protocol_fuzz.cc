@@ -87,6 +87,11 @@ std::vector<Seed> seeds() {
       {"checkpoint_sealed", CheckpointSealed{100, 4096, 3, std::string(64, '0'), ""}},
       {"checkpoint_failed", CheckpointSealed{100, 0, 0, "", "No space left on device"}},
       {"join_waiting", JoinWaiting{3, 1, {0, 5, 6}, {1, 2}}},
+      {"replica_open", ReplicaOpen{4, 42, DType::kFloat32, 1024, 1}},
+      {"replica_grant", ReplicaGrant{4, 42, {7, 7}}},
+      {"replica_ack", ReplicaAck{5, 100}},
+      {"replica_synced", ReplicaSynced{2}},
+      {"epoch_failover", EpochChange{EpochStep::kFailover, 3, 0, delta, 1}},
   };
   std::vector<Seed> out;
   for (const auto& [name, m] : messages)

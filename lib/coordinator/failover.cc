@@ -1,0 +1,102 @@
+// Failover (docs/replication.md), the coordinator's side: a replicated
+// server is lost, and the epoch that gives its ranges to its backup goes
+// out, servers first; or the job fails when a range would have no copy left.
+#include <fmt/format.h>
+
+#include "base/log.h"
+#include "lib/coordinator/service.h"
+
+namespace psld {
+
+namespace {
+
+// "[0x0, 0x3fff] and [0x8000, 0xbfff]", at most `limit` ranges named.
+std::string describe_ranges(const std::vector<Arc>& arcs, size_t limit = 4) {
+  std::string out;
+  for (size_t i = 0; i < arcs.size() && i < limit; ++i) {
+    if (i > 0) out += i + 1 == arcs.size() ? " and " : ", ";
+    out += fmt::format("[{:#x}, {:#x}]", arcs[i].lo, arcs[i].hi);
+  }
+  if (arcs.size() > limit) out += fmt::format(" and {} more", arcs.size() - limit);
+  return out;
+}
+
+}  // namespace
+
+// mu_ held. The backup of `m` in the current placement holds a copy of
+// every key m applied anything to, unless a failover changed m's backup
+// and m has not reported ReplicaSynced since.
+void CoordinatorService::fail_over(const Member& m, const std::string& what) {
+  const uint32_t lost = m.rank;
+  const Placement& now = *placement_;
+  const std::vector<Arc> arcs = now.arcs_of(lost);
+  const std::optional<ServerId> backup = backup_of(now, lost);
+  std::string why;
+  const std::string ranges =
+      fmt::format("{} of epoch {} ({})", arcs.size() == 1 ? "range" : fmt::format("{} ranges", arcs.size()),
+                  now.epoch(), describe_ranges(arcs));
+  if (!backup || lost_servers_.count(*backup) || servers_.count(*backup) == 0) {
+    why = fmt::format("{}: its {} exist nowhere else",
+                      backup ? fmt::format("its backup, server {}, is lost too", *backup)
+                             : std::string("no other server is left to hold a copy"),
+                      ranges);
+  } else if (unsynced_.count(lost)) {
+    why = fmt::format(
+        "its keys had not all been copied to its backup, server {}, since server {} was lost: "
+        "some of its {} exist nowhere else",
+        *backup, last_lost_, ranges);
+  }
+  if (!why.empty()) return fail_job(fmt::format("{}; {}, so the job cannot go on", what, why));
+  PlacementDelta delta;
+  delta.from_epoch = now.epoch();
+  delta.to_epoch = now.epoch() + 1;
+  delta.membership.push_back(MembershipChange::remove(lost));
+  for (const Arc& a : arcs) {
+    auto& as = delta.assignments;
+    if (!as.empty() && as.back().hi + 1 == a.lo) {
+      as.back().hi = a.hi;
+    } else {
+      as.push_back({a.lo, a.hi, *backup});
+    }
+  }
+  auto next = now.apply(delta);
+  std::vector<uint8_t> bytes = delta.serialize();
+  if (!next.ok() || bytes.size() > protocol::kMaxDeltaBytes) {
+    return fail_job(fmt::format(
+        "{}; giving its ranges to server {} failed: {}", what, *backup,
+        next.ok() ? fmt::format("the delta has {} bytes, more than one message holds", bytes.size())
+                  : next.status().to_string()));
+  }
+  lost_servers_.insert(lost);
+  last_lost_ = lost;
+  seal_lost_server(lost);
+  // Every server whose backup changes, and the backup itself (the keys it
+  // takes over have no copy yet), is unprotected until it says it synced.
+  std::set<uint32_t> unsynced{*backup};
+  for (const ServerInfo& s : next->servers()) {
+    if (backup_of(now, s.id) != backup_of(*next, s.id)) unsynced.insert(s.id);
+  }
+  unsynced_ = std::move(unsynced);
+  // It takes the place of every epoch before it: the same switch round as
+  // the newest (no switch happens while replicated).
+  const protocol::EpochChange change{protocol::EpochStep::kFailover, next->epoch(),
+                                     last_switch_round_, bytes, lost};
+  post_all(servers_, change);
+  post_all(workers_, change);
+  PSLD_LOG_WARN("coordinator: {}; epoch {}: its {} ranges fail over to server {}", what,
+                next->epoch(), arcs.size(), *backup);
+  placement_ = std::move(next).value();
+  ++failovers_;
+  cv_.notify_all();
+}
+
+void CoordinatorService::handle_synced(const Member& m, const protocol::ReplicaSynced& synced) {
+  if (m.role != Role::kServer || synced.epoch != placement_->epoch()) return;  // stale
+  if (!unsynced_.erase(m.rank)) return;
+  PSLD_LOG_INFO("coordinator: server {}'s keys all have a copy at their backup again", m.rank);
+  if (unsynced_.empty()) {
+    PSLD_LOG_INFO("coordinator: every range has its copies again (epoch {})", synced.epoch);
+  }
+}
+
+}  // namespace psld
