@@ -30,6 +30,7 @@ using psld::testing::TempDir;
 using namespace std::chrono_literals;
 using psld::testing::Background;
 using psld::testing::psld;
+using psld::testing::slurp;
 using psld::testing::trainer;
 namespace fs = std::filesystem;
 
@@ -60,13 +61,6 @@ std::vector<std::string> job(const std::string& dump, bool resume, const std::st
   argv.insert(argv.end(), {"--", trainer(), "--rounds", std::to_string(kRounds), "--no-check",
                            "--print-every", "1", "--dump", dump});
   return argv;
-}
-
-std::string slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream bytes;
-  bytes << in.rdbuf();
-  return bytes.str();
 }
 
 TEST(CheckpointKill, AJobKilledAtRandomAndResumedEndsBitIdentical) {

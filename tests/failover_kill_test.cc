@@ -25,6 +25,7 @@ namespace {
 using namespace std::chrono_literals;
 using psld::testing::Background;
 using psld::testing::psld;
+using psld::testing::slurp;
 using psld::testing::TempDir;
 using psld::testing::trainer;
 
@@ -48,19 +49,21 @@ std::vector<std::string> job_env(bool adam, int factor) {
 }
 
 std::vector<std::string> job(bool adam, const std::string& dump) {
-  std::vector<std::string> argv = {psld(),  "launch", "-w", "3", "-s", std::to_string(kServers),
-                                   "--",    trainer(), "--rounds", std::to_string(kRounds),
-                                   "--print-every", "1"};
+  std::vector<std::string> argv = {psld(),
+                                   "launch",
+                                   "-w",
+                                   "3",
+                                   "-s",
+                                   std::to_string(kServers),
+                                   "--",
+                                   trainer(),
+                                   "--rounds",
+                                   std::to_string(kRounds),
+                                   "--print-every",
+                                   "1"};
   if (adam) argv.push_back("--no-check");
   if (!dump.empty()) argv.insert(argv.end(), {"--dump", dump});
   return argv;
-}
-
-std::string slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream bytes;
-  bytes << in.rdbuf();
-  return bytes.str();
 }
 
 size_t count(const std::string& text, const std::string& needle) {

@@ -603,34 +603,6 @@ Result<PlacementDelta> scale_out_taking(const Placement& p, ServerId id,
 
 constexpr ServerId kStandby = 3;
 
-// servers[i] is server i; on UCX each sits behind an emulated link (of
-// unlimited capacity) that kill() can cut.
-std::function<void(uint32_t, RuntimeOptions&)> numbered_servers(const std::string& backend) {
-  return [backend](uint32_t i, RuntimeOptions& o) {
-    o.rank = static_cast<int32_t>(i);
-    if (backend != "loopback") o.net.emulate_link = true;
-  };
-}
-
-// How a test kills a server. On loopback its transport shuts down without a
-// goodbye: every connection closes at once, as a crashed process's would.
-// On UCX it falls silent behind its link (a hung or cut-off server, found by
-// the coordinator's heartbeats): shutting a UCX transport down in-process
-// while its peers are busy can crash inside UCX's connection manager
-// (uct_tcp_sockcm_ep_recv, on UCX's async thread), which is not what a
-// crashed process does to the survivors.
-void kill_server(Cluster& c, ServerId victim) {
-  if (c.base.net.transport == "loopback") {
-    c.servers[victim]->shutdown();
-    return;
-  }
-  transport::LinkOptions cut;
-  cut.egress_bytes_per_second = 1;
-  cut.ingress_bytes_per_second = 1;
-  cut.burst_bytes = 1;
-  ASSERT_TRUE(transport::set_link(c.servers[victim]->transport(), cut).ok());
-}
-
 // Makes the standby's transfer (of a job whose tensors all keep pace) take
 // long enough to be killed in the middle of. On loopback, everything on the
 // connections the standby dials (its state requests, and the states written

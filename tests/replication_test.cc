@@ -18,33 +18,6 @@
 namespace psld {
 namespace {
 
-// servers[i] is server i; on UCX each sits behind an emulated link (of
-// unlimited capacity) that kill_server() can cut.
-std::function<void(uint32_t, RuntimeOptions&)> numbered_servers(const std::string& backend) {
-  return [backend](uint32_t i, RuntimeOptions& o) {
-    o.rank = static_cast<int32_t>(i);
-    if (backend != "loopback") o.net.emulate_link = true;
-  };
-}
-
-// On loopback the server's transport shuts down without a goodbye: every
-// connection closes at once, as a killed process's would. On UCX it falls
-// silent behind its link (found by the coordinator's heartbeats): shutting
-// a UCX transport down in-process while its peers are busy can crash inside
-// UCX's connection manager, which is not what a killed process does to the
-// survivors (the same as in migration_test).
-void kill_server(Cluster& c, ServerId victim) {
-  if (c.base.net.transport == "loopback") {
-    c.servers[victim]->shutdown();
-    return;
-  }
-  transport::LinkOptions cut;
-  cut.egress_bytes_per_second = 1;
-  cut.ingress_bytes_per_second = 1;
-  cut.burst_bytes = 1;
-  ASSERT_TRUE(transport::set_link(c.servers[victim]->transport(), cut).ok());
-}
-
 struct Job {
   uint32_t workers = 4;
   uint32_t servers = 3;
@@ -112,7 +85,8 @@ Outcome run_job(const Job& job, const std::string& backend) {
     auto wait_all = [&](std::vector<std::shared_ptr<RequestState>>& reqs, uint64_t r) -> Status {
       for (auto& req : reqs) {
         Status st = req->wait(20s);
-        if (!st.ok()) return st.with_context(fmt::format("round {}: {}", r, w.describe_in_flight()));
+        if (!st.ok())
+          return st.with_context(fmt::format("round {}: {}", r, w.describe_in_flight()));
       }
       reqs.clear();
       return Status::Ok();
@@ -142,8 +116,8 @@ Outcome run_job(const Job& job, const std::string& backend) {
             for (uint32_t k = 0; k < job.workers; ++k)
               want += pushed(k, r, t, i);
             if (data[t][i] != want) {
-              return Internal(fmt::format("worker {} round {} tensor {} element {}: {} != {}",
-                                          rank, r, t, i, data[t][i], want));
+              return Internal(fmt::format("worker {} round {} tensor {} element {}: {} != {}", rank,
+                                          r, t, i, data[t][i], want));
             }
           }
         }

@@ -35,12 +35,17 @@ struct RunResult {
   std::string output;  // stdout and stderr, interleaved
 };
 
-// The text of /proc/<pid>/<what> ("" when it cannot be read).
-inline std::string proc_file(pid_t pid, const std::string& what) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/" + what, std::ios::binary);
+// A file's bytes ("" when it cannot be read).
+inline std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
+}
+
+// The text of /proc/<pid>/<what> ("" when it cannot be read).
+inline std::string proc_file(pid_t pid, const std::string& what) {
+  return slurp("/proc/" + std::to_string(pid) + "/" + what);
 }
 
 // The process state letter from /proc/<pid>/stat ('R', 'S', 'T' stopped,

@@ -32,9 +32,9 @@ void CoordinatorService::fail_over(const Member& m, const std::string& what) {
   const std::vector<Arc> arcs = now.arcs_of(lost);
   const std::optional<ServerId> backup = backup_of(now, lost);
   std::string why;
-  const std::string ranges =
-      fmt::format("{} of epoch {} ({})", arcs.size() == 1 ? "range" : fmt::format("{} ranges", arcs.size()),
-                  now.epoch(), describe_ranges(arcs));
+  const std::string ranges = fmt::format(
+      "{} of epoch {} ({})", arcs.size() == 1 ? "range" : fmt::format("{} ranges", arcs.size()),
+      now.epoch(), describe_ranges(arcs));
   if (!backup || lost_servers_.count(*backup) || servers_.count(*backup) == 0) {
     why = fmt::format("{}: its {} exist nowhere else",
                       backup ? fmt::format("its backup, server {}, is lost too", *backup)

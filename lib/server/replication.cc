@@ -180,9 +180,9 @@ void ServerService::handle(Shard& shard, const ReplicaFailed& w) {
   k->replica.writing = false;
   k->replica.granted = false;
   k->replica.slots.reset();
-  PSLD_LOG_WARN("server {}: the copy of key {:#x} did not reach server {}; it waits for a new backup",
-                rank(), k->key, k->replica.backup);
-  (void)shard;
+  PSLD_LOG_WARN(
+      "server {}: the copy of key {:#x} did not reach server {}; it waits for a new backup", rank(),
+      k->key, k->replica.backup);
 }
 
 void ServerService::note_resynced(Shard& shard, Key key) {
@@ -254,7 +254,8 @@ void ServerService::handle(Shard& shard, const TakeOver& w) {
                        w.version);
   }
   if (!st.ok()) {
-    fail_key(shard, k, st.with_context(fmt::format("taking over the copy of server {}", c.primary)));
+    fail_key(shard, k,
+             st.with_context(fmt::format("taking over the copy of server {}", c.primary)));
     return;
   }
   k.taken_over = true;
