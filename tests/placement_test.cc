@@ -668,6 +668,7 @@ TEST(PlacementDelta, RoundTripReproducesEveryOperation) {
   changes.emplace_back("remove_server", base.remove_server(5));
   changes.emplace_back("set_state", base.set_state(1, ServerState::kDraining));
   changes.emplace_back("coalesce", base.coalesce());
+  changes.emplace_back("hand_over", base.hand_over(2, 8));
 
   for (auto& [name, change] : changes) {
     SCOPED_TRACE(name);
@@ -691,6 +692,56 @@ TEST(PlacementDelta, RoundTripReproducesEveryOperation) {
     skewed.to_epoch += 1;
     EXPECT_EQ(base.apply(skewed).status().code(), StatusCode::kFailedPrecondition);
   }
+}
+
+// A failover's epoch: every arc of the lost server, however many, goes to
+// one member in a delta of one membership change, and nothing else moves.
+TEST(PlacementHandOver, GivesEveryArcToOneMemberInOneFixedSizeStep) {
+  ASSERT_OK_AND_ASSIGN(Placement p, Placement::initial(equal_servers(6), 256));
+  // Servers 1, 2, 3 and 4 lost one after another, each to the next: the last
+  // holder owns 5 * 256 arcs, far more than a list of ranges would fit in
+  // one control message (7168 bytes).
+  for (ServerId lost = 1; lost <= 4; ++lost) {
+    SCOPED_TRACE(lost);
+    const std::vector<ServerId> before = owners(p);
+    ASSERT_OK_AND_ASSIGN(PlacementChange c, p.hand_over(lost, lost + 1));
+    const std::vector<uint8_t> wire = c.delta.serialize();
+    EXPECT_EQ(wire.size(), 32u + 16 + 8);
+    ASSERT_OK_AND_ASSIGN(PlacementDelta decoded, PlacementDelta::deserialize(wire));
+    ASSERT_OK_AND_ASSIGN(Placement rebuilt, p.apply(decoded));
+    EXPECT_TRUE(rebuilt == c.next);
+    EXPECT_EQ(c.next.find_server(lost), nullptr);
+    EXPECT_EQ(c.next.num_arcs(), p.num_arcs());
+    const std::vector<ServerId> after = owners(c.next);
+    for (size_t k = 0; k < after.size(); ++k) {
+      ASSERT_EQ(after[k], before[k] == lost ? lost + 1 : before[k]) << "key " << k;
+    }
+    p = std::move(c.next);
+  }
+  EXPECT_EQ(p.arcs_of(5).size(), 5u * 256);
+  EXPECT_GT(p.arcs_of(5).size() * 20, size_t{7168});
+}
+
+TEST(PlacementHandOver, ChainsInOrderAndRejectsWhatDoesNotFit) {
+  ASSERT_OK_AND_ASSIGN(Placement p, Placement::initial(equal_servers(4), 16));
+  const uint64_t e = p.epoch();
+  // 1 to 2, then 2 to 3: what 1 owned ends at 3, as applying them one by
+  // one would.
+  PlacementDelta chain{
+      e, e + 1, {MembershipChange::hand_over(1, 2), MembershipChange::hand_over(2, 3)}, {}};
+  ASSERT_OK_AND_ASSIGN(Placement chained, p.apply(chain));
+  ASSERT_OK_AND_ASSIGN(PlacementChange first, p.hand_over(1, 2));
+  ASSERT_OK_AND_ASSIGN(PlacementChange second, first.next.hand_over(2, 3));
+  EXPECT_EQ(owners(chained), owners(second.next));
+  EXPECT_EQ(chained.servers(), second.next.servers());
+
+  EXPECT_EQ(p.hand_over(9, 2).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(p.hand_over(1, 9).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(p.hand_over(1, 1).status().code(), StatusCode::kInvalidArgument);
+  // To a member the same delta removes first.
+  PlacementDelta gone{
+      e, e + 1, {MembershipChange::remove(2), MembershipChange::hand_over(1, 2)}, {}};
+  EXPECT_FALSE(p.apply(gone).ok());
 }
 
 TEST(PlacementDelta, ApplyChecksTheResult) {
@@ -888,6 +939,23 @@ TEST(PlacementSerialize, RejectsHostileDeltas) {
   expect_rejected("NaN weight",
                   [&](auto& b) { put_u64(b, changes_at + 8, 0x7ff8000000000000ULL); });
   expect_rejected("empty range", [&](auto& b) { put_u64(b, assignments_at, 21); });
+
+  const PlacementDelta hand{4, 5, {MembershipChange::hand_over(3, 9)}, {}};
+  const std::vector<uint8_t> hand_bytes = hand.serialize();
+  ASSERT_EQ(hand_bytes.size(), 32u + 16 + 8);
+  EXPECT_EQ(hand_bytes[changes_at], 4);      // kHandOver
+  EXPECT_EQ(hand_bytes[changes_at + 8], 9);  // to, where an add has its weight
+  ASSERT_OK_AND_ASSIGN(PlacementDelta hand_back, PlacementDelta::deserialize(hand_bytes));
+  EXPECT_EQ(hand_back, hand);
+  auto expect_hand_rejected = [&](const char* what, auto&& edit) {
+    std::vector<uint8_t> b = hand_bytes;
+    edit(b);
+    fix_checksum(b);
+    EXPECT_EQ(PlacementDelta::deserialize(b).status().code(), StatusCode::kDataLoss) << what;
+  };
+  expect_hand_rejected("to above 32 bits", [&](auto& b) { b[changes_at + 12] = 1; });
+  expect_hand_rejected("state on a hand-over", [&](auto& b) { b[changes_at + 1] = 1; });
+  expect_hand_rejected("hand-over to itself", [&](auto& b) { b[changes_at + 8] = 3; });
 }
 
 // Random damage with the checksum repaired: every outcome is a clean error or

@@ -47,45 +47,35 @@ void CoordinatorService::fail_over(const Member& m, const std::string& what) {
         *backup, last_lost_, ranges);
   }
   if (!why.empty()) return fail_job(fmt::format("{}; {}, so the job cannot go on", what, why));
-  PlacementDelta delta;
-  delta.from_epoch = now.epoch();
-  delta.to_epoch = now.epoch() + 1;
-  delta.membership.push_back(MembershipChange::remove(lost));
-  for (const Arc& a : arcs) {
-    auto& as = delta.assignments;
-    if (!as.empty() && as.back().hi + 1 == a.lo) {
-      as.back().hi = a.hi;
-    } else {
-      as.push_back({a.lo, a.hi, *backup});
-    }
+  // One hand-over step, whatever the number of arcs: the delta always fits
+  // one message (a delta listing a server's arcs did not once it had taken
+  // over a few others').
+  auto handed = now.hand_over(lost, *backup);
+  if (!handed.ok()) {
+    return fail_job(fmt::format("{}; giving its ranges to server {} failed: {}", what, *backup,
+                                handed.status().to_string()));
   }
-  auto next = now.apply(delta);
-  std::vector<uint8_t> bytes = delta.serialize();
-  if (!next.ok() || bytes.size() > protocol::kMaxDeltaBytes) {
-    return fail_job(fmt::format(
-        "{}; giving its ranges to server {} failed: {}", what, *backup,
-        next.ok() ? fmt::format("the delta has {} bytes, more than one message holds", bytes.size())
-                  : next.status().to_string()));
-  }
+  Placement next = std::move(handed->next);
+  const std::vector<uint8_t> bytes = handed->delta.serialize();
   lost_servers_.insert(lost);
   last_lost_ = lost;
   seal_lost_server(lost);
   // Every server whose backup changes, and the backup itself (the keys it
   // takes over have no copy yet), is unprotected until it says it synced.
   std::set<uint32_t> unsynced{*backup};
-  for (const ServerInfo& s : next->servers()) {
-    if (backup_of(now, s.id) != backup_of(*next, s.id)) unsynced.insert(s.id);
+  for (const ServerInfo& s : next.servers()) {
+    if (backup_of(now, s.id) != backup_of(next, s.id)) unsynced.insert(s.id);
   }
   unsynced_ = std::move(unsynced);
   // It takes the place of every epoch before it: the same switch round as
   // the newest (no switch happens while replicated).
-  const protocol::EpochChange change{protocol::EpochStep::kFailover, next->epoch(),
+  const protocol::EpochChange change{protocol::EpochStep::kFailover, next.epoch(),
                                      last_switch_round_, bytes, lost};
   post_all(servers_, change);
   post_all(workers_, change);
   PSLD_LOG_WARN("coordinator: {}; epoch {}: its {} ranges fail over to server {}", what,
-                next->epoch(), arcs.size(), *backup);
-  placement_ = std::move(next).value();
+                next.epoch(), arcs.size(), *backup);
+  placement_ = std::move(next);
   ++failovers_;
   cv_.notify_all();
 }

@@ -41,7 +41,9 @@ constexpr u128 kRingSize = u128{1} << 64;
 //   0  u32 magic "PSLD"       4  u16 version      6  u16 reserved
 //   8  u64 from_epoch        16  u64 to_epoch
 //   24 u32 num_changes       28  u32 num_assignments
-//   32 num_changes x 16 bytes: u8 kind, u8 state, u16 reserved, u32 id, f64 weight
+//   32 num_changes x 16 bytes: u8 kind, u8 state, u16 reserved, u32 id, u64 argument
+//      (kAdd: the weight as f64 bits; kHandOver: u32 to, u32 reserved; other
+//      kinds: zero)
 //   .. num_assignments x 20 bytes: u64 lo, u64 hi, u32 owner
 //   .. u64 checksum
 constexpr uint32_t kPlacementMagic = 0x504c5350;  // "PSLP"
@@ -124,7 +126,7 @@ bool valid_state(ServerState s) {
 
 bool valid_kind(MembershipChange::Kind k) {
   return k == MembershipChange::Kind::kAdd || k == MembershipChange::Kind::kSetState ||
-         k == MembershipChange::Kind::kRemove;
+         k == MembershipChange::Kind::kRemove || k == MembershipChange::Kind::kHandOver;
 }
 
 // What apply() needs of a delta's own fields before it looks at a placement.
@@ -144,13 +146,18 @@ Status check_delta_shape(const PlacementDelta& d) {
       return InvalidArgument(
           fmt::format("membership change {}: unknown kind {}", i, static_cast<unsigned>(c.kind)));
     }
-    if (c.kind != MembershipChange::Kind::kRemove && !valid_state(c.state)) {
+    if ((c.kind == MembershipChange::Kind::kAdd || c.kind == MembershipChange::Kind::kSetState) &&
+        !valid_state(c.state)) {
       return InvalidArgument(fmt::format("membership change {}: unknown server state {}", i,
                                          static_cast<unsigned>(c.state)));
     }
     if (c.kind == MembershipChange::Kind::kAdd) {
       PSLD_RETURN_IF_ERROR(
           check_weight(c.id, c.weight).with_context(fmt::format("membership change {}", i)));
+    }
+    if (c.kind == MembershipChange::Kind::kHandOver && c.to == c.id) {
+      return InvalidArgument(
+          fmt::format("membership change {}: server {} hands its arcs over to itself", i, c.id));
     }
   }
   for (size_t i = 0; i < d.assignments.size(); ++i) {
@@ -267,6 +274,9 @@ MembershipChange MembershipChange::set_state(ServerId id, ServerState state) {
 MembershipChange MembershipChange::remove(ServerId id) {
   return MembershipChange{Kind::kRemove, id, 0.0, ServerState::kActive};
 }
+MembershipChange MembershipChange::hand_over(ServerId id, ServerId to) {
+  return MembershipChange{Kind::kHandOver, id, 0.0, ServerState::kActive, to};
+}
 
 // ---- PlacementDelta ----------------------------------------------------------
 
@@ -289,7 +299,11 @@ std::vector<uint8_t> PlacementDelta::serialize() const {
     w.u8(has_state ? static_cast<uint8_t>(c.state) : 0);
     w.u16(0);
     w.u32(c.id);
-    w.f64(add ? c.weight : 0.0);
+    if (c.kind == MembershipChange::Kind::kHandOver) {
+      w.u64(c.to);
+    } else {
+      w.f64(add ? c.weight : 0.0);
+    }
   }
   for (const RangeAssignment& a : assignments) {
     w.u64(a.lo);
@@ -328,17 +342,20 @@ Result<PlacementDelta> PlacementDelta::deserialize(std::span<const uint8_t> byte
     const uint8_t state = r.u8();
     const uint16_t reserved = r.u16();
     c.id = r.u32();
-    const uint64_t weight_bits = r.u64();
+    const uint64_t argument = r.u64();
     c.kind = static_cast<MembershipChange::Kind>(kind);
     c.state = static_cast<ServerState>(state);
-    c.weight = std::bit_cast<double>(weight_bits);
     if (!valid_kind(c.kind)) {
       return DataLoss(fmt::format("placement delta: membership change {} has unknown kind {}", i,
                                   static_cast<unsigned>(kind)));
     }
     const bool add = c.kind == MembershipChange::Kind::kAdd;
+    const bool hand_over = c.kind == MembershipChange::Kind::kHandOver;
     const bool has_state = add || c.kind == MembershipChange::Kind::kSetState;
-    if (reserved != 0 || (!add && weight_bits != 0) || (!has_state && state != 0)) {
+    if (add) c.weight = std::bit_cast<double>(argument);
+    if (hand_over) c.to = static_cast<ServerId>(argument);
+    const bool argument_ok = add || (hand_over ? argument <= UINT32_MAX : argument == 0);
+    if (reserved != 0 || !argument_ok || (!has_state && state != 0)) {
       return DataLoss(fmt::format(
           "placement delta: membership change {} has non-zero reserved or unused fields", i));
     }
@@ -646,6 +663,7 @@ Result<Placement> Placement::apply(const PlacementDelta& delta) const {
   next.epoch_ = delta.to_epoch;
   next.servers_ = servers_;
   std::vector<ServerInfo>& members = next.servers_;
+  std::vector<std::pair<ServerId, ServerId>> hand_overs;  // (from, to), in order
   for (size_t i = 0; i < delta.membership.size(); ++i) {
     const MembershipChange& c = delta.membership[i];
     auto it = std::lower_bound(members.begin(), members.end(), c.id,
@@ -668,9 +686,32 @@ Result<Placement> Placement::apply(const PlacementDelta& delta) const {
     }
     if (c.kind == MembershipChange::Kind::kSetState) {
       it->state = c.state;
-    } else {
-      members.erase(it);
+      continue;
     }
+    if (c.kind == MembershipChange::Kind::kHandOver) {
+      const bool to_present = std::any_of(members.begin(), members.end(),
+                                          [&](const ServerInfo& s) { return s.id == c.to; });
+      if (!to_present) {
+        return NotFound(
+            fmt::format("membership change {}: server {} hands its arcs to server {}, "
+                        "which is not a member",
+                        i, c.id, c.to));
+      }
+      hand_overs.emplace_back(c.id, c.to);
+    }
+    members.erase(it);
+  }
+
+  // Hand-overs rename owners before the assignments cut the ring; a chain
+  // (a to b, then b to c) ends at c, as applying them one by one would.
+  const std::vector<ServerId>* base_owner = &owner_;
+  std::vector<ServerId> handed;
+  if (!hand_overs.empty()) {
+    handed = owner_;
+    for (const auto& [from, to] : hand_overs) {
+      std::replace(handed.begin(), handed.end(), from, to);
+    }
+    base_owner = &handed;
   }
 
   const std::vector<RangeAssignment>& as = delta.assignments;
@@ -679,13 +720,13 @@ Result<Placement> Placement::apply(const PlacementDelta& delta) const {
     disjoint_sorted = as[i].lo > as[i - 1].hi;
   }
   if (disjoint_sorted) {
-    merge_disjoint(upper_, owner_, as, &next.upper_, &next.owner_);
+    merge_disjoint(upper_, *base_owner, as, &next.upper_, &next.owner_);
     if (next.upper_.size() > kMaxArcs) {
       return InvalidArgument(fmt::format("the delta cuts the ring into {} arcs; at most {}",
                                          next.upper_.size(), kMaxArcs));
     }
   } else {
-    PSLD_RETURN_IF_ERROR(apply_sequential(upper_, owner_, as, &next.upper_, &next.owner_));
+    PSLD_RETURN_IF_ERROR(apply_sequential(upper_, *base_owner, as, &next.upper_, &next.owner_));
   }
   PSLD_RETURN_IF_ERROR(next.check_owners().with_context(
       fmt::format("delta from epoch {} to {}", delta.from_epoch, delta.to_epoch)));
@@ -904,6 +945,21 @@ Result<PlacementChange> Placement::drain_server(ServerId id) const {
   }
   std::sort(d.assignments.begin(), d.assignments.end(),
             [](const RangeAssignment& a, const RangeAssignment& b) { return a.lo < b.lo; });
+  return commit(std::move(d));
+}
+
+Result<PlacementChange> Placement::hand_over(ServerId id, ServerId to) const {
+  if (find_server(id) == nullptr) {
+    return NotFound(fmt::format("server {} is not a member of placement epoch {}", id, epoch_));
+  }
+  if (find_server(to) == nullptr) {
+    return NotFound(fmt::format("server {} is not a member of placement epoch {}", to, epoch_));
+  }
+  if (id == to) {
+    return InvalidArgument(fmt::format("hand_over: server {} cannot take over its own arcs", id));
+  }
+  PlacementDelta d;
+  d.membership.push_back(MembershipChange::hand_over(id, to));
   return commit(std::move(d));
 }
 

@@ -62,15 +62,20 @@ struct MembershipChange {
     kAdd = 1,       // a new member {id, weight} in `state`
     kSetState = 2,  // member `id` becomes `state`
     kRemove = 3,    // member `id` leaves; it must own nothing in the result
+    // Member `id` leaves and every arc it owns goes to member `to` at once:
+    // a failover in one fixed-size step, however many arcs `id` held.
+    kHandOver = 4,
   };
   Kind kind = Kind::kAdd;
   ServerId id = 0;
   double weight = 0.0;                       // kAdd only
   ServerState state = ServerState::kActive;  // kAdd and kSetState
+  ServerId to = 0;                           // kHandOver only
 
   static MembershipChange add(ServerSpec spec, ServerState state = ServerState::kActive);
   static MembershipChange set_state(ServerId id, ServerState state);
   static MembershipChange remove(ServerId id);
+  static MembershipChange hand_over(ServerId id, ServerId to);
   bool operator==(const MembershipChange&) const = default;
 };
 
@@ -218,6 +223,11 @@ class Placement {
   Result<PlacementChange> drain_server(ServerId id) const;
   // Remove a member that owns nothing (FailedPrecondition otherwise).
   Result<PlacementChange> remove_server(ServerId id) const;
+  // Remove `id` and give every arc it owns to the member `to` (NotFound for
+  // an unknown id, InvalidArgument when id == to). The delta is one
+  // membership change, whatever the number of arcs: a failover always fits
+  // one message.
+  Result<PlacementChange> hand_over(ServerId id, ServerId to) const;
   // Mark a member active or draining without moving anything (the balancer
   // drains gradually with move_range). At least one member must stay active.
   Result<PlacementChange> set_state(ServerId id, ServerState state) const;
