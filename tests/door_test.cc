@@ -21,7 +21,6 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
-#include <regex>
 #include <set>
 #include <string>
 #include <thread>
@@ -40,6 +39,7 @@ using psld::testing::run_process;
 using psld::testing::sockets_of;
 
 using psld::testing::kLaunchedJobEnv;
+using psld::testing::last_round;
 using psld::testing::psld;
 using psld::testing::trainer;
 
@@ -62,16 +62,6 @@ std::vector<std::string> open_job(const std::string& stop_file) {
   return {
       psld(),    "launch",        "-w", "3",           "-s",     "2", "--", trainer(), "--rounds",
       "1000000", "--print-every", "20", "--stop-file", stop_file};
-}
-
-// The highest "worker 0: round N" the job printed.
-int last_round(const std::string& output) {
-  static const std::regex re("worker 0: round ([0-9]+)");
-  int last = 0;
-  for (auto it = std::sregex_iterator(output.begin(), output.end(), re);
-       it != std::sregex_iterator(); ++it)
-    last = std::max(last, std::stoi((*it)[1].str()));
-  return last;
 }
 
 // Ends the job cleanly 60 rounds after the last one it printed, and expects

@@ -15,6 +15,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tests/temp_dir.h"
@@ -29,8 +30,8 @@ using psld::testing::slurp;
 using psld::testing::TempDir;
 using psld::testing::trainer;
 
-constexpr int kRounds = 500;
 constexpr int kServers = 6;
+constexpr int kKills = 5;
 
 std::vector<std::string> job_env(bool adam, int factor) {
   std::vector<std::string> env = psld::testing::kLaunchedJobEnv;
@@ -48,19 +49,20 @@ std::vector<std::string> job_env(bool adam, int factor) {
   return env;
 }
 
-std::vector<std::string> job(bool adam, const std::string& dump) {
-  std::vector<std::string> argv = {psld(),
-                                   "launch",
-                                   "-w",
-                                   "3",
-                                   "-s",
-                                   std::to_string(kServers),
-                                   "--",
-                                   trainer(),
-                                   "--rounds",
-                                   std::to_string(kRounds),
-                                   "--print-every",
-                                   "1"};
+// A job of 3 workers and kServers servers. With a `stop_file` it runs until
+// the test writes its last round there (rounds take about a millisecond
+// here, so a fixed count would end the job before the kills do);
+// otherwise for `rounds` rounds.
+std::vector<std::string> job(bool adam, const std::string& dump, const std::string& stop_file,
+                             int rounds) {
+  std::vector<std::string> argv = {
+      psld(),    "launch",        "-w", "3", "-s", std::to_string(kServers), "--",
+      trainer(), "--print-every", "1"};
+  if (stop_file.empty()) {
+    argv.insert(argv.end(), {"--rounds", std::to_string(rounds)});
+  } else {
+    argv.insert(argv.end(), {"--rounds", "1000000", "--stop-file", stop_file});
+  }
   if (adam) argv.push_back("--no-check");
   if (!dump.empty()) argv.insert(argv.end(), {"--dump", dump});
   return argv;
@@ -73,80 +75,102 @@ size_t count(const std::string& text, const std::string& needle) {
   return n;
 }
 
-// Kills `kills` of the job's servers, one at a time, each at a random round
-// at least 30 rounds after the previous kill and once every range has its
-// copies again; returns a line per kill for the log.
-std::string kill_servers(Background& run, int kills, std::mt19937& rng) {
+// Waits until the coordinator said `n` times that every range has its copies
+// again; false (with a failure) after 60 s or when the job ended.
+bool copies_made(Background& run, size_t n) {
+  const auto until = std::chrono::steady_clock::now() + 60s;
+  while (count(run.output(), "every range has its copies again") < n) {
+    if (std::chrono::steady_clock::now() > until || run.wait(0ms)) {
+      ADD_FAILURE() << "the copies were not made again after kill " << n << "\n" << run.output();
+      return false;
+    }
+    std::this_thread::sleep_for(5ms);
+  }
+  return true;
+}
+
+struct Kills {
+  std::string said;    // a line per kill for the log
+  int last_round = 0;  // the job's last round, written to its stop file; 0 on failure
+};
+
+// Kills kKills of the job's servers, one at a time, each at a random round at
+// least 30 rounds after the previous kill and once every range has its copies
+// again; then, once the copies of the last kill are made too, ends the job
+// 200 rounds after the last round it printed.
+Kills kill_servers(Background& run, const std::string& stop_file, std::mt19937& rng) {
   std::set<int> alive;
   for (int s = 0; s < kServers; ++s)
     alive.insert(s);
   int at = 0;
-  std::string said;
-  for (int k = 0; k < kills; ++k) {
+  Kills out;
+  for (int k = 0; k < kKills; ++k) {
     at += 30 + static_cast<int>(rng() % 50);
-    EXPECT_LT(at, kRounds - 20);
     if (!run.wait_for_output("worker 0: round " + std::to_string(at) + "\n", 120s)) {
       ADD_FAILURE() << "the job did not reach round " << at << "\n" << run.output();
-      return said;
+      return out;
     }
-    if (k > 0) {
-      const auto until = std::chrono::steady_clock::now() + 60s;
-      while (count(run.output(), "every range has its copies again") < static_cast<size_t>(k)) {
-        if (std::chrono::steady_clock::now() > until || run.wait(0ms)) {
-          ADD_FAILURE() << "the copies were not made again after kill " << k << "\n"
-                        << run.output();
-          return said;
-        }
-        std::this_thread::sleep_for(5ms);
-      }
-    }
+    if (k > 0 && !copies_made(run, k)) return out;
     auto victim = alive.begin();
     std::advance(victim, static_cast<long>(rng() % alive.size()));
     const pid_t pid = run.member("server", *victim);
     if (pid <= 0) {
       ADD_FAILURE() << "no process for server " << *victim << "\n" << run.output();
-      return said;
+      return out;
     }
     EXPECT_EQ(kill(pid, SIGKILL), 0);
-    said += " server " + std::to_string(*victim) + " at round " + std::to_string(at) + ";";
+    out.said += " server " + std::to_string(*victim) + " at round " + std::to_string(at) + ";";
     alive.erase(victim);
   }
-  return said;
+  if (!copies_made(run, kKills)) return out;
+  out.last_round = psld::testing::last_round(run.output()) + 200;
+  std::ofstream(stop_file) << out.last_round << "\n";
+  return out;
 }
 
 // Sum mode: the trainer checks every element of every round against the
 // exact sum and exits non-zero on the first wrong one.
 TEST(FailoverKill, FiveOfSixServersKilledEveryRoundStaysExact) {
+  TempDir tmp("psld-failover-kill");
+  ASSERT_FALSE(tmp.path().empty());
+  const std::string stop_file = tmp.path() + "/stop";
   std::mt19937 rng(std::random_device{}());
-  Background run(job(false, ""), job_env(false, 2));
-  const std::string kills = kill_servers(run, 5, rng);
+  Background run(job(false, "", stop_file, 0), job_env(false, 2));
+  const Kills kills = kill_servers(run, stop_file, rng);
+  std::printf("killed:%s\n", kills.said.c_str());
+  ASSERT_GT(kills.last_round, 0);
   auto code = run.wait(180s);
   ASSERT_TRUE(code) << run.output();
   EXPECT_EQ(*code, 0) << run.output();
-  EXPECT_EQ(count(run.output(), "ranges fail over to server"), 5u) << run.output();
-  std::printf("killed:%s\n", kills.c_str());
+  EXPECT_EQ(count(run.output(), "ranges fail over to server"), size_t{kKills}) << run.output();
+  for (int w = 0; w < 3; ++w) {
+    const std::string want =
+        "worker " + std::to_string(w) + ": " + std::to_string(kills.last_round) + " rounds exact";
+    EXPECT_NE(run.output().find(want), std::string::npos) << want << "\n" << run.output();
+  }
 }
 
 TEST(FailoverKill, AdamAfterFiveKillsIsBitIdenticalToAJobWithoutReplication) {
   TempDir tmp("psld-failover-kill");
   ASSERT_FALSE(tmp.path().empty());
-  {
-    Background whole(job(true, tmp.path() + "/whole"), job_env(true, 1));
-    auto code = whole.wait(180s);
-    ASSERT_TRUE(code) << whole.output();
-    ASSERT_EQ(*code, 0) << whole.output();
-  }
-  const std::string want = slurp(tmp.path() + "/whole");
-  ASSERT_EQ(want.size(), (1 + 333 + 70000) * 4u);
-
+  const std::string stop_file = tmp.path() + "/stop";
   std::mt19937 rng(std::random_device{}());
-  Background run(job(true, tmp.path() + "/killed"), job_env(true, 2));
-  const std::string kills = kill_servers(run, 5, rng);
+  Background run(job(true, tmp.path() + "/killed", stop_file, 0), job_env(true, 2));
+  const Kills kills = kill_servers(run, stop_file, rng);
+  std::printf("killed:%s\n", kills.said.c_str());
+  ASSERT_GT(kills.last_round, 0);
   auto code = run.wait(180s);
   ASSERT_TRUE(code) << run.output();
   ASSERT_EQ(*code, 0) << run.output();
-  EXPECT_EQ(count(run.output(), "ranges fail over to server"), 5u) << run.output();
-  std::printf("killed:%s\n", kills.c_str());
+  EXPECT_EQ(count(run.output(), "ranges fail over to server"), size_t{kKills}) << run.output();
+
+  // The same rounds with one copy and nobody killed.
+  Background whole(job(true, tmp.path() + "/whole", "", kills.last_round), job_env(true, 1));
+  auto whole_code = whole.wait(180s);
+  ASSERT_TRUE(whole_code) << whole.output();
+  ASSERT_EQ(*whole_code, 0) << whole.output();
+  const std::string want = slurp(tmp.path() + "/whole");
+  ASSERT_EQ(want.size(), (1 + 333 + 70000) * 4u);
   const std::string got = slurp(tmp.path() + "/killed");
   ASSERT_EQ(got.size(), want.size());
   EXPECT_TRUE(got == want) << "the parameters differ from those of the job nobody killed";

@@ -12,11 +12,13 @@
 #include <unistd.h>
 
 #include <dirent.h>
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <regex>
 #include <set>
 #include <sstream>
 #include <string>
@@ -62,19 +64,36 @@ inline bool proc_ended(pid_t pid) {
   return s == 0 || s == 'Z' || s == 'X';
 }
 
-// The direct children of `pid`, over all its threads.
+// The direct children of `pid`: every process whose parent it is, from
+// /proc/<n>/stat. (/proc/<pid>/task/<tid>/children missed a live child now
+// and then, as its documentation warns, once siblings had exited.)
 inline std::vector<pid_t> proc_children(pid_t pid) {
   std::vector<pid_t> out;
-  DIR* dir = opendir(("/proc/" + std::to_string(pid) + "/task").c_str());
+  DIR* dir = opendir("/proc");
   if (!dir) return out;
   while (dirent* e = readdir(dir)) {
-    if (e->d_name[0] == '.') continue;
-    std::stringstream ss(proc_file(pid, std::string("task/") + e->d_name + "/children"));
-    for (pid_t c; ss >> c;)
-      out.push_back(c);
+    if (e->d_name[0] < '1' || e->d_name[0] > '9') continue;
+    const std::string stat = slurp(std::string("/proc/") + e->d_name + "/stat");
+    const auto paren = stat.rfind(')');
+    if (paren == std::string::npos) continue;
+    std::stringstream rest(stat.substr(paren + 1));
+    char state = 0;
+    pid_t parent = 0;
+    if (rest >> state >> parent && parent == pid) out.push_back(std::atoi(e->d_name));
   }
   closedir(dir);
   return out;
+}
+
+// The highest "worker 0: round N" a launched trainer (launch_worker
+// --print-every) printed in `output`; 0 when none.
+inline int last_round(const std::string& output) {
+  static const std::regex re("worker 0: round ([0-9]+)");
+  int last = 0;
+  for (auto it = std::sregex_iterator(output.begin(), output.end(), re);
+       it != std::sregex_iterator(); ++it)
+    last = std::max(last, std::stoi((*it)[1].str()));
+  return last;
 }
 
 // A process in the background, in a new process group, for tests that act on
