@@ -735,6 +735,20 @@ TEST(PlacementHandOver, ChainsInOrderAndRejectsWhatDoesNotFit) {
   EXPECT_EQ(owners(chained), owners(second.next));
   EXPECT_EQ(chained.servers(), second.next.servers());
 
+  // With a replacement: it joins empty and active in the same step.
+  ASSERT_OK_AND_ASSIGN(PlacementChange replaced, p.hand_over(1, 2, ServerSpec{7, 1.0}));
+  EXPECT_EQ(replaced.delta.membership.size(), 2u);
+  ASSERT_NE(replaced.next.find_server(7), nullptr);
+  EXPECT_EQ(replaced.next.find_server(7)->state, ServerState::kActive);
+  EXPECT_TRUE(replaced.next.arcs_of(7).empty());
+  EXPECT_EQ(owners(replaced.next), owners(first.next));
+  EXPECT_EQ(backup_of(replaced.next, 4), std::optional<ServerId>(7));
+  ASSERT_OK_AND_ASSIGN(PlacementDelta replaced_back,
+                       PlacementDelta::deserialize(replaced.delta.serialize()));
+  ASSERT_OK_AND_ASSIGN(Placement replaced_rebuilt, p.apply(replaced_back));
+  EXPECT_TRUE(replaced_rebuilt == replaced.next);
+  EXPECT_EQ(p.hand_over(1, 2, ServerSpec{3, 1.0}).status().code(), StatusCode::kInvalidArgument);
+
   EXPECT_EQ(p.hand_over(9, 2).status().code(), StatusCode::kNotFound);
   EXPECT_EQ(p.hand_over(1, 9).status().code(), StatusCode::kNotFound);
   EXPECT_EQ(p.hand_over(1, 1).status().code(), StatusCode::kInvalidArgument);

@@ -10,6 +10,8 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <optional>
+#include <set>
 #include <thread>
 
 #include "tests/cluster.h"
@@ -21,6 +23,7 @@ namespace {
 struct Job {
   uint32_t workers = 4;
   uint32_t servers = 3;
+  uint32_t standby = 0;
   uint64_t rounds = 60;
   ServerMode mode = ServerMode::kSum;
   // Round -> what worker 0 does once it finished that round (on a thread of
@@ -39,6 +42,7 @@ struct Outcome {
   Status status;
   std::vector<std::vector<float>> params;  // worker 0's tensors after the last round
   uint64_t failovers = 0;
+  std::optional<Placement> placement;  // the coordinator's at the end
 };
 
 float pushed(uint32_t rank, uint64_t r, size_t t, size_t i) {
@@ -58,6 +62,7 @@ Outcome run_job(const Job& job, const std::string& backend) {
       job.workers, job.servers,
       [&](RuntimeOptions& o) {
         o.replication_factor = 2;
+        o.num_standby = job.standby;
         o.mode = job.mode;
         o.optimizer.kind = OptimizerKind::kAdam;
         o.optimizer.lr = 0.01f;
@@ -141,6 +146,7 @@ Outcome run_job(const Job& job, const std::string& backend) {
     out.params.emplace_back(at, at + job.elems[t]);
   }
   out.failovers = c.coordinator->failovers();
+  out.placement = c.coordinator->placement();
   return out;
 }
 
@@ -155,6 +161,49 @@ TEST_P(Replication, TwoServersKilledOneAfterTheOtherLoseNothing) {
   const Outcome out = run_job(job, GetParam());
   EXPECT_TRUE(out.status.ok()) << out.status.to_string();
   EXPECT_EQ(out.failovers, 2u);
+}
+
+// 3 servers and 2 standby: each failover brings a standby into the ring in
+// the lost server's place. Server 1 dies (its ranges go to 2, standby 3
+// joins), then 2 (its ranges go to 3, which has held their copies since it
+// joined; standby 4 joins), then 0 (to 3): every range ends on a server
+// that started as a standby, sums exact every round.
+TEST_P(Replication, StandbyServersTakeTheLostServersPlaces) {
+  Job job;
+  job.standby = 2;
+  job.rounds = 100;
+  job.events = {{10, kill(1)}, {40, kill(2)}, {70, kill(0)}};
+  const Outcome out = run_job(job, GetParam());
+  ASSERT_TRUE(out.status.ok()) << out.status.to_string();
+  EXPECT_EQ(out.failovers, 3u);
+  ASSERT_TRUE(out.placement.has_value());
+  std::vector<ServerId> members;
+  for (const ServerInfo& s : out.placement->servers())
+    members.push_back(s.id);
+  EXPECT_EQ(members, (std::vector<ServerId>{3, 4}));
+  EXPECT_EQ(out.placement->owners(), (std::set<ServerId>{3}));
+}
+
+// A standby that joined in a lost server's place owns nothing yet: losing
+// it too loses nothing, even before its predecessor's keys have copies at
+// it, and the job goes on (on two servers, no standby being left).
+TEST_P(Replication, LosingAStandbyThatOwnsNothingLosesNothing) {
+  Job job;
+  job.standby = 1;
+  job.rounds = 50;
+  job.events = {{10, [](Cluster& c) {
+                   kill_server(c, 1);
+                   ASSERT_TRUE(eventually("standby 3 to join the placement", 10s, [&] {
+                     auto p = c.coordinator->placement();
+                     return p && p->find_server(3) != nullptr;
+                   }));
+                   kill_server(c, 3);
+                 }}};
+  const Outcome out = run_job(job, GetParam());
+  ASSERT_TRUE(out.status.ok()) << out.status.to_string();
+  EXPECT_EQ(out.failovers, 2u);
+  ASSERT_TRUE(out.placement.has_value());
+  EXPECT_EQ(out.placement->servers().size(), 2u);
 }
 
 // Plain pushes (each completes once its round is durable at the backup)

@@ -31,11 +31,17 @@ void CoordinatorService::fail_over(const Member& m, const std::string& what) {
   const Placement& now = *placement_;
   const std::vector<Arc> arcs = now.arcs_of(lost);
   const std::optional<ServerId> backup = backup_of(now, lost);
+  // A member that owns nothing (a standby that joined in a lost server's
+  // place and took nothing over yet) holds copies only: losing it loses
+  // nothing, whatever state its own backup is in.
   std::string why;
   const std::string ranges = fmt::format(
       "{} of epoch {} ({})", arcs.size() == 1 ? "range" : fmt::format("{} ranges", arcs.size()),
       now.epoch(), describe_ranges(arcs));
-  if (!backup || lost_servers_.count(*backup) || servers_.count(*backup) == 0) {
+  if (arcs.empty()) {
+    // Nothing to lose; a backup is still needed for the hand-over step.
+    if (!backup) why = "no other server is left";
+  } else if (!backup || lost_servers_.count(*backup) || servers_.count(*backup) == 0) {
     why = fmt::format("{}: its {} exist nowhere else",
                       backup ? fmt::format("its backup, server {}, is lost too", *backup)
                              : std::string("no other server is left to hold a copy"),
@@ -47,10 +53,20 @@ void CoordinatorService::fail_over(const Member& m, const std::string& what) {
         *backup, last_lost_, ranges);
   }
   if (!why.empty()) return fail_job(fmt::format("{}; {}, so the job cannot go on", what, why));
+  // An idle standby server (joined, never a member, not lost) takes the
+  // lost server's place in the ring, empty: the job keeps its number of
+  // servers, and the member before it backs up to it from now on.
+  std::optional<ServerSpec> replacement;
+  for (const auto& [rank, conn] : servers_) {
+    if (rank != lost && now.find_server(rank) == nullptr && !lost_servers_.count(rank)) {
+      replacement = ServerSpec{rank, 1.0};
+      break;
+    }
+  }
   // One hand-over step, whatever the number of arcs: the delta always fits
   // one message (a delta listing a server's arcs did not once it had taken
   // over a few others').
-  auto handed = now.hand_over(lost, *backup);
+  auto handed = now.hand_over(lost, *backup, replacement);
   if (!handed.ok()) {
     return fail_job(fmt::format("{}; giving its ranges to server {} failed: {}", what, *backup,
                                 handed.status().to_string()));
@@ -60,21 +76,28 @@ void CoordinatorService::fail_over(const Member& m, const std::string& what) {
   lost_servers_.insert(lost);
   last_lost_ = lost;
   seal_lost_server(lost);
-  // Every server whose backup changes, and the backup itself (the keys it
-  // takes over have no copy yet), is unprotected until it says it synced.
-  std::set<uint32_t> unsynced{*backup};
+  // Every server whose backup changes (a replacement's too: it had none),
+  // and the backup itself (the keys it takes over have no copy yet), is
+  // unprotected until it says it synced; so are those of an earlier
+  // failover that have not said so yet (every server resyncs at every
+  // failover epoch and reports for the newest).
+  unsynced_.erase(lost);
+  unsynced_.insert(*backup);
   for (const ServerInfo& s : next.servers()) {
-    if (backup_of(now, s.id) != backup_of(next, s.id)) unsynced.insert(s.id);
+    if (backup_of(now, s.id) != backup_of(next, s.id)) unsynced_.insert(s.id);
   }
-  unsynced_ = std::move(unsynced);
   // It takes the place of every epoch before it: the same switch round as
   // the newest (no switch happens while replicated).
   const protocol::EpochChange change{protocol::EpochStep::kFailover, next.epoch(),
                                      last_switch_round_, bytes, lost};
   post_all(servers_, change);
   post_all(workers_, change);
-  PSLD_LOG_WARN("coordinator: {}; epoch {}: its {} ranges fail over to server {}", what,
-                next.epoch(), arcs.size(), *backup);
+  PSLD_LOG_WARN(
+      "coordinator: {}; epoch {}: its {} ranges fail over to server {}{}", what, next.epoch(),
+      arcs.size(), *backup,
+      replacement
+          ? fmt::format(", and standby server {} joins the placement in its place", replacement->id)
+          : std::string());
   placement_ = std::move(next);
   ++failovers_;
   cv_.notify_all();

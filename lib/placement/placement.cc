@@ -948,7 +948,8 @@ Result<PlacementChange> Placement::drain_server(ServerId id) const {
   return commit(std::move(d));
 }
 
-Result<PlacementChange> Placement::hand_over(ServerId id, ServerId to) const {
+Result<PlacementChange> Placement::hand_over(ServerId id, ServerId to,
+                                             std::optional<ServerSpec> replacement) const {
   if (find_server(id) == nullptr) {
     return NotFound(fmt::format("server {} is not a member of placement epoch {}", id, epoch_));
   }
@@ -960,6 +961,15 @@ Result<PlacementChange> Placement::hand_over(ServerId id, ServerId to) const {
   }
   PlacementDelta d;
   d.membership.push_back(MembershipChange::hand_over(id, to));
+  if (replacement) {
+    if (find_server(replacement->id) != nullptr) {
+      return InvalidArgument(
+          fmt::format("hand_over: server {} cannot replace server {}: it is a member already",
+                      replacement->id, id));
+    }
+    PSLD_RETURN_IF_ERROR(check_weight(replacement->id, replacement->weight));
+    d.membership.push_back(MembershipChange::add(*replacement));
+  }
   return commit(std::move(d));
 }
 

@@ -226,8 +226,10 @@ class Placement {
   // Remove `id` and give every arc it owns to the member `to` (NotFound for
   // an unknown id, InvalidArgument when id == to). The delta is one
   // membership change, whatever the number of arcs: a failover always fits
-  // one message.
-  Result<PlacementChange> hand_over(ServerId id, ServerId to) const;
+  // one message. With a `replacement`, that server joins in the same step,
+  // active and owning nothing (InvalidArgument when it is a member already).
+  Result<PlacementChange> hand_over(ServerId id, ServerId to,
+                                    std::optional<ServerSpec> replacement = std::nullopt) const;
   // Mark a member active or draining without moving anything (the balancer
   // drains gradually with move_range). At least one member must stay active.
   Result<PlacementChange> set_state(ServerId id, ServerState state) const;
