@@ -107,6 +107,12 @@ void fuzz_placement(std::span<const uint8_t> in) {
     check_change(*p, p->move_arc(p->num_arcs() - 1, s.id));
     break;
   }
+  // A failover's: the first member's arcs to the last, a newcomer in its place.
+  const auto& members = p->servers();
+  if (members.size() >= 2) {
+    check_change(*p, p->hand_over(members.front().id, members.back().id,
+                                  ServerSpec{members.back().id + 1, 1.0}));
+  }
 }
 
 Seed with_selector(std::string name, uint8_t selector, const std::vector<uint8_t>& bytes) {
@@ -129,6 +135,8 @@ std::vector<Seed> seeds() {
   out.push_back(with_selector("delta_move_range", kDelta, moved->delta.serialize()));
   auto isolated = p.isolate_key(42);
   out.push_back(with_selector("delta_isolate_key", kDelta, isolated->delta.serialize()));
+  auto handed = p.hand_over(1, 2, ServerSpec{5, 1.0});
+  out.push_back(with_selector("delta_hand_over", kDelta, handed->delta.serialize()));
   // Overlapping assignments and a removal, as only a hand-made delta has.
   PlacementDelta d;
   d.from_epoch = 0;
