@@ -170,7 +170,9 @@ TEST(BenchRun, RerunConfirmsARealRegressionAndNotADoctoredOne) {
   ASSERT_EQ(run.exit_code, 0) << run.output;
   auto worse = bench({"compare", base, slow, "--rerun-repetitions", "2", "--threshold", "15%"});
   EXPECT_EQ(worse.exit_code, 1) << worse.output;
-  EXPECT_NE(worse.output.find("kernels/BM_adam_fp32/1048576 regressed"), std::string::npos)
+  // The fp16 conversion is the row the scalar kernels lose most on every
+  // CPU (-95% on an Intel Xeon, where scalar Adam lost only 12%).
+  EXPECT_NE(worse.output.find("kernels/BM_cvt_fp32_to_fp16/1048576 regressed"), std::string::npos)
       << worse.output;
 }
 
