@@ -156,44 +156,57 @@ Kills kill_servers(Background& run, const std::string& stop_file, std::mt19937& 
   return out;
 }
 
+// A replicated job under kill_servers, to its end: its output and kills,
+// and whether it ended cleanly after kKills failovers.
+struct KilledJob {
+  Kills kills;
+  std::string output;
+  bool ok = false;
+};
+
+KilledJob run_killed_job(bool adam, const std::string& dump, const std::string& dir) {
+  KilledJob out;
+  const std::string stop_file = dir + "/stop";
+  std::mt19937 rng(std::random_device{}());
+  Background run(job(adam, dump, stop_file, 0, kStandby), job_env(adam, 2));
+  out.kills = kill_servers(run, stop_file, rng);
+  std::printf("killed:%s\n", out.kills.said.c_str());
+  if (out.kills.last_round == 0) return out;  // said why; the group is killed on return
+  auto code = run.wait(180s);
+  out.output = run.output();
+  if (!code) {
+    ADD_FAILURE() << "the job did not end 180 s after its last round was set\n" << out.output;
+    return out;
+  }
+  EXPECT_EQ(*code, 0) << out.output;
+  EXPECT_EQ(count(out.output, "ranges fail over to server"), size_t{kKills}) << out.output;
+  out.ok = *code == 0;
+  return out;
+}
+
 // Sum mode: the trainer checks every element of every round against the
 // exact sum and exits non-zero on the first wrong one.
 TEST(FailoverKill, TwentyServersKilledEveryRoundStaysExact) {
   TempDir tmp("psld-failover-kill");
   ASSERT_FALSE(tmp.path().empty());
-  const std::string stop_file = tmp.path() + "/stop";
-  std::mt19937 rng(std::random_device{}());
-  Background run(job(false, "", stop_file, 0, kStandby), job_env(false, 2));
-  const Kills kills = kill_servers(run, stop_file, rng);
-  std::printf("killed:%s\n", kills.said.c_str());
-  ASSERT_GT(kills.last_round, 0);
-  auto code = run.wait(180s);
-  ASSERT_TRUE(code) << run.output();
-  EXPECT_EQ(*code, 0) << run.output();
-  EXPECT_EQ(count(run.output(), "ranges fail over to server"), size_t{kKills}) << run.output();
+  const KilledJob killed = run_killed_job(false, "", tmp.path());
+  ASSERT_TRUE(killed.ok);
   for (int w = 0; w < 3; ++w) {
-    const std::string want =
-        "worker " + std::to_string(w) + ": " + std::to_string(kills.last_round) + " rounds exact";
-    EXPECT_NE(run.output().find(want), std::string::npos) << want << "\n" << run.output();
+    const std::string want = "worker " + std::to_string(w) + ": " +
+                             std::to_string(killed.kills.last_round) + " rounds exact";
+    EXPECT_NE(killed.output.find(want), std::string::npos) << want << "\n" << killed.output;
   }
 }
 
 TEST(FailoverKill, AdamAfterTwentyKillsIsBitIdenticalToAJobWithoutReplication) {
   TempDir tmp("psld-failover-kill");
   ASSERT_FALSE(tmp.path().empty());
-  const std::string stop_file = tmp.path() + "/stop";
-  std::mt19937 rng(std::random_device{}());
-  Background run(job(true, tmp.path() + "/killed", stop_file, 0, kStandby), job_env(true, 2));
-  const Kills kills = kill_servers(run, stop_file, rng);
-  std::printf("killed:%s\n", kills.said.c_str());
-  ASSERT_GT(kills.last_round, 0);
-  auto code = run.wait(180s);
-  ASSERT_TRUE(code) << run.output();
-  ASSERT_EQ(*code, 0) << run.output();
-  EXPECT_EQ(count(run.output(), "ranges fail over to server"), size_t{kKills}) << run.output();
+  const KilledJob killed = run_killed_job(true, tmp.path() + "/killed", tmp.path());
+  ASSERT_TRUE(killed.ok);
 
   // The same rounds with one copy and nobody killed.
-  Background whole(job(true, tmp.path() + "/whole", "", kills.last_round, 0), job_env(true, 1));
+  Background whole(job(true, tmp.path() + "/whole", "", killed.kills.last_round, 0),
+                   job_env(true, 1));
   auto whole_code = whole.wait(180s);
   ASSERT_TRUE(whole_code) << whole.output();
   ASSERT_EQ(*whole_code, 0) << whole.output();
