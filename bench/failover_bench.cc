@@ -110,8 +110,8 @@ int trainer(const Options& o) {
   std::vector<std::vector<float>> data(o.tensors, std::vector<float>(elems));
   std::vector<psld::TensorHandle> handles;
   for (int t = 0; t < o.tensors; ++t) {
-    auto h = w.register_tensor("t" + std::to_string(t), psld::DType::kFloat32, o.bytes,
-                               data[t].data());
+    auto h =
+        w.register_tensor("t" + std::to_string(t), psld::DType::kFloat32, o.bytes, data[t].data());
     if (!h.ok()) {
       std::fprintf(stderr, "trainer: %s\n", h.status().to_string().c_str());
       return 1;
@@ -479,7 +479,8 @@ int main(int argc, char** argv) {
     const double failover = med(spec.name, &JobResult::failover_ms);
     const bool fault = spec.fault != Fault::kNone;
     std::printf("| %s | %.2f | %.2fx | %.2f | %.2fx | %s | %s |\n", spec.name.c_str(), before,
-                before / r1, after, after / before, fault ? fmt::format("{:.0f}", failover).c_str() : "",
+                before / r1, after, after / before,
+                fault ? fmt::format("{:.0f}", failover).c_str() : "",
                 fault ? fmt::format("{:.2f}x", failover / o.heartbeat_ms).c_str() : "");
     std::string name = spec.name;
     std::replace(name.begin(), name.end(), ' ', '_');
