@@ -388,6 +388,20 @@ TEST(Aggregator, SaveWritesZerosForMomentsTheOptimizerDoesNotKeep) {
   EXPECT_EQ(state, std::vector<float>(3 * kN, 0.0f));
 }
 
+// A replica's copy: the first `arrays` arrays only, nothing written past them.
+TEST(Aggregator, SaveOfFewerArraysWritesOnlyThose) {
+  Memory mem(false);
+  Aggregator agg(options_for(SyncMode::kBsp, Update::kSgd), DType::kFloat32, kN * sizeof(float));
+  ASSERT_TRUE(agg.allocate(mem.lane()).ok());
+  for (size_t arrays : {1u, 2u}) {
+    std::vector<float> state(3 * kN, -1.0f);
+    ASSERT_TRUE(agg.save(mem.lane(), state.data(), arrays).ok());
+    for (size_t i = 0; i < state.size(); ++i) {
+      ASSERT_EQ(state[i], i < arrays * kN ? 0.0f : -1.0f) << arrays << " arrays, float " << i;
+    }
+  }
+}
+
 TEST(Aggregator, SwappingOnApplyGivesTheSameSumsAsCopying) {
   Memory mem(false);
   const AggregatorOptions o = options_for(SyncMode::kBsp, Update::kSum);

@@ -245,17 +245,17 @@ bool Aggregator::applied_before(uint64_t switch_round, uint64_t run_start) const
   return std::all_of(applied_.begin(), applied_.end(), [&](uint64_t a) { return a >= want; });
 }
 
-Status Aggregator::save(ComputeLane& lane, float* out) const {
+Status Aggregator::save(ComputeLane& lane, float* out, size_t arrays) const {
   const size_t bytes = elements_ * sizeof(float);
   Status st = lane.copy(out, param_.get(), bytes);
-  if (first_moment_) {
+  if (arrays >= 2 && first_moment_) {
     if (st.ok()) st = lane.copy(out + elements_, first_moment_.get(), bytes);
-  } else {
+  } else if (arrays >= 2) {
     std::memset(out + elements_, 0, bytes);
   }
-  if (second_moment_) {
+  if (arrays >= 3 && second_moment_) {
     if (st.ok()) st = lane.copy(out + 2 * elements_, second_moment_.get(), bytes);
-  } else {
+  } else if (arrays >= 3) {
     std::memset(out + 2 * elements_, 0, bytes);
   }
   if (st.ok()) st = lane.finish();

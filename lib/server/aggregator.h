@@ -155,8 +155,10 @@ class Aggregator {
   bool applied_before(uint64_t switch_round, uint64_t run_start) const;
 
   // Migration: the parameter and the two moments (zeros where the optimizer
-  // keeps none), size() floats each, into host memory, waited for.
-  Status save(ComputeLane& lane, float* out) const;
+  // keeps none), size() floats each, into host memory, waited for. With
+  // `arrays` below 3 only the first `arrays` of them (replication copies
+  // state_arrays(): in sum mode the parameter alone, not 2 arrays of zeros).
+  Status save(ComputeLane& lane, float* out, size_t arrays = 3) const;
   // The state save() wrote, with the version it had; every worker pushed up
   // to `last_round`. Waits for the copies out of `in`.
   Status restore(ComputeLane& lane, const float* in, uint64_t version, uint64_t last_round);

@@ -194,13 +194,12 @@ void ServerService::save_checkpoint(Shard& shard, KeyState& k) {
   // The sum service keeps no optimizer state: the parameter alone.
   r.arrays = options_.mode == ServerMode::kSum ? 1 : 3;
   r.elements = k.agg.size();
-  r.state.resize(3 * r.elements);
-  if (Status st = k.agg.save(shard.lane, r.state.data()); !st.ok()) {
+  r.state.resize(r.arrays * r.elements);
+  if (Status st = k.agg.save(shard.lane, r.state.data(), r.arrays); !st.ok()) {
     writer->fail(
         round, fmt::format("server {}: the state of key {:#x}: {}", rank(), k.key, st.to_string()));
     return;
   }
-  r.state.resize(r.arrays * r.elements);
   writer->add(round, std::move(r));
 }
 

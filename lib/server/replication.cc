@@ -83,8 +83,7 @@ void ServerService::push_replica(Shard& shard, KeyState& k) {
   }
   const size_t arrays = k.agg.state_arrays();
   if (!r.staging) {
-    // save() writes all three arrays; only `arrays` of them travel.
-    auto staging = transport().allocate_memory(copy_bytes(k.agg.size(), 3), MemoryKind::kHost);
+    auto staging = transport().allocate_memory(copy_bytes(k.agg.size(), arrays), MemoryKind::kHost);
     if (!staging.ok()) {
       fail_key(shard, k, staging.status().with_context("allocating the copy for the backup"));
       return;
@@ -95,7 +94,7 @@ void ServerService::push_replica(Shard& shard, KeyState& k) {
   const uint64_t version = k.agg.version();
   const uint64_t header[2] = {version, arrays};
   std::memcpy(out, header, sizeof(header));
-  Status copied = k.agg.save(shard.lane, reinterpret_cast<float*>(out + kStateHeader));
+  Status copied = k.agg.save(shard.lane, reinterpret_cast<float*>(out + kStateHeader), arrays);
   if (!copied.ok()) {
     fail_key(shard, k, copied.with_context("copying the state for the backup"));
     return;
