@@ -282,12 +282,13 @@ void ServerService::on_failover(const protocol::EpochChange& change) {
         it = copies_.erase(it);  // held by its TakeOver until installed
         continue;
       }
-      // A copy of a primary this server no longer backs up: its new backup
-      // gets a copy of its own (Resync), this one is needed by nobody.
-      if (backup_of(now, c.primary) != rank()) {
-        it = copies_.erase(it);
-        continue;
-      }
+      // A copy of a live primary stays, even one this server no longer
+      // backs up in this epoch: the primary may have read a later epoch
+      // already that makes this server its backup again, and then it goes
+      // on writing into the slots it was granted without opening them anew
+      // (its backup "did not change"). Erasing them here left its writes
+      // unrecognised and its rounds never durable. A copy goes when its
+      // primary opens the key again (open_copy) or is lost.
       ++it;
     }
     resync_epoch_ = change.epoch;
