@@ -8,8 +8,9 @@
 //
 // Real processes: each job is `psld launch -w W -s S --standby 1` over UCX,
 // server mode sum, BSP, balancer off. Every worker push_pulls N fp32 tensors
-// of B bytes per round and checks one element of each against the exact sum
-// (a failover that lost anything fails the job). Worker 0 stamps the end of
+// of B bytes per round and checks the first and last element of each
+// against the exact sum (a failover that lost anything fails the job).
+// Worker 0 stamps the end of
 // every round with CLOCK_MONOTONIC, which this process reads too, so a
 // signal sent here and a round completed there are on one clock. Four jobs,
 // one after another, M times:
