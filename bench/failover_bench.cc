@@ -10,10 +10,9 @@
 // server mode sum, BSP, balancer off. Every worker push_pulls N fp32 tensors
 // of B bytes per round and checks the first and last element of each
 // against the exact sum (a failover that lost anything fails the job).
-// Worker 0 stamps the end of
-// every round with CLOCK_MONOTONIC, which this process reads too, so a
-// signal sent here and a round completed there are on one clock. Four jobs,
-// one after another, M times:
+// Worker 0 stamps the end of every round with CLOCK_MONOTONIC, which this
+// process reads too, so a signal sent here and a round completed there are
+// on one clock. Four jobs, one after another, M times:
 //
 //   r1       replication.factor 1, no fault: the yardstick
 //   r2       replication.factor 2, no fault: round time r2 / r1 is the cost of
