@@ -248,15 +248,16 @@ bool Aggregator::applied_before(uint64_t switch_round, uint64_t run_start) const
 Status Aggregator::save(ComputeLane& lane, float* out, size_t arrays) const {
   const size_t bytes = elements_ * sizeof(float);
   Status st = lane.copy(out, param_.get(), bytes);
-  if (arrays >= 2 && first_moment_) {
-    if (st.ok()) st = lane.copy(out + elements_, first_moment_.get(), bytes);
-  } else if (arrays >= 2) {
-    std::memset(out + elements_, 0, bytes);
-  }
-  if (arrays >= 3 && second_moment_) {
-    if (st.ok()) st = lane.copy(out + 2 * elements_, second_moment_.get(), bytes);
-  } else if (arrays >= 3) {
-    std::memset(out + 2 * elements_, 0, bytes);
+  // The moments in order, each copied or, where the optimizer keeps none,
+  // zeros; only the first `arrays` arrays.
+  const float* moments[2] = {first_moment_.get(), second_moment_.get()};
+  for (size_t m = 0; m + 1 < arrays && m < 2; ++m) {
+    float* to = out + (m + 1) * elements_;
+    if (moments[m] == nullptr) {
+      std::memset(to, 0, bytes);
+    } else if (st.ok()) {
+      st = lane.copy(to, moments[m], bytes);
+    }
   }
   if (st.ok()) st = lane.finish();
   return st;
