@@ -7,6 +7,8 @@
 
 #include <random>
 
+#include "transports/transport.h"
+
 namespace psld::protocol {
 namespace {
 
@@ -61,6 +63,11 @@ std::vector<Message> examples() {
       TensorKey{4, 12, {1, 1, 2, 3, 5, 8}, 4096},
       PushMeta{17, 3, DType::kBFloat16, make_key(12, 4), 100, 4096, 2, kPushThenPull, 18},
       PullRequest{19, DType::kFloat16, 2048, make_key(12, 4), 100, 2},
+      PushBatch{21,
+                5,
+                3,
+                {{22, 23, DType::kFloat32, kPushThenPull, make_key(12, 5), 100, 4096, 0, 0.5},
+                 {24, 0, DType::kBFloat16, 0, make_key(13, 0), 7, 64, 4096, 0}}},
       Credit{{1, 2, 3, 15}, {7, 8}},
       Moved{17, make_key(12, 4), 3},
       Error{17, 0, static_cast<uint8_t>(StatusCode::kOutOfRange), "slot 99 out of range"},
@@ -139,6 +146,48 @@ TEST(Protocol, AnInPlacePushMustAskForItsPull) {
   plain.flags = kPushMapped;
   EXPECT_FALSE(decode(encode(plain)).ok());
   EXPECT_FALSE(decode(encode(Ack{3, 2})).ok()) << "an unknown Ack flag";
+}
+
+TEST(Protocol, ABatchIsInOneSlotOrAllInPlace) {
+  const BatchEntry in_slot{2, 3, DType::kFloat32, kPushThenPull, make_key(1, 0), 4, 4096, 64, 0};
+  const BatchEntry in_place{
+      5, 6, DType::kFloat32, kPushThenPull | kPushMapped, make_key(2, 0), 4, 4096, 0, 0};
+  auto decodes = [](const PushBatch& b) { return decode(encode(b)).ok(); };
+  EXPECT_TRUE(decodes(PushBatch{1, 0, 1, {in_slot, in_slot}}));
+  EXPECT_TRUE(decodes(PushBatch{0, kNoSlot, 1, {in_place, in_place}}));
+  auto back = decode(encode(PushBatch{1, 7, 9, {in_slot}}));
+  ASSERT_TRUE(back.ok());
+  const PushMeta m = entry_meta(std::get<PushBatch>(*back), 0);
+  EXPECT_EQ(m.tag, 2u);
+  EXPECT_EQ(m.pull_tag, 3u);
+  EXPECT_EQ(m.slot, 7u);
+  EXPECT_EQ(m.epoch, 9u);
+  EXPECT_EQ(m.bytes, 4096u);
+  EXPECT_EQ(m.flags, kPushThenPull);
+  // Mixed, or in place with a slot or a write, or a slot without one.
+  EXPECT_FALSE(decodes(PushBatch{1, 0, 1, {in_slot, in_place}}));
+  EXPECT_FALSE(decodes(PushBatch{0, kNoSlot, 1, {in_slot}}));
+  EXPECT_FALSE(decodes(PushBatch{1, kNoSlot, 1, {in_place}}));
+  EXPECT_FALSE(decodes(PushBatch{0, 3, 1, {in_slot}}));
+  // In place, an entry has no offset and must ask for its pull.
+  BatchEntry shifted = in_place;
+  shifted.offset = 64;
+  EXPECT_FALSE(decodes(PushBatch{0, kNoSlot, 1, {shifted}}));
+  BatchEntry plain = in_place;
+  plain.flags = kPushMapped;
+  EXPECT_FALSE(decodes(PushBatch{0, kNoSlot, 1, {plain}}));
+  // Empty, too many, a bad flag, a bad learning rate.
+  EXPECT_FALSE(decodes(PushBatch{1, 0, 1, {}}));
+  EXPECT_TRUE(decodes(PushBatch{1, 0, 1, std::vector<BatchEntry>(kMaxBatchEntries, in_slot)}));
+  EXPECT_LE(encode(PushBatch{1, 0, 1, std::vector<BatchEntry>(kMaxBatchEntries, in_slot)}).size(),
+            transport::kMaxMessageBytes);
+  EXPECT_FALSE(decodes(PushBatch{1, 0, 1, std::vector<BatchEntry>(kMaxBatchEntries + 1, in_slot)}));
+  BatchEntry flagged = in_slot;
+  flagged.flags = 64;
+  EXPECT_FALSE(decodes(PushBatch{1, 0, 1, {flagged}}));
+  BatchEntry nan = in_slot;
+  nan.lr = std::nan("");
+  EXPECT_FALSE(decodes(PushBatch{1, 0, 1, {nan}}));
 }
 
 TEST(Protocol, EveryTruncationIsRejected) {

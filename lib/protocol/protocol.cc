@@ -325,6 +325,46 @@ bool get(WireReader& r, PushMeta* m) {
          r.u32(&m->pull_tag) && r.f64(&m->lr) && std::isfinite(m->lr) && m->lr >= 0;
 }
 
+void put(WireWriter& w, const PushBatch& m) {
+  w.u32(m.tag);
+  w.u32(m.slot);
+  w.u64(m.epoch);
+  w.u32(static_cast<uint32_t>(m.entries.size()));
+  for (const BatchEntry& e : m.entries) {
+    w.u32(e.tag);
+    w.u32(e.pull_tag);
+    w.u8(static_cast<uint8_t>(e.dtype));
+    w.u8(e.flags);
+    w.u64(e.key);
+    w.u64(e.round);
+    w.u32(e.bytes);
+    w.u32(e.offset);
+    w.f64(e.lr);
+  }
+}
+bool get(WireReader& r, PushBatch* m) {
+  uint32_t n = 0;
+  if (!r.u32(&m->tag) || !r.u32(&m->slot) || !r.u64(&m->epoch) || !r.u32(&n) || n == 0 ||
+      n > kMaxBatchEntries) {
+    return false;
+  }
+  // In place: no write, no slot, every entry a mapped push_pull.
+  const bool mapped = m->slot == kNoSlot;
+  if (mapped != (m->tag == 0)) return false;
+  m->entries.resize(n);
+  for (BatchEntry& e : m->entries) {
+    if (!(r.u32(&e.tag) && r.u32(&e.pull_tag) && read_dtype(r, &e.dtype) && r.u8(&e.flags) &&
+          r.u64(&e.key) && r.u64(&e.round) && r.u32(&e.bytes) && r.u32(&e.offset) && r.f64(&e.lr) &&
+          std::isfinite(e.lr) && e.lr >= 0)) {
+      return false;
+    }
+    if ((e.flags & ~(kPushInit | kPushThenPull | kPushMapped)) != 0) return false;
+    if (mapped != ((e.flags & kPushMapped) != 0)) return false;
+    if (mapped && ((e.flags & kPushThenPull) == 0 || e.offset != 0)) return false;
+  }
+  return true;
+}
+
 void put(WireWriter& w, const PullRequest& m) {
   w.u32(m.tag);
   w.u8(static_cast<uint8_t>(m.dtype));
@@ -612,6 +652,7 @@ constexpr Type kTypes[] = {
     Type::kReplicaGrant,
     Type::kReplicaAck,
     Type::kReplicaSynced,
+    Type::kPushBatch,
 };
 static_assert(std::size(kTypes) == std::variant_size_v<Message>);
 
@@ -655,6 +696,7 @@ constexpr const char* kNames[] = {
     "ReplicaGrant",
     "ReplicaAck",
     "ReplicaSynced",
+    "PushBatch",
 };
 static_assert(std::size(kNames) == std::variant_size_v<Message>);
 
@@ -674,6 +716,12 @@ Result<Message> decode_as(uint16_t type, WireReader& r) {
 }
 
 }  // namespace
+
+PushMeta entry_meta(const PushBatch& batch, size_t i) {
+  const BatchEntry& e = batch.entries[i];
+  return PushMeta{e.tag,   batch.slot,  e.dtype, e.key,      e.round,
+                  e.bytes, batch.epoch, e.flags, e.pull_tag, e.lr};
+}
 
 std::string_view dtype_name(DType dtype) {
   switch (dtype) {

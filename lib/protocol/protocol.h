@@ -19,7 +19,9 @@
 //                           (landing slots for a worker; both ends prove
 //                           the job secret: auth.h)
 //   worker -> server      : TensorKey (where pulls land), PushMeta (+ a write
-//                           into a slot, notify = tag), PullRequest
+//                           into a slot, notify = tag), PushBatch (many small
+//                           pushes: one write into one slot, or all in place),
+//                           PullRequest
 //   server -> worker      : Credit (freed slots, accepted plain pushes), Moved,
 //                           Error; pulls arrive as writes into the worker's
 //                           tensor, notify = tag
@@ -67,8 +69,8 @@ namespace psld::protocol {
 // (Challenge, Hello, Welcome, Grant), PeerHello (was WorkerHello) and PeerProof.
 // 7: checkpoints (CheckpointSeal, CheckpointSealed, Welcome.resume_round,
 // TensorInfo.round). 8: JoinWaiting. 9: replication (ReplicaOpen,
-// ReplicaGrant, ReplicaAck, ReplicaSynced, EpochStep::kFailover).
-inline constexpr uint16_t kVersion = 9;
+// ReplicaGrant, ReplicaAck, ReplicaSynced, EpochStep::kFailover). 10: PushBatch.
+inline constexpr uint16_t kVersion = 10;
 
 // A member's psld::Role and a tensor's psld::DType travel as one byte each,
 // their enum values (protocol.cc checks them); psld::Role::kAuto never does.
@@ -122,6 +124,7 @@ enum class Type : uint16_t {
   kReplicaGrant = 42,
   kReplicaAck = 43,
   kReplicaSynced = 44,
+  kPushBatch = 45,
 };
 
 // The acceptor's nonce: the coordinator sends it as soon as a member
@@ -304,6 +307,37 @@ struct PushMeta {
   // part of (Worker::set_learning_rate); 0: the server's optimizer.lr.
   double lr = 0;
 };
+
+// Many small pushes to one server in one message (docs/runtime.md,
+// "Batches"): either their bytes are in one landing slot, written by one
+// write whose notify value is `tag`, each entry's at its `offset`; or every
+// entry is read in place (kPushMapped on every entry, `slot` kNoSlot, `tag`
+// 0, offsets 0). The server takes each entry as the PushMeta it stands for
+// (same tag, pull_tag, flags and lr, the batch's slot and epoch); the slot
+// is free again once every entry let go of it.
+inline constexpr size_t kMaxBatchEntries = 128;  // 42 bytes each: fits kMaxMessageBytes
+
+struct BatchEntry {
+  uint32_t tag = 0;
+  uint32_t pull_tag = 0;
+  DType dtype = DType::kFloat32;
+  uint8_t flags = 0;
+  Key key = 0;
+  uint64_t round = 0;
+  uint32_t bytes = 0;
+  uint32_t offset = 0;  // in the slot
+  double lr = 0;
+};
+
+struct PushBatch {
+  uint32_t tag = 0;  // the write's notify value; 0 in place
+  uint32_t slot = kNoSlot;
+  uint64_t epoch = 0;  // the worker's placement epoch
+  std::vector<BatchEntry> entries;
+};
+
+// The PushMeta that entry `i` of `batch` stands for.
+PushMeta entry_meta(const PushBatch& batch, size_t i);
 
 struct PullRequest {
   uint32_t tag = 0;
@@ -526,7 +560,7 @@ using Message = std::variant<Challenge, Hello, Welcome, Reject, ServerList, Plac
                              PullRequest, Credit, Moved, Error, Ack, EpochChange, EpochVote,
                              StateRequest, StateOffer, TransferDone, EpochFinal, WorkerProgress,
                              LowWatermark, PeerProof, CheckpointSeal, CheckpointSealed, JoinWaiting,
-                             ReplicaOpen, ReplicaGrant, ReplicaAck, ReplicaSynced>;
+                             ReplicaOpen, ReplicaGrant, ReplicaAck, ReplicaSynced, PushBatch>;
 
 // Rounds of tensors 1..n (by_tensor[t - 1]) as at most kMaxRoundRanges
 // ranges: exact where neighbours share a round or there are few tensors,

@@ -92,6 +92,16 @@ std::vector<Seed> seeds() {
       {"replica_ack", ReplicaAck{5, 100}},
       {"replica_synced", ReplicaSynced{2}},
       {"epoch_failover", EpochChange{EpochStep::kFailover, 3, 0, delta, 1}},
+      {"push_batch", PushBatch{9,
+                               2,
+                               3,
+                               {{10, 11, DType::kFloat32, kPushThenPull, 42, 5, 4096, 0, 0},
+                                {12, 0, DType::kFloat16, 0, 43, 5, 1024, 4096, 0.01}}}},
+      {"push_batch_in_place",
+       PushBatch{0,
+                 kNoSlot,
+                 3,
+                 {{13, 14, DType::kFloat32, kPushThenPull | kPushMapped, 44, 6, 4096, 0, 0}}}},
   };
   std::vector<Seed> out;
   for (const auto& [name, m] : messages)
