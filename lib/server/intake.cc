@@ -17,6 +17,18 @@ namespace psld {
 
 using transport::ConnectionPtr;
 
+namespace {
+
+// How far into its slot a batch's bytes reach: what its write carries.
+uint64_t batch_extent(const protocol::PushBatch& batch) {
+  uint64_t end = 0;
+  for (const auto& e : batch.entries)
+    end = std::max(end, uint64_t{e.offset} + e.bytes);
+  return end;
+}
+
+}  // namespace
+
 // The data handshake (protocol.h): PeerHello -> Challenge -> PeerProof ->
 // Grant. Anything else before a good PeerProof is refused: the connection
 // is told why and closed (Door).
@@ -167,6 +179,10 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
     dispatch(offer->key, Offered{*offer});
     return;
   }
+  if (auto* batch = std::get_if<protocol::PushBatch>(&message)) {
+    take_batch(conn, *w, *batch);
+    return;
+  }
   UniqueLock lock(conns_mu_);
   if (auto* key = std::get_if<protocol::TensorKey>(&message)) {
     auto remote = conn->import_region(key->key);
@@ -184,9 +200,7 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
   } else if (auto* mapped = std::get_if<protocol::PushMeta>(&message);
              mapped != nullptr && (mapped->flags & protocol::kPushMapped)) {
     // Read in place from the worker's tensor: no slot, no write to wait for.
-    uint64_t seen = max_round_seen_.load();
-    while (mapped->round > seen && !max_round_seen_.compare_exchange_weak(seen, mapped->round)) {
-    }
+    note_round(mapped->round);
     auto t = w->tensors.find(key_tensor(mapped->key));
     const uint64_t at = t == w->tensors.end()
                             ? 0
@@ -216,9 +230,7 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
     dispatch(mapped->key, std::move(work));
   } else if (auto* meta = std::get_if<protocol::PushMeta>(&message)) {
     // Before the push is looked at: an epoch prepared after this line sees it.
-    uint64_t seen = max_round_seen_.load();
-    while (meta->round > seen && !max_round_seen_.compare_exchange_weak(seen, meta->round)) {
-    }
+    note_round(meta->round);
     const uint32_t db = protocol::dtype_bytes(meta->dtype);
     if (meta->slot >= w->num_slots || meta->bytes == 0 || meta->bytes > w->slot_bytes ||
         meta->bytes % db != 0 || w->slot_busy[meta->slot]) {
@@ -263,6 +275,149 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
   }
 }
 
+void ServerService::note_round(uint64_t round) {
+  uint64_t seen = max_round_seen_.load();
+  while (round > seen && !max_round_seen_.compare_exchange_weak(seen, round)) {
+  }
+}
+
+void ServerService::take_batch(const ConnectionPtr& conn, WorkerConn& w,
+                               protocol::PushBatch& batch) {
+  // Before the pushes are looked at: an epoch prepared after this sees them.
+  for (const auto& e : batch.entries)
+    note_round(e.round);
+  const uint64_t chunk = session_.welcome().chunk_bytes;
+  const size_t n = batch.entries.size();
+  {
+    MutexLock stats(stats_mu_);
+    ++stats_.batches;
+    stats_.batched_pushes += n;
+  }
+  if (batch.slot == protocol::kNoSlot) {
+    // In place: each entry is read from the worker's tensor, as a mapped PushMeta.
+    std::vector<PushWork> works;
+    works.reserve(n);
+    {
+      MutexLock lock(conns_mu_);
+      for (size_t i = 0; i < n; ++i) {
+        const protocol::PushMeta meta = protocol::entry_meta(batch, i);
+        auto t = w.tensors.find(key_tensor(meta.key));
+        const uint64_t at =
+            t == w.tensors.end()
+                ? 0
+                : t->second.offset + static_cast<uint64_t>(key_chunk(meta.key)) * chunk;
+        if (t == w.tensors.end() || t->second.view == nullptr || meta.bytes > chunk ||
+            meta.bytes == 0 || meta.bytes % protocol::dtype_bytes(meta.dtype) != 0 ||
+            at > t->second.remote->length() || meta.bytes > t->second.remote->length() - at) {
+          works.clear();
+          break;
+        }
+        works.push_back(PushWork{conn->id(), meta, t->second.view + at, t->second.remote, w.rank,
+                                 transport::Clock::now()});
+      }
+    }
+    if (works.size() != n) {
+      refuse_batch(conn->id(), batch,
+                   InvalidArgument("a batch of in-place pushes names memory this server does not "
+                                   "map, or a chunk of an invalid size"),
+                   /*counted=*/false);
+      return;
+    }
+    {
+      MutexLock stats(stats_mu_);
+      stats_.pushes_in_place += n;
+      for (const auto& work : works)
+        stats_.bytes_in += work.meta.bytes;
+    }
+    for (auto& work : works) {
+      load_->begin_service();
+      const Key key = work.meta.key;
+      dispatch(key, std::move(work));
+    }
+    return;
+  }
+  std::optional<uint64_t> early;
+  const uint8_t* base = nullptr;
+  {
+    MutexLock lock(conns_mu_);
+    bool valid = batch.slot < w.num_slots && w.slot_busy[batch.slot] == 0;
+    for (size_t i = 0; valid && i < n; ++i) {
+      const protocol::BatchEntry& e = batch.entries[i];
+      const uint32_t db = protocol::dtype_bytes(e.dtype);
+      valid = e.bytes != 0 && e.bytes % db == 0 && e.offset % db == 0 &&
+              uint64_t{e.offset} + e.bytes <= w.slot_bytes;
+    }
+    if (valid) {
+      w.slot_busy[batch.slot] = static_cast<uint32_t>(n);
+      base = w.slots->data() + batch.slot * w.slot_bytes;
+      auto it = w.early.find(batch.tag);
+      if (it == w.early.end()) {
+        for (size_t i = 0; i < n; ++i)
+          load_->begin_service();  // the pushes are arriving; their data follows
+        w.batches[batch.tag] = std::move(batch);
+        return;
+      }
+      early = it->second;
+      w.early.erase(it);
+    }
+  }
+  if (!early) {
+    uint32_t slots = 0;
+    uint64_t slot_bytes = 0;
+    {
+      MutexLock lock(conns_mu_);
+      slots = w.num_slots;
+      slot_bytes = w.slot_bytes;
+    }
+    refuse_batch(conn->id(), batch,
+                 InvalidArgument(fmt::format(
+                     "a batch of {} pushes into slot {} is not valid (slots: {} of {} bytes)", n,
+                     batch.slot, slots, slot_bytes)),
+                 /*counted=*/false);
+    return;
+  }
+  // The write came first (and counted one arrival).
+  for (size_t i = 1; i < n; ++i)
+    load_->begin_service();
+  if (*early != batch_extent(batch)) {
+    refuse_batch(conn->id(), batch, DataLoss("a batch's write length differs from its entries"),
+                 /*counted=*/true);
+    return;
+  }
+  {
+    MutexLock s(stats_mu_);
+    stats_.bytes_in += *early;
+  }
+  dispatch_batch(conn->id(), w.rank, base, batch);
+}
+
+void ServerService::dispatch_batch(uint64_t conn, uint32_t worker, const uint8_t* base,
+                                   const protocol::PushBatch& batch) {
+  const auto now = transport::Clock::now();
+  for (size_t i = 0; i < batch.entries.size(); ++i) {
+    PushWork work{
+        conn, protocol::entry_meta(batch, i), base + batch.entries[i].offset, nullptr, worker, now};
+    const Key key = work.meta.key;
+    dispatch(key, std::move(work));
+  }
+}
+
+void ServerService::refuse_batch(uint64_t conn, const protocol::PushBatch& batch, const Status& why,
+                                 bool counted) {
+  if (counted) {
+    for (size_t i = 0; i < batch.entries.size(); ++i)
+      load_->end_service();
+    if (batch.slot != protocol::kNoSlot) {
+      MutexLock lock(conns_mu_);
+      auto it = conns_.find(conn);
+      if (it != conns_.end() && batch.slot < it->second->slot_busy.size())
+        it->second->slot_busy[batch.slot] = 0;
+    }
+  }
+  for (const auto& e : batch.entries)
+    send_error(conn, e.tag, why);
+}
+
 void ServerService::on_write(const ConnectionPtr& conn, uint32_t tag, uint64_t length) {
   if (replicated() && copy_landed(conn, tag, length)) return;
   {
@@ -280,6 +435,24 @@ void ServerService::on_write(const ConnectionPtr& conn, uint32_t tag, uint64_t l
   auto it = conns_.find(conn->id());
   if (it == conns_.end()) return;
   WorkerConn& w = *it->second;
+  if (auto batch = w.batches.find(tag); batch != w.batches.end()) {
+    protocol::PushBatch b = std::move(batch->second);
+    w.batches.erase(batch);
+    const uint8_t* base = w.slots->data() + b.slot * w.slot_bytes;
+    const uint32_t worker = w.rank;
+    lock.unlock();
+    if (length != batch_extent(b)) {
+      refuse_batch(conn->id(), b, DataLoss("a batch's write length differs from its entries"),
+                   /*counted=*/true);
+      return;
+    }
+    {
+      MutexLock s(stats_mu_);
+      stats_.bytes_in += length;
+    }
+    dispatch_batch(conn->id(), worker, base, b);
+    return;
+  }
   auto meta = w.metas.find(tag);
   if (meta == w.metas.end()) {
     // The write beat its metadata; it occupies a slot the worker holds
@@ -339,7 +512,14 @@ void ServerService::free_slot(Shard& shard, uint64_t conn, uint32_t slot) {
   {
     MutexLock lock(conns_mu_);
     auto it = conns_.find(conn);
-    if (it != conns_.end() && slot < it->second->slot_busy.size()) it->second->slot_busy[slot] = 0;
+    if (it != conns_.end() && slot < it->second->slot_busy.size()) {
+      uint32_t& holders = it->second->slot_busy[slot];
+      if (holders > 1) {
+        --holders;  // other entries of its batch still read it
+        return;
+      }
+      holders = 0;
+    }
   }
   shard.credits[conn].push_back(slot);
 }

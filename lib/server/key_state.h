@@ -145,8 +145,11 @@ struct ServerService::WorkerConn {
   PinnedRange pinned;
   uint32_t num_slots = 0;
   uint64_t slot_bytes = 0;
-  std::vector<uint8_t> slot_busy;
-  std::map<uint32_t, protocol::PushMeta> metas;  // tag -> metadata waiting for its write
+  // Per slot, the pushes that hold it (a batch's entries each hold it):
+  // a credit goes back when the last one lets go.
+  std::vector<uint32_t> slot_busy;
+  std::map<uint32_t, protocol::PushMeta> metas;     // tag -> metadata waiting for its write
+  std::map<uint32_t, protocol::PushBatch> batches;  // tag -> batch waiting for its write
   std::map<uint32_t, uint64_t> early;  // tag -> length of a write waiting for its metadata
   // Where each tensor's pulls land (the worker's memory and the tensor's
   // offset in it), and where this process maps that memory, if it does

@@ -35,6 +35,8 @@ namespace psld {
 struct ServerStats {
   uint64_t pushes = 0;
   uint64_t pushes_in_place = 0;  // of them, read from the worker's mapped tensor (kPushMapped)
+  uint64_t batches = 0;          // PushBatch messages taken
+  uint64_t batched_pushes = 0;   // pushes that came in them
   uint64_t pulls = 0;
   uint64_t bytes_in = 0;
   uint64_t bytes_out = 0;
@@ -191,6 +193,19 @@ class ServerService final : public ProcessRuntime {
   void on_control(const transport::ConnectionPtr& conn, protocol::Message&& message) override;
 
   void handle_worker_message(const transport::ConnectionPtr& conn, protocol::Message& message);
+  // A PushBatch: its entries queued now (in place, or their write came
+  // first), or once its write lands (on_write).
+  void take_batch(const transport::ConnectionPtr& conn, WorkerConn& w, protocol::PushBatch& batch);
+  // The entries of a batch whose bytes are in its slot at `base`, each
+  // queued as the push it stands for.
+  void dispatch_batch(uint64_t conn, uint32_t worker, const uint8_t* base,
+                      const protocol::PushBatch& batch);
+  // Every entry of a batch fails with `why`; `counted`: their arrival was
+  // counted and the slot marked, and both are undone.
+  void refuse_batch(uint64_t conn, const protocol::PushBatch& batch, const Status& why,
+                    bool counted);
+  // The highest round a push named so far (max_round_seen_).
+  void note_round(uint64_t round);
   void admit(const transport::ConnectionPtr& conn, const std::shared_ptr<WorkerConn>& w,
              protocol::Message& message);
   // A message on a connection this server dialled and is authenticating
