@@ -5,7 +5,7 @@
 //            [--mode push_pull|push|pull|all|raw] [--seconds T] [--repeat N]
 //            [--chunk-bytes B] [--slots N] [--raw-threads N]
 //            [--tensor-memory psld|heap] [--server-device cpu|cuda] [--quick]
-//            [--replication 1,2] [--json FILE]
+//            [--replication 1,2] [--batch-chunk-bytes B] [--json FILE]
 //
 // One process holds a coordinator, S servers and W workers on the `ucx`
 // transport (tcp: UCX_TLS=tcp; shm: UCX_TLS=sm,tcp), server mode sum, BSP,
@@ -120,6 +120,8 @@ struct Options {
   uint32_t repeat = 1;
   uint64_t chunk_bytes = kDefaultChunkBytes;
   uint32_t slots = 16;
+  // data.batch_chunk_bytes of the job (0: no batches); the config's default.
+  uint64_t batch_chunk_bytes = DataConfig{}.batch_chunk_bytes;
   uint32_t raw_threads = 0;  // 0: one sleeping progress thread per transport
   bool psld_memory = true;   // tensors in Worker::allocate memory, else malloc'd
   ServerDeviceKind server_device = ServerDeviceKind::kCpu;
@@ -132,7 +134,7 @@ constexpr std::string_view kUsage =
     "                [--mode push_pull|push|pull|all|raw] [--seconds T] [--repeat N]\n"
     "                [--chunk-bytes B] [--slots N] [--raw-threads N]\n"
     "                [--tensor-memory psld|heap] [--server-device cpu|cuda] [--quick]\n"
-    "                [--replication 1,2] [--json FILE]\n"
+    "                [--replication 1,2] [--batch-chunk-bytes B] [--json FILE]\n"
     "\n"
     "  --tls         tcp (UCX_TLS=tcp), shm (UCX_TLS=sm,tcp) or all (default: all)\n"
     "  --workers, --servers  one job shape, given together (default: 2x2 and 4x2)\n"
@@ -142,6 +144,8 @@ constexpr std::string_view kUsage =
     "  --seconds     timed seconds per point (default: 1)\n"
     "  --repeat      measure every point N times, interleaved, keep the best (default: 1)\n"
     "  --chunk-bytes data.chunk_bytes of the job (default: 4M)\n"
+    "  --batch-chunk-bytes  data.batch_chunk_bytes of the job: small pushes to a server\n"
+    "                submitted together travel in batches; 0 = none (default: 64K)\n"
     "  --slots       slots_per_worker of the job, also the yardstick's writes in flight\n"
     "                per connection (default: 16)\n"
     "  --raw-threads the yardstick's progress: 0 = a sleeping progress thread per transport,\n"
@@ -222,7 +226,7 @@ std::string human_size(uint64_t n) {
 Result<Options> parse_args(int argc, char** argv) {
   Options o;
   std::optional<std::string> tls, mode, sizes, replication;
-  std::optional<uint64_t> workers, servers, repeat, chunk, slots;
+  std::optional<uint64_t> workers, servers, repeat, chunk, slots, batch_chunk;
   std::optional<double> seconds;
   std::optional<uint64_t> raw_threads;
   std::string tensor_memory = "psld";
@@ -244,9 +248,10 @@ Result<Options> parse_args(int argc, char** argv) {
       arg.resize(eq);
     } else {
       static const char* const kTakesValue[] = {
-          "--tls",           "--workers",       "--servers",     "--sizes",      "--mode",
-          "--seconds",       "--repeat",        "--chunk-bytes", "--slots",      "--raw-threads",
-          "--tensor-memory", "--server-device", "--json",        "--replication"};
+          "--tls",   "--workers",     "--servers",          "--sizes",
+          "--mode",  "--seconds",     "--repeat",           "--chunk-bytes",
+          "--slots", "--raw-threads", "--tensor-memory",    "--server-device",
+          "--json",  "--replication", "--batch-chunk-bytes"};
       const bool known = std::any_of(std::begin(kTakesValue), std::end(kTakesValue),
                                      [&](const char* f) { return arg == f; });
       if (!known) return bad_flag(fmt::format("unknown argument '{}'", arg));
@@ -284,6 +289,8 @@ Result<Options> parse_args(int argc, char** argv) {
       PSLD_ASSIGN_OR_RETURN(raw_threads, parse_uint(arg, value, 0, 256));
     } else if (arg == "--slots") {
       PSLD_ASSIGN_OR_RETURN(slots, parse_uint(arg, value, 1, 1024));
+    } else if (arg == "--batch-chunk-bytes") {
+      PSLD_ASSIGN_OR_RETURN(batch_chunk, parse_bytes(value));
     } else if (arg == "--chunk-bytes") {
       PSLD_ASSIGN_OR_RETURN(chunk, parse_bytes(value));
       if (*chunk < 4096 || *chunk > (uint64_t{256} << 20) || *chunk % 4 != 0) {
@@ -347,6 +354,7 @@ Result<Options> parse_args(int argc, char** argv) {
   o.repeat = static_cast<uint32_t>(repeat.value_or(1));
   o.chunk_bytes = chunk.value_or(kDefaultChunkBytes);
   o.slots = static_cast<uint32_t>(slots.value_or(16));
+  if (batch_chunk) o.batch_chunk_bytes = *batch_chunk;
   o.raw_threads = static_cast<uint32_t>(raw_threads.value_or(0));
   o.psld_memory = tensor_memory != "heap";
   if (replication) {
@@ -653,6 +661,7 @@ class Cluster {
     base.num_servers = shape.servers;
     base.chunk_bytes = opts.chunk_bytes;
     base.slots_per_worker = opts.slots;
+    base.batch_chunk_bytes = opts.batch_chunk_bytes;
     base.sync = SyncMode::kBsp;
     base.mode = ServerMode::kSum;
     base.server_device = opts.server_device;
@@ -839,15 +848,12 @@ class Cluster {
     return Status::Ok();
   }
 
-  // Submits the request on every tensor of the set, then waits for all.
+  // Submits the request on every tensor of the set together (as
+  // Worker::push_pull of a span does, so small chunks travel in batches),
+  // then waits for all.
   Status round(uint32_t w, const TensorSet& set, RequestKind kind) {
     WorkerService& worker = *workers_[w];
-    std::vector<std::shared_ptr<RequestState>> reqs;
-    reqs.reserve(set.handles[w].size());
-    for (uint32_t h : set.handles[w]) {
-      PSLD_ASSIGN_OR_RETURN(auto r, worker.submit(h, kind));
-      reqs.push_back(std::move(r));
-    }
+    PSLD_ASSIGN_OR_RETURN(auto reqs, worker.submit_many(set.handles[w], kind));
     for (auto& r : reqs)
       PSLD_RETURN_IF_ERROR(r->wait(30s).with_context(fmt::format("worker {}", w)));
     return Status::Ok();

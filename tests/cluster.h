@@ -187,18 +187,25 @@ inline Result<std::vector<uint32_t>> register_allocated(WorkerService& w,
 // `rounds` BSP push_pull rounds over every tensor (data[t]: elems[t] fp32
 // elements): each element i of round r is pushed as value(r, i) and must come
 // back exactly as want(r, i). The first wrong element is the error.
+// `together`: each round's requests are submitted at once (submit_many), so
+// small chunks travel in batches; else one submit per tensor.
 inline Status exact_push_pull_rounds(WorkerService& w, const std::vector<uint32_t>& handles,
                                      const std::vector<float*>& data,
                                      const std::vector<size_t>& elems, int rounds,
                                      const std::function<float(int, size_t)>& value,
-                                     const std::function<float(int, size_t)>& want) {
+                                     const std::function<float(int, size_t)>& want,
+                                     bool together = false) {
   for (int r = 1; r <= rounds; ++r) {
     std::vector<std::shared_ptr<RequestState>> reqs;
     for (size_t t = 0; t < elems.size(); ++t) {
       for (size_t i = 0; i < elems[t]; ++i)
         data[t][i] = value(r, i);
+      if (together) continue;
       PSLD_ASSIGN_OR_RETURN(auto req, w.submit(handles[t], RequestKind::kPushPull));
       reqs.push_back(req);
+    }
+    if (together) {
+      PSLD_ASSIGN_OR_RETURN(reqs, w.submit_many(handles, RequestKind::kPushPull));
     }
     for (auto& req : reqs)
       PSLD_RETURN_IF_ERROR(req->wait(std::chrono::seconds(10)));

@@ -68,7 +68,11 @@ class Migration : public ::testing::TestWithParam<std::string> {};
 // 4 workers train (BSP, sums checked every round) while 20 forced switches
 // move random chunks' arcs. `allocated`: the tensors are in Worker::allocate
 // memory, which loopback servers map, so push_pulls are read in place.
-void bsp_sums_through_migrations(const std::string& backend, bool allocated) {
+// `together`: 24 more small tensors, and each round's push_pulls submitted
+// at once, so that small pushes travel in batches (data.batch_chunk_bytes)
+// whose entries a switch splits between servers, some answered Moved.
+void bsp_sums_through_migrations(const std::string& backend, bool allocated,
+                                 bool together = false) {
   // Per worker, declared before the cluster: a server may still write a pull
   // into a tensor after a request failed, until the cluster stops.
   std::vector<std::vector<std::vector<float>>> storage_of(4);
@@ -76,7 +80,9 @@ void bsp_sums_through_migrations(const std::string& backend, bool allocated) {
       4, 3, [](RuntimeOptions& o) { o.stats_interval = 20ms; }, backend);
   ASSERT_TRUE(c.start().ok());
   // Odd sizes; 64 KiB chunks: single-chunk keys and multi-chunk tensors.
-  const std::vector<size_t> elems = {1, 7, 1000, 16384, 50001, 3000, 3001, 77777};
+  std::vector<size_t> elems = {1, 7, 1000, 16384, 50001, 3000, 3001, 77777};
+  for (size_t i = 0; together && i < 24; ++i)
+    elems.push_back(1 + i * 131);
   std::vector<std::pair<TensorId, uint32_t>> chunks;
   std::mutex chunks_mu;
   std::atomic<uint64_t> target{UINT64_MAX};
@@ -116,8 +122,12 @@ void bsp_sums_through_migrations(const std::string& backend, bool allocated) {
       for (size_t t = 0; t < elems.size(); ++t) {
         for (size_t i = 0; i < elems[t]; ++i)
           data[t][i] = rank * 1000.0f + static_cast<float>(r % 1000) + static_cast<float>(i % 13);
+        if (together) continue;
         PSLD_ASSIGN_OR_RETURN(auto req, w.submit(handles[t], RequestKind::kPushPull));
         reqs.push_back(req);
+      }
+      if (together) {
+        PSLD_ASSIGN_OR_RETURN(reqs, w.submit_many(handles, RequestKind::kPushPull));
       }
       for (auto& req : reqs) {
         Status st = req->wait(20s);
@@ -156,9 +166,15 @@ void bsp_sums_through_migrations(const std::string& backend, bool allocated) {
   if (mover.joinable()) mover.join();
   EXPECT_TRUE(s.ok()) << s.to_string();
   EXPECT_GE(c.coordinator->switches(), 20u);
-  uint64_t in_place = 0;
-  for (auto& srv : c.servers)
+  uint64_t in_place = 0, batches = 0;
+  for (auto& srv : c.servers) {
     in_place += srv->stats().pushes_in_place;
+    batches += srv->stats().batches;
+  }
+  if (together) {
+    EXPECT_GT(batches, 0u);
+  }
+
   if (allocated && backend == "loopback") {
     EXPECT_GT(in_place, 0u);
   } else if (!allocated) {
@@ -172,6 +188,14 @@ TEST_P(Migration, BspSumsStayExactThroughTwentyForcedMigrations) {
 
 TEST_P(Migration, PushPullsReadInPlaceStayExactThroughTwentyForcedMigrations) {
   bsp_sums_through_migrations(GetParam(), true);
+}
+
+TEST_P(Migration, BatchedPushPullsStayExactThroughTwentyForcedMigrations) {
+  bsp_sums_through_migrations(GetParam(), false, /*together=*/true);
+}
+
+TEST_P(Migration, BatchedInPlacePushPullsStayExactThroughTwentyForcedMigrations) {
+  bsp_sums_through_migrations(GetParam(), true, /*together=*/true);
 }
 
 // Waits (up to 20 s, while training goes on and no switch is in flight)

@@ -370,6 +370,65 @@ TEST_P(Runtime, AsyncModeConservesTheTotalOfAllPushes) {
   EXPECT_TRUE(s.ok()) << s.to_string();
 }
 
+// Async and bounded staleness with batches: 30 small tensors pushed
+// together 20 times by 3 workers (plain pushes, then push_pulls), and
+// pulled together: every push counted once.
+TEST_P(Runtime, BatchedPushesAreEachCountedOnceInAsyncAndStalenessModes) {
+  for (const SyncMode mode : {SyncMode::kAsync, SyncMode::kStaleness}) {
+    SCOPED_TRACE(mode == SyncMode::kAsync ? "async" : "staleness");
+    constexpr size_t kTensors = 30, kN = 100;
+    constexpr int kPushes = 20;
+    std::vector<std::vector<std::vector<float>>> storage_of(3);
+    uint64_t batches = 0;
+    {
+      Cluster c(
+          3, 2,
+          [&](RuntimeOptions& o) {
+            o.sync = mode;
+            o.staleness = 2;
+          },
+          GetParam());
+      ASSERT_TRUE(c.start().ok());
+      Status s = on_all(c, [&](size_t wi) -> Status {
+        WorkerService& w = *c.workers[wi];
+        PSLD_ASSIGN_OR_RETURN(
+            auto handles, register_zeroed(w, std::vector<size_t>(kTensors, kN), storage_of[wi]));
+        for (int r = 0; r < kPushes; ++r) {
+          for (auto& v : storage_of[wi])
+            std::fill(v.begin(), v.end(), 1.0f);
+          const RequestKind kind = r % 2 == 0 ? RequestKind::kPush : RequestKind::kPushPull;
+          PSLD_ASSIGN_OR_RETURN(auto reqs, w.submit_many(handles, kind));
+          for (auto& req : reqs)
+            PSLD_RETURN_IF_ERROR(req->wait(5s));
+        }
+        PSLD_RETURN_IF_ERROR(w.barrier(5s));
+        if (wi != 0) return Status::Ok();
+        // Once every push reached its server: 3 workers x 20 pushes of 1.
+        const auto deadline = std::chrono::steady_clock::now() + 5s;
+        while (std::chrono::steady_clock::now() < deadline) {
+          PSLD_ASSIGN_OR_RETURN(auto reqs, w.submit_many(handles, RequestKind::kPull));
+          for (auto& req : reqs)
+            PSLD_RETURN_IF_ERROR(req->wait(5s));
+          bool all = true;
+          for (const auto& v : storage_of[wi]) {
+            for (float x : v) {
+              if (x > 60.0f) return Internal("more than the pushed total: " + std::to_string(x));
+              all = all && x == 60.0f;
+            }
+          }
+          if (all) return Status::Ok();
+          std::this_thread::sleep_for(10ms);
+        }
+        return Internal("the total never reached 60");
+      });
+      EXPECT_TRUE(s.ok()) << s.to_string();
+      for (auto& srv : c.servers)
+        batches += srv->stats().batches;
+    }
+    EXPECT_GT(batches, 0u);
+  }
+}
+
 TEST_P(Runtime, AWorkerThatDiesFailsTheJobForEveryone) {
   // Tensor memory must outlive the workers that registered it (the contract
   // of register_tensor): declared before the cluster, destroyed after it.
@@ -698,6 +757,50 @@ TEST_P(Runtime, ARequestForAKeyTheServerDoesNotOwnIsAnsweredMoved) {
   EXPECT_EQ(server.stats().pushes, 1u);
   EXPECT_EQ(server.malformed_messages(), 0u);
 
+  // A batch in slot 3, partly Moved: the other server's key is answered
+  // Moved, this server's is taken (round 2) and answered, and the slot comes
+  // back once both let go of it. The write carries both chunks back to back:
+  // source elements 0.. for `theirs`, kElems.. for `mine`.
+  {
+    protocol::PushBatch batch{41, 3, placement->epoch(), {}};
+    batch.entries.push_back(
+        {42, 43, DType::kFloat32, protocol::kPushThenPull, theirs, 2, kElems * 4, 0, 0});
+    batch.entries.push_back(
+        {44, 45, DType::kFloat32, protocol::kPushThenPull, mine, 2, kElems * 4, kElems * 4, 0});
+    ASSERT_TRUE(raw.send(conn, batch).ok());
+    ASSERT_TRUE(conn->write({source_region->get(), 0, slots->get(), 3 * grant->slot_bytes,
+                             2 * kElems * 4, 41},
+                            nullptr)
+                    .ok());
+    expect_moved(42);
+    ASSERT_TRUE(raw.wait_write(45, 5s)) << "the batch's owned entry was not answered";
+    for (size_t i = 0; i < kElems; ++i)
+      ASSERT_EQ(tensor[at + i], source[kElems + i]) << "element " << i;
+    expect_credit(3);
+    EXPECT_FALSE(raw.wrote(43));
+    EXPECT_EQ(server.stats().rejected, 4u);
+    EXPECT_EQ(server.stats().pushes, 2u);
+    EXPECT_EQ(server.stats().batches, 1u);
+  }
+  // A batch whose entry reaches past its slot is refused, every entry with
+  // an error, and nothing is taken.
+  {
+    protocol::PushBatch bad{51, 3, placement->epoch(), {}};  // slot 3 came back
+    bad.entries.push_back(
+        {52, 53, DType::kFloat32, protocol::kPushThenPull, mine, 3, kElems * 4, 0, 0});
+    bad.entries.push_back({54, 55, DType::kFloat32, protocol::kPushThenPull, mine, 3, kElems * 4,
+                           static_cast<uint32_t>(grant->slot_bytes - 4), 0});
+    ASSERT_TRUE(raw.send(conn, bad).ok());
+    for (uint32_t tag : {52u, 54u}) {
+      auto e = raw.next<protocol::Error>([&](const auto& m) { return m.tag == tag; }, 5s);
+      ASSERT_TRUE(e.ok()) << "tag " << tag << ": " << e.status().to_string();
+      EXPECT_NE(e->message.find("batch of 2 pushes into slot 3 is not valid"), std::string::npos)
+          << e->message;
+    }
+    EXPECT_EQ(server.stats().pushes, 2u);
+    EXPECT_EQ(server.stats().rejected, 6u);
+  }
+
   // And the real worker's traffic, to both servers, is exact.
   WorkerService& w = *c.workers[0];
   constexpr size_t kN = 300001;  // 19 chunks of 64 KiB, a short tail
@@ -711,8 +814,8 @@ TEST_P(Runtime, ARequestForAKeyTheServerDoesNotOwnIsAnsweredMoved) {
   ASSERT_TRUE((*req)->wait(10s).ok());
   for (size_t i = 0; i < kN; ++i)
     ASSERT_EQ(x[i], static_cast<float>(i % 4099)) << "element " << i;
-  EXPECT_GT(server.stats().pushes, 1u);
-  EXPECT_EQ(server.stats().rejected, 3u);
+  EXPECT_GT(server.stats().pushes, 2u);
+  EXPECT_EQ(server.stats().rejected, 6u);
 }
 
 // UCX over shared memory: servers map the workers' Worker::allocate memory
@@ -731,50 +834,126 @@ TEST_P(Runtime, ARequestForAKeyTheServerDoesNotOwnIsAnsweredMoved) {
 #define PSLD_UNDER_TSAN 0
 #endif
 
-TEST(RuntimeUcxShm, PushPullsOfAllocatedTensorsAreReadInPlaceAndExact) {
-  const auto backends = test_backends();
-  if (std::find(backends.begin(), backends.end(), "ucx") == backends.end()) {
-    GTEST_SKIP() << "built without UCX";
-  }
-#if PSLD_UNDER_TSAN
-  // UCX hands messages over shared memory through its own fifos, which are
-  // not instrumented: ThreadSanitizer sees no order between a worker's
-  // write and the answer that follows it and reports false races. The
-  // plain and ASan builds run this test; over tcp (every other UCX test
-  // here) the kernel's sockets give TSan the order.
-  GTEST_SKIP() << "UCX's shared-memory fifos are invisible to ThreadSanitizer";
-#endif
+// Many small tensors of several sizes, submitted together each round: the
+// pushes to each server leave in batches (one message, and one write into
+// one slot), and every round's sums are exact; with data.batch_chunk_bytes
+// = 0 the same job sends no batch.
+void small_tensors_in_batches(const std::string& backend, uint64_t batch_chunk_bytes,
+                              const std::string& tls = "tcp") {
+  std::vector<std::vector<std::vector<float>>> storage_of(3);
   Cluster c(
-      2, 2, [](RuntimeOptions& o) { o.net.options.ucx.tls = "sm,tcp"; }, "ucx");
+      3, 2,
+      [&](RuntimeOptions& o) {
+        o.batch_chunk_bytes = batch_chunk_bytes;
+        o.batch_bytes = 16384;  // several batches a round, some cut by the size limit
+        o.chunk_bytes = 65536;
+        o.net.options.ucx.tls = tls;
+      },
+      backend);
   ASSERT_TRUE(c.start().ok());
-  const std::vector<size_t> elems = {3, 4099, 40000};  // 1 + 1 + 3 chunks of 64 KiB
+  // 1 element, odd sizes, a chunk at the threshold, two above it, and a
+  // tensor of several chunks whose tail is small.
+  std::vector<size_t> elems;
+  for (size_t i = 0; i < 60; ++i)
+    elems.push_back(std::vector<size_t>{1, 7, 100, 1000, 1024, 4096, 5000, 70000}[i % 8]);
+  constexpr int kRounds = 15;
   Status s = on_all(c, [&](size_t wi) -> Status {
     WorkerService& w = *c.workers[wi];
+    PSLD_ASSIGN_OR_RETURN(std::vector<uint32_t> handles, register_zeroed(w, elems, storage_of[wi]));
     std::vector<float*> data;
-    PSLD_ASSIGN_OR_RETURN(std::vector<uint32_t> handles, register_allocated(w, elems, data));
-    std::vector<float> heap(1000);
-    PSLD_ASSIGN_OR_RETURN(uint32_t hh, w.register_tensor("heap", DType::kFloat32, heap.size() * 4,
-                                                         heap.data(), nullptr));
-    // The heap tensor rides along as a fourth tensor of the same rounds.
-    std::vector<uint32_t> all = handles;
-    all.push_back(hh);
-    data.push_back(heap.data());
-    std::vector<size_t> sizes = elems;
-    sizes.push_back(heap.size());
+    for (auto& v : storage_of[wi])
+      data.push_back(v.data());
     const float rank = static_cast<float>(w.rank());
     return exact_push_pull_rounds(
-        w, all, data, sizes, 20,
-        [&](int r, size_t i) { return rank + static_cast<float>(r + static_cast<int>(i % 9)); },
-        [&](int r, size_t i) {
-          return 1.0f + 2.0f * static_cast<float>(r + static_cast<int>(i % 9));
-        });
+        w, handles, data, elems, kRounds,
+        [&](int r, size_t i) { return rank * 100.0f + static_cast<float>(r + i % 11); },
+        [&](int r, size_t i) { return 300.0f + 3.0f * static_cast<float>(r + i % 11); },
+        /*together=*/true);
   });
   EXPECT_TRUE(s.ok()) << s.to_string();
-  uint64_t in_place = 0;
-  for (auto& srv : c.servers)
-    in_place += srv->stats().pushes_in_place;
-  // 2 workers x 20 rounds x 5 chunks; the heap tensor's 40 pushes took slots.
-  EXPECT_EQ(in_place, 200u);
+  uint64_t batches = 0, batched = 0, pushes = 0;
+  for (auto& srv : c.servers) {
+    batches += srv->stats().batches;
+    batched += srv->stats().batched_pushes;
+    pushes += srv->stats().pushes;
+  }
+  if (batch_chunk_bytes == 0) {
+    EXPECT_EQ(batches, 0u);
+    return;
+  }
+  // 46 of each worker's 88 chunks a round are at most 16 KiB; 7 of them
+  // fill a batch of 16 KiB alone. Nearly all of the other 39 travelled in
+  // batches, several in each.
+  const uint64_t small = 3u * kRounds * 39u;
+  EXPECT_EQ(pushes, 3u * kRounds * 88u);
+  EXPECT_GT(batched, small * 9 / 10) << batched << " of " << small;
+  EXPECT_LE(batched, small);
+  EXPECT_GT(batched, 2 * batches);
+}
+
+TEST_P(Runtime, SmallTensorsSubmittedTogetherTravelInBatchesWithExactSums) {
+  small_tensors_in_batches(GetParam(), 16384);
+}
+
+TEST_P(Runtime, WithBatchesOffNothingIsBatched) {
+  small_tensors_in_batches(GetParam(), 0);
+}
+
+TEST(RuntimeUcxShm, PushPullsOfAllocatedTensorsAreReadInPlaceAndExact) {
+  std::map<bool, uint64_t> batches;  // by together
+  for (const bool together : {false, true}) {
+    SCOPED_TRACE(together ? "submitted together" : "one by one");
+    const auto backends = test_backends();
+    if (std::find(backends.begin(), backends.end(), "ucx") == backends.end()) {
+      GTEST_SKIP() << "built without UCX";
+    }
+#if PSLD_UNDER_TSAN
+    // UCX hands messages over shared memory through its own fifos, which are
+    // not instrumented: ThreadSanitizer sees no order between a worker's
+    // write and the answer that follows it and reports false races. The
+    // plain and ASan builds run this test; over tcp (every other UCX test
+    // here) the kernel's sockets give TSan the order.
+    GTEST_SKIP() << "UCX's shared-memory fifos are invisible to ThreadSanitizer";
+#endif
+    Cluster c(
+        2, 2, [](RuntimeOptions& o) { o.net.options.ucx.tls = "sm,tcp"; }, "ucx");
+    ASSERT_TRUE(c.start().ok());
+    const std::vector<size_t> elems = {3, 4099, 40000};  // 1 + 1 + 3 chunks of 64 KiB
+    Status s = on_all(c, [&](size_t wi) -> Status {
+      WorkerService& w = *c.workers[wi];
+      std::vector<float*> data;
+      PSLD_ASSIGN_OR_RETURN(std::vector<uint32_t> handles, register_allocated(w, elems, data));
+      std::vector<float> heap(1000);
+      PSLD_ASSIGN_OR_RETURN(uint32_t hh, w.register_tensor("heap", DType::kFloat32, heap.size() * 4,
+                                                           heap.data(), nullptr));
+      // The heap tensor rides along as a fourth tensor of the same rounds.
+      std::vector<uint32_t> all = handles;
+      all.push_back(hh);
+      data.push_back(heap.data());
+      std::vector<size_t> sizes = elems;
+      sizes.push_back(heap.size());
+      const float rank = static_cast<float>(w.rank());
+      return exact_push_pull_rounds(
+          w, all, data, sizes, 20,
+          [&](int r, size_t i) { return rank + static_cast<float>(r + static_cast<int>(i % 9)); },
+          [&](int r, size_t i) {
+            return 1.0f + 2.0f * static_cast<float>(r + static_cast<int>(i % 9));
+          },
+          together);
+    });
+    EXPECT_TRUE(s.ok()) << s.to_string();
+    uint64_t in_place = 0;
+    for (auto& srv : c.servers)
+      in_place += srv->stats().pushes_in_place;
+    // 2 workers x 20 rounds x 5 chunks; the heap tensor's 40 pushes took slots.
+    EXPECT_EQ(in_place, 200u);
+    for (auto& srv : c.servers)
+      batches[together] += srv->stats().batches;
+  }
+  // Together, the small in-place pushes to a server go in one message (one
+  // by one, only a tensor's own chunks can share one).
+  EXPECT_GT(batches[true], batches[false]);
+  EXPECT_GE(batches[true], 40u);  // at least one a server a round
 }
 
 TEST(RuntimeLoopback, UnreachableCoordinatorIsAClearErrorAtStart) {

@@ -117,6 +117,14 @@ struct DataConfig {
   // this size: num_workers * slots_per_worker * chunk_bytes of memory.
   uint64_t chunk_bytes = kDefaultChunkBytes;
   uint32_t slots_per_worker = 16;  // landing slots (credits) per worker; 1..4096
+  // Pushes of chunks of at most this many bytes that wait for the same
+  // server together go out as one batch (one message and one write into one
+  // landing slot, or one message for pushes read in place); 0: never. 0 ..
+  // 1 GiB. docs/runtime.md, "Batches".
+  uint64_t batch_chunk_bytes = 65536;
+  // Largest batch: how many bytes one batch's write carries (also at most
+  // chunk_bytes, the slot's size); 1 KiB .. 1 GiB.
+  uint64_t batch_bytes = 262144;
   SyncMode sync = SyncMode::kBsp;
   // With sync = staleness: how many rounds a worker may run ahead of the
   // slowest; 1..1000000. Ignored by the other modes.

@@ -27,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -122,6 +123,14 @@ class Worker {
   Result<Request> pull(TensorHandle tensor);
   // push, then the result of that round written back into the same memory.
   Result<Request> push_pull(TensorHandle tensor);
+  // The same, for many tensors at once (a request each, in order). Submitted
+  // together, the small chunks among them that go to one server leave as
+  // one batch (data.batch_chunk_bytes; docs/runtime.md, "Batches"): what a
+  // model of many small tensors should use each round. An unknown handle
+  // submits nothing.
+  Result<std::vector<Request>> push(std::span<const TensorHandle> tensors);
+  Result<std::vector<Request>> pull(std::span<const TensorHandle> tensors);
+  Result<std::vector<Request>> push_pull(std::span<const TensorHandle> tensors);
 
   // Rounds of the tensor pushed so far: its next push is of round + 1. In a
   // job resumed from a checkpoint (checkpoint.resume) every tensor starts at
@@ -162,6 +171,8 @@ class Worker {
 
  private:
   Worker() = default;
+  // The span overloads: `kind` is the internal request kind.
+  Result<std::vector<Request>> submit_all(std::span<const TensorHandle> tensors, int kind);
   // Declared first: destroyed last, after the worker and server that dial it.
   std::unique_ptr<CoordinatorService> coordinator_;
   std::unique_ptr<ServerService> server_;

@@ -136,6 +136,31 @@ Result<Request> Worker::push_pull(TensorHandle t) {
   return Request(std::move(state));
 }
 
+Result<std::vector<Request>> Worker::submit_all(std::span<const TensorHandle> tensors, int kind) {
+  std::vector<uint32_t> handles;
+  handles.reserve(tensors.size());
+  for (TensorHandle t : tensors)
+    handles.push_back(t.index);
+  PSLD_ASSIGN_OR_RETURN(auto states, impl_->submit_many(handles, static_cast<RequestKind>(kind)));
+  std::vector<Request> out;
+  out.reserve(states.size());
+  for (auto& s : states)
+    out.push_back(Request(std::move(s)));
+  return out;
+}
+
+Result<std::vector<Request>> Worker::push(std::span<const TensorHandle> tensors) {
+  return submit_all(tensors, static_cast<int>(RequestKind::kPush));
+}
+
+Result<std::vector<Request>> Worker::pull(std::span<const TensorHandle> tensors) {
+  return submit_all(tensors, static_cast<int>(RequestKind::kPull));
+}
+
+Result<std::vector<Request>> Worker::push_pull(std::span<const TensorHandle> tensors) {
+  return submit_all(tensors, static_cast<int>(RequestKind::kPushPull));
+}
+
 Result<uint64_t> Worker::round(TensorHandle t) const {
   return impl_->tensor_round(t.index);
 }

@@ -268,6 +268,11 @@ const std::vector<Field>& fields() {
       integer(PSLD_KEY(data.slots_per_worker), 1, 4096,
               "landing slots (credits) each server grants each worker; a server's landing "
               "memory is num_workers x slots_per_worker x chunk_bytes"),
+      integer(PSLD_KEY(data.batch_chunk_bytes), 0, int64_t{1} << 30,
+              "pushes of chunks of at most this many bytes that wait for the same server go out "
+              "together, as one batch (one message and one write); 0: never"),
+      integer(PSLD_KEY(data.batch_bytes), 1024, int64_t{1} << 30,
+              "largest batch of small pushes, in bytes (and at most data.chunk_bytes)"),
       plain(PSLD_KEY(data.sync),
             "bsp: a round is applied once every worker pushed it; async: on arrival; "
             "staleness: async with workers at most data.staleness_rounds apart"),

@@ -52,6 +52,8 @@ RuntimeOptions runtime_options_from_config(const Config& c) {
   o.rank = c.job.rank;
   o.chunk_bytes = c.data.chunk_bytes;
   o.slots_per_worker = c.data.slots_per_worker;
+  o.batch_chunk_bytes = c.data.batch_chunk_bytes;
+  o.batch_bytes = c.data.batch_bytes;
   o.sync = c.data.sync;
   if (c.data.gpu_path == "direct") {
     o.gpu_path = GpuPath::kDirect;

@@ -51,6 +51,8 @@ struct RuntimeOptions {
   int32_t rank = -1;  // -1: assigned by the coordinator
   uint64_t chunk_bytes = DataConfig{}.chunk_bytes;
   uint32_t slots_per_worker = DataConfig{}.slots_per_worker;
+  uint64_t batch_chunk_bytes = DataConfig{}.batch_chunk_bytes;  // 0: no batches
+  uint64_t batch_bytes = DataConfig{}.batch_bytes;
   SyncMode sync = DataConfig{}.sync;
   uint32_t staleness = DataConfig{}.staleness_rounds;
   ServerMode mode = ServerConfig{}.mode;

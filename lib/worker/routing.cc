@@ -117,6 +117,7 @@ void WorkerService::pump(ServerConn& s) {
     ChunkOp& op = s.backlog.front();
     const bool needs_slot = op.kind != RequestKind::kPull && !in_place(s, op);
     if (needs_slot && s.free_slots.empty()) return;  // waits for Credit
+    if (s.backlog.size() > 1 && batchable(op) && issue_batch(s)) continue;
     uint32_t slot = 0;
     if (needs_slot) {
       slot = s.free_slots.front();
@@ -135,17 +136,147 @@ bool WorkerService::in_place(const ServerConn& s, const ChunkOp& op) const {
   return s.mapped.count(tensors_[op.tensor].id) != 0;
 }
 
+uint32_t WorkerService::new_tag() {
+  uint32_t v = next_tag_++;
+  if (v == 0) v = next_tag_++;
+  return v;
+}
+
+bool WorkerService::batchable(const ChunkOp& op) const {
+  if (!batch_pool_ || op.kind == RequestKind::kPull) return false;
+  const Tensor& t = tensors_[op.tensor];
+  return t.region->kind() == MemoryKind::kHost &&
+         t.layout->chunk(op.chunk).bytes <= options_.batch_chunk_bytes;
+}
+
+protocol::PushMeta WorkerService::start_push(ServerConn& s, const ChunkOp& op, uint32_t slot) {
+  Tensor& t = tensors_[op.tensor];
+  const ChunkSpan span = t.layout->chunk(op.chunk);
+  const uint32_t push_tag = new_tag();
+  uint32_t pull_tag = 0;
+  uint8_t flags = 0;
+  if (op.kind == RequestKind::kPushPull || op.kind == RequestKind::kInit) {
+    pull_tag = new_tag();
+    flags |= protocol::kPushThenPull;
+    if (op.kind == RequestKind::kInit) flags |= protocol::kPushInit;
+    pending_[pull_tag] = Pending{op.request, push_tag, s.rank, Clock::now(), op, /*lands=*/true};
+    pending_[push_tag] = Pending{op.request, pull_tag, s.rank, Clock::now(), op};
+  } else {
+    // A plain push completes when the server says it took it (Credit).
+    pending_[push_tag] = Pending{op.request, 0, s.rank, Clock::now(), op};
+  }
+  loads_[s.rank].bytes_pushed += span.bytes;
+  load_->record(s.rank, LoadMetric::kPushedBytes, static_cast<double>(span.bytes));
+  if (in_place(s, op)) {
+    flags |= protocol::kPushMapped;
+    slot = protocol::kNoSlot;
+  }
+  return protocol::PushMeta{
+      push_tag, slot,     t.dtype, span.key, op.round, span.bytes, epochs_->latest().epoch(),
+      flags,    pull_tag, op.lr};
+}
+
+bool WorkerService::issue_batch(ServerConn& s) {
+  const bool mapped = in_place(s, s.backlog.front());
+  if (!mapped && (s.free_slots.empty() || free_batch_buffers_.empty())) return false;
+  const uint64_t limit = std::min(batch_buffer_bytes_, s.slot_bytes);
+  // Each entry's bytes start on a cache line of the buffer (and of the slot).
+  auto aligned = [](uint64_t at) { return (at + 63) & ~uint64_t{63}; };
+  size_t n = 0;
+  uint64_t end = 0;
+  for (const ChunkOp& op : s.backlog) {
+    if (n == protocol::kMaxBatchEntries || !batchable(op) || in_place(s, op) != mapped) break;
+    if (!mapped) {
+      const uint64_t bytes = tensors_[op.tensor].layout->chunk(op.chunk).bytes;
+      if (aligned(end) + bytes > limit) break;
+      end = aligned(end) + bytes;
+    }
+    ++n;
+  }
+  if (n < 2) return false;
+  protocol::PushBatch batch;
+  batch.epoch = epochs_->latest().epoch();
+  uint32_t buffer = 0;
+  if (!mapped) {
+    batch.tag = new_tag();
+    batch.slot = s.free_slots.front();
+    s.free_slots.pop_front();
+    buffer = free_batch_buffers_.back();
+    free_batch_buffers_.pop_back();
+  }
+  // Where each entry's bytes are now, and where they go in the buffer.
+  struct Gather {
+    const uint8_t* from;
+    uint64_t to;
+    uint64_t bytes;
+  };
+  std::vector<Gather> gather;
+  gather.reserve(mapped ? 0 : n);
+  batch.entries.reserve(n);
+  uint64_t at = 0;
+  for (size_t i = 0; i < n; ++i) {
+    ChunkOp op = std::move(s.backlog.front());
+    s.backlog.pop_front();
+    const protocol::PushMeta meta = start_push(s, op, batch.slot);
+    protocol::BatchEntry e{meta.tag,
+                           meta.pull_tag,
+                           meta.dtype,
+                           meta.flags,
+                           meta.key,
+                           meta.round,
+                           static_cast<uint32_t>(meta.bytes),
+                           0,
+                           meta.lr};
+    if (!mapped) {
+      const Tensor& t = tensors_[op.tensor];
+      at = aligned(at);
+      e.offset = static_cast<uint32_t>(at);
+      gather.push_back(
+          {t.region->data() + t.region_offset + t.layout->chunk(op.chunk).offset, at, meta.bytes});
+      at += meta.bytes;
+    }
+    batch.entries.push_back(e);
+  }
+  transport::WriteRequest wr{batch_pool_.get(),
+                             buffer * batch_buffer_bytes_,
+                             s.slots.get(),
+                             uint64_t{batch.slot} * s.slot_bytes,
+                             at,
+                             batch.tag};
+  outbox_.push_back([this, conn = s.conn, batch = std::move(batch), gather = std::move(gather), wr,
+                     slots = s.slots, mapped, buffer, rank = s.rank] {
+    auto done = [this, conn, rank, batch, mapped, buffer](const Status& ws) {
+      {
+        MutexLock lock(mu_);
+        if (!mapped) free_batch_buffers_.push_back(buffer);
+        if (ws.ok()) return;
+        for (const auto& e : batch.entries)
+          op_failed(rank, conn, e.tag, ws);
+      }
+      flush();
+    };
+    if (!mapped) {
+      uint8_t* base = batch_pool_->data() + wr.local_offset;
+      for (const Gather& g : gather)
+        std::memcpy(base + g.to, g.from, g.bytes);
+    }
+    Status st = send(conn, batch);
+    if (st.ok() && !mapped) {
+      st = conn->write(wr, done);
+    } else if (st.ok()) {
+      return;  // in place: the message is all
+    }
+    if (!st.ok()) done(st);
+  });
+  return true;
+}
+
 void WorkerService::issue(ServerConn& s, const ChunkOp& op, uint32_t slot) {
   Tensor& t = tensors_[op.tensor];
   const ChunkSpan span = t.layout->chunk(op.chunk);
-  auto tag = [&]() REQUIRES(mu_) {
-    uint32_t v = next_tag_++;
-    if (v == 0) v = next_tag_++;
-    return v;
-  };
   ConnectionPtr conn = s.conn;
   if (op.kind == RequestKind::kPull) {
-    const uint32_t pull_tag = tag();
+    const uint32_t pull_tag = new_tag();
     pending_[pull_tag] = Pending{op.request, 0, s.rank, Clock::now(), op, /*lands=*/true};
     protocol::PullRequest pr{pull_tag, t.dtype,  span.bytes,
                              span.key, op.round, epochs_->latest().epoch()};
@@ -161,31 +292,11 @@ void WorkerService::issue(ServerConn& s, const ChunkOp& op, uint32_t slot) {
     });
     return;
   }
-  const uint32_t push_tag = tag();
-  uint32_t pull_tag = 0;
-  uint8_t flags = 0;
-  if (op.kind == RequestKind::kPushPull || op.kind == RequestKind::kInit) {
-    pull_tag = tag();
-    flags |= protocol::kPushThenPull;
-    if (op.kind == RequestKind::kInit) flags |= protocol::kPushInit;
-    pending_[pull_tag] = Pending{op.request, push_tag, s.rank, Clock::now(), op, /*lands=*/true};
-    pending_[push_tag] = Pending{op.request, pull_tag, s.rank, Clock::now(), op};
-  } else {
-    // A plain push completes when the server says it took it (Credit).
-    pending_[push_tag] = Pending{op.request, 0, s.rank, Clock::now(), op};
-  }
-  loads_[s.rank].bytes_pushed += span.bytes;
-  load_->record(s.rank, LoadMetric::kPushedBytes, static_cast<double>(span.bytes));
-  if (in_place(s, op)) {
-    flags |= protocol::kPushMapped;
-    slot = protocol::kNoSlot;
-  }
-  protocol::PushMeta meta{
-      push_tag, slot,     t.dtype, span.key, op.round, span.bytes, epochs_->latest().epoch(),
-      flags,    pull_tag, op.lr};
+  const protocol::PushMeta meta = start_push(s, op, slot);
+  slot = meta.slot;
   transport::WriteRequest wr{t.region.get(), t.region_offset + span.offset,
                              s.slots.get(),  slot * s.slot_bytes,
-                             span.bytes,     push_tag};
+                             span.bytes,     meta.tag};
   auto region = t.region;  // kept alive by the lambda
   auto slots = s.slots;
   outbox_.push_back([this, conn, meta, wr, region, slots, rank = s.rank] {

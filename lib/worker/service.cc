@@ -68,6 +68,18 @@ Result<std::unique_ptr<WorkerService>> WorkerService::start(const RuntimeOptions
   for (const auto& e : early)
     w->on_epoch_change(e);
   PSLD_RETURN_IF_ERROR(w->connect_servers());
+  if (options.batch_chunk_bytes > 0) {
+    // As many batches in flight as slots a server grants each worker.
+    const uint64_t buffer = std::min(options.batch_bytes, options.chunk_bytes);
+    auto pool =
+        w->transport().allocate_memory(options.slots_per_worker * buffer, MemoryKind::kHost);
+    if (!pool.ok()) return pool.status().with_context("allocating the buffers of push batches");
+    w->batch_pool_ = *pool;
+    w->batch_buffer_bytes_ = buffer;
+    MutexLock lock(w->mu_);
+    for (uint32_t i = options.slots_per_worker; i > 0; --i)
+      w->free_batch_buffers_.push_back(i - 1);
+  }
   Status reports =
       w->session_.start_reports(options.stats_interval, [wk = w.get()](uint64_t window_ns) {
         std::vector<protocol::Message> out;
@@ -586,7 +598,14 @@ Result<uint64_t> WorkerService::tensor_round(uint32_t handle) const {
 }
 
 Result<std::shared_ptr<RequestState>> WorkerService::submit(uint32_t handle, RequestKind kind) {
-  std::shared_ptr<RequestState> req;
+  PSLD_ASSIGN_OR_RETURN(auto reqs, submit_many({&handle, 1}, kind));
+  return std::move(reqs.front());
+}
+
+Result<std::vector<std::shared_ptr<RequestState>>> WorkerService::submit_many(
+    std::span<const uint32_t> handles, RequestKind kind) {
+  std::vector<std::shared_ptr<RequestState>> reqs;
+  reqs.reserve(handles.size());
   std::vector<std::function<void()>> copy_out;
   {
     MutexLock lock(mu_);
@@ -600,30 +619,36 @@ Result<std::shared_ptr<RequestState>> WorkerService::submit(uint32_t handle, Req
       cv_.notify_all();
       return h;
     }
-    if (handle >= tensors_.size()) return InvalidArgument("unknown tensor handle");
-    Tensor& t = tensors_[handle];
-    const uint64_t chunks = t.layout->num_chunks();
-    req = std::make_shared<RequestState>(chunks);
-    uint64_t round = t.push_round;
-    if (kind == RequestKind::kPush || kind == RequestKind::kPushPull) round = ++t.push_round;
-    if (round > max_round_.load()) max_round_.store(round);
-    // A staged tensor's push leaves chunk by chunk as each is copied out of
-    // the GPU (on_staged); everything else is routed now.
-    const bool stage_out = t.shadow != nullptr && kind != RequestKind::kPull;
-    for (uint64_t c = 0; c < chunks; ++c) {
-      ChunkOp op{kind, handle, static_cast<uint32_t>(c), round, req, lr_};
-      if (!stage_out) {
-        route(std::move(op));
-        continue;
-      }
-      const ChunkSpan span = t.layout->chunk(op.chunk);
-      ++staging_[{handle, round}];
-      copy_out.push_back([this, op, span, dst = t.shadow.get() + span.offset,
-                          src = t.data + span.offset]() mutable {
-        copier_->copy(DeviceCopier::Direction::kToHost, dst, src, span.bytes,
-                      [this, op](const Status& s) { on_staged(op, s); });
-      });
+    for (uint32_t handle : handles) {
+      if (handle >= tensors_.size()) return InvalidArgument("unknown tensor handle");
     }
+    for (uint32_t handle : handles) {
+      Tensor& t = tensors_[handle];
+      const uint64_t chunks = t.layout->num_chunks();
+      auto req = std::make_shared<RequestState>(chunks);
+      uint64_t round = t.push_round;
+      if (kind == RequestKind::kPush || kind == RequestKind::kPushPull) round = ++t.push_round;
+      if (round > max_round_.load()) max_round_.store(round);
+      // A staged tensor's push leaves chunk by chunk as each is copied out of
+      // the GPU (on_staged); everything else is routed now.
+      const bool stage_out = t.shadow != nullptr && kind != RequestKind::kPull;
+      for (uint64_t c = 0; c < chunks; ++c) {
+        ChunkOp op{kind, handle, static_cast<uint32_t>(c), round, req, lr_};
+        if (!stage_out) {
+          route(std::move(op));
+          continue;
+        }
+        const ChunkSpan span = t.layout->chunk(op.chunk);
+        ++staging_[{handle, round}];
+        copy_out.push_back([this, op, span, dst = t.shadow.get() + span.offset,
+                            src = t.data + span.offset]() mutable {
+          copier_->copy(DeviceCopier::Direction::kToHost, dst, src, span.bytes,
+                        [this, op](const Status& s) { on_staged(op, s); });
+        });
+      }
+      reqs.push_back(std::move(req));
+    }
+    // Once every chunk is queued: small pushes to one server leave together.
     for (auto& [r, s] : servers_)
       pump(s);
   }
@@ -631,7 +656,7 @@ Result<std::shared_ptr<RequestState>> WorkerService::submit(uint32_t handle, Req
   for (auto& fn : copy_out)
     fn();
   flush();
-  return req;
+  return reqs;
 }
 
 Result<void*> WorkerService::allocate(size_t bytes) {

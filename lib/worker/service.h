@@ -14,6 +14,7 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -70,6 +71,11 @@ class WorkerService final : public ProcessRuntime {
   Result<uint32_t> register_tensor(const std::string& name, DType dtype, uint64_t bytes, void* data,
                                    const void* init);
   Result<std::shared_ptr<RequestState>> submit(uint32_t tensor, RequestKind kind);
+  // The same request for each tensor, in order, queued together: the small
+  // chunks among them that go to one server travel as batches
+  // (data.batch_chunk_bytes). Nothing is submitted for an unknown handle.
+  Result<std::vector<std::shared_ptr<RequestState>>> submit_many(std::span<const uint32_t> tensors,
+                                                                 RequestKind kind);
   // Rounds of the tensor pushed so far (a resumed job's tensors start at
   // the checkpoint's round).
   Result<uint64_t> tensor_round(uint32_t tensor) const;
@@ -185,6 +191,16 @@ class WorkerService final : public ProcessRuntime {
   // sends happen after it is released (see issue_later_).
   void pump(ServerConn& s) REQUIRES(mu_);
   void issue(ServerConn& s, const ChunkOp& op, uint32_t slot) REQUIRES(mu_);
+  // A push's bookkeeping (its tags pending, its bytes counted) and the
+  // PushMeta that announces it; `slot` is kNoSlot's for one read in place.
+  protocol::PushMeta start_push(ServerConn& s, const ChunkOp& op, uint32_t slot) REQUIRES(mu_);
+  uint32_t new_tag() REQUIRES(mu_);
+  // Whether op may travel in a batch (data.batch_chunk_bytes).
+  bool batchable(const ChunkOp& op) const REQUIRES(mu_);
+  // Issues the pushes at the front of s's backlog that fit one batch
+  // (protocol::PushBatch); false, issuing nothing, when fewer than two do
+  // or no batch buffer is free.
+  bool issue_batch(ServerConn& s) REQUIRES(mu_);
   void finish_tag(uint32_t tag, const Status& status) REQUIRES(mu_);
   void flush();
   void fail_everything(const Status& why) REQUIRES(mu_);
@@ -246,6 +262,12 @@ class WorkerService final : public ProcessRuntime {
   std::map<uint64_t, TensorId> ack_tensor_ GUARDED_BY(mu_);  // TensorKey request -> its tensor
   // Whether server `s` reads op's push in place (protocol::kPushMapped). mu_ held.
   bool in_place(const ServerConn& s, const ChunkOp& op) const REQUIRES(mu_);
+  // Batches of small pushes (issue_batch) are gathered into one of these
+  // buffers of batch_bytes, registered once, and written from it; a buffer
+  // is free again when its write completed. Null: no batches.
+  std::shared_ptr<transport::MemoryRegion> batch_pool_;
+  uint64_t batch_buffer_bytes_ = 0;
+  std::vector<uint32_t> free_batch_buffers_ GUARDED_BY(mu_);
   uint64_t next_request_ GUARDED_BY(mu_) = 1;
   uint32_t next_tag_ GUARDED_BY(mu_) = 1;
   // Control messages and writes are issued outside mu_: the transport may be
