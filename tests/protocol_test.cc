@@ -60,7 +60,7 @@ std::vector<Message> examples() {
                  {{1, 9, 10, 11, 12}}},
       PeerHello{Role::kWorker, 3, nonce_of(5)},
       Grant{16, 4 << 20, {5, 6, 7}, proof_of(6)},
-      TensorKey{4, 12, {1, 1, 2, 3, 5, 8}, 4096},
+      TensorKey{4, 12, {1, 1, 2, 3, 5, 8}, 4096, kTensorAnswersBatched},
       PushMeta{17, 3, DType::kBFloat16, make_key(12, 4), 100, 4096, 2, kPushThenPull, 18},
       PullRequest{19, DType::kFloat16, 2048, make_key(12, 4), 100, 2},
       PushBatch{21,
@@ -68,6 +68,7 @@ std::vector<Message> examples() {
                 3,
                 {{22, 23, DType::kFloat32, kPushThenPull, make_key(12, 5), 100, 4096, 0, 0.5},
                  {24, 0, DType::kBFloat16, 0, make_key(13, 0), 7, 64, 4096, 0}}},
+      AnswerSlots{4, 262144, {9, 8, 7}},
       Credit{{1, 2, 3, 15}, {7, 8}},
       Moved{17, make_key(12, 4), 3},
       Error{17, 0, static_cast<uint8_t>(StatusCode::kOutOfRange), "slot 99 out of range"},
@@ -188,6 +189,20 @@ TEST(Protocol, ABatchIsInOneSlotOrAllInPlace) {
   BatchEntry nan = in_slot;
   nan.lr = std::nan("");
   EXPECT_FALSE(decodes(PushBatch{1, 0, 1, {nan}}));
+}
+
+TEST(Protocol, AnswerSlotsAndTensorFlagsAreChecked) {
+  auto decodes = [](const Message& m) { return decode(encode(m)).ok(); };
+  EXPECT_TRUE(decodes(AnswerSlots{4, 262144, {1, 2}}));
+  EXPECT_FALSE(decodes(AnswerSlots{0, 262144, {1, 2}}));           // no slot
+  EXPECT_FALSE(decodes(AnswerSlots{4, kAnswerDataOffset, {1, 2}}));  // no room for data
+  EXPECT_FALSE(decodes(AnswerSlots{4, (uint64_t{1} << 30) + 1, {1, 2}}));
+  EXPECT_FALSE(decodes(AnswerSlots{static_cast<uint32_t>(kMaxListEntries + 1), 262144, {1}}));
+  EXPECT_TRUE(decodes(TensorKey{1, 2, {3}, 0, kTensorAnswersBatched}));
+  EXPECT_FALSE(decodes(TensorKey{1, 2, {3}, 0, 2}));
+  // A batch's table always fits before its data.
+  EXPECT_LE(sizeof(AnswerHeader) + kMaxAnswerEntries * sizeof(AnswerEntry), kAnswerDataOffset);
+  EXPECT_EQ(sizeof(AnswerEntry), 12u);
 }
 
 TEST(Protocol, EveryTruncationIsRejected) {

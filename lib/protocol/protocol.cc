@@ -291,10 +291,22 @@ void put(WireWriter& w, const TensorKey& m) {
   w.u32(m.tensor);
   w.blob(m.key);
   w.u64(m.offset);
+  w.u8(m.flags);
 }
 bool get(WireReader& r, TensorKey* m) {
   return r.u64(&m->request) && r.u32(&m->tensor) && read_bytes(r, &m->key, kMaxBlobBytes) &&
-         r.u64(&m->offset);
+         r.u64(&m->offset) && r.u8(&m->flags) && (m->flags & ~kTensorAnswersBatched) == 0;
+}
+
+void put(WireWriter& w, const AnswerSlots& m) {
+  w.u32(m.num_slots);
+  w.u64(m.slot_bytes);
+  w.blob(m.key);
+}
+bool get(WireReader& r, AnswerSlots* m) {
+  return r.u32(&m->num_slots) && m->num_slots > 0 && m->num_slots <= kMaxListEntries &&
+         r.u64(&m->slot_bytes) && m->slot_bytes > kAnswerDataOffset &&
+         m->slot_bytes <= (uint64_t{1} << 30) && read_bytes(r, &m->key, kMaxBlobBytes);
 }
 
 void put(WireWriter& w, const Ack& m) {
@@ -653,6 +665,7 @@ constexpr Type kTypes[] = {
     Type::kReplicaAck,
     Type::kReplicaSynced,
     Type::kPushBatch,
+    Type::kAnswerSlots,
 };
 static_assert(std::size(kTypes) == std::variant_size_v<Message>);
 
@@ -697,6 +710,7 @@ constexpr const char* kNames[] = {
     "ReplicaAck",
     "ReplicaSynced",
     "PushBatch",
+    "AnswerSlots",
 };
 static_assert(std::size(kNames) == std::variant_size_v<Message>);
 

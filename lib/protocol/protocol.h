@@ -69,7 +69,8 @@ namespace psld::protocol {
 // (Challenge, Hello, Welcome, Grant), PeerHello (was WorkerHello) and PeerProof.
 // 7: checkpoints (CheckpointSeal, CheckpointSealed, Welcome.resume_round,
 // TensorInfo.round). 8: JoinWaiting. 9: replication (ReplicaOpen,
-// ReplicaGrant, ReplicaAck, ReplicaSynced, EpochStep::kFailover). 10: PushBatch.
+// ReplicaGrant, ReplicaAck, ReplicaSynced, EpochStep::kFailover). 10: PushBatch,
+// AnswerSlots, TensorKey.flags, Credit from a worker, batched answers.
 inline constexpr uint16_t kVersion = 10;
 
 // A member's psld::Role and a tensor's psld::DType travel as one byte each,
@@ -125,6 +126,7 @@ enum class Type : uint16_t {
   kReplicaAck = 43,
   kReplicaSynced = 44,
   kPushBatch = 45,
+  kAnswerSlots = 46,
 };
 
 // The acceptor's nonce: the coordinator sends it as soon as a member
@@ -276,11 +278,45 @@ struct Grant {
   Proof proof{};                   // grant_proof(): the server knows the secret too
 };
 
+// TensorKey.flags: the tensor is in host memory, so the server may answer
+// its small pulls in batches (AnswerSlots) that the worker copies out.
+inline constexpr uint8_t kTensorAnswersBatched = 1;
+
 struct TensorKey {
   uint64_t request = 0;  // acknowledged with Ack
   TensorId tensor = 0;
   std::vector<uint8_t> key;  // remote key of the memory the worker's tensor is in
   uint64_t offset = 0;       // of the tensor in that memory (Worker::allocate carves)
+  uint8_t flags = 0;
+};
+
+// Where a server may write batches of answers to this worker's pulls
+// (docs/runtime.md, "Batches"): `num_slots` slots of `slot_bytes` in the
+// region `key`. A batch is one write into a free slot with notify
+// kAnswerBatch | slot: an AnswerHeader, `count` AnswerEntry records, and
+// each pull's bytes at its entry's offset. The worker copies them into its
+// tensors and gives the slot back with a Credit (worker -> server: slots
+// are answer slots).
+inline constexpr uint32_t kAnswerBatch = 0x80000000u;  // worker tags stay below it
+inline constexpr size_t kMaxAnswerEntries = 128;
+inline constexpr uint32_t kAnswerMagic = 0x42534c50;  // "PLSB"
+struct AnswerHeader {
+  uint32_t magic = kAnswerMagic;
+  uint32_t count = 0;
+};
+struct AnswerEntry {
+  uint32_t tag = 0;  // the pull's
+  uint32_t offset = 0;
+  uint32_t bytes = 0;
+};
+// Where a batch's bytes may start: after the largest table.
+inline constexpr uint64_t kAnswerDataOffset = 2048;
+static_assert(sizeof(AnswerHeader) + kMaxAnswerEntries * sizeof(AnswerEntry) <= kAnswerDataOffset);
+
+struct AnswerSlots {
+  uint32_t num_slots = 0;
+  uint64_t slot_bytes = 0;
+  std::vector<uint8_t> key;  // remote key of the slots, back to back
 };
 
 // Flags of a push.
@@ -554,13 +590,14 @@ struct ReplicaSynced {
   uint64_t epoch = 0;
 };
 
-using Message = std::variant<Challenge, Hello, Welcome, Reject, ServerList, PlacementChunk,
-                             RegisterTensor, TensorInfo, BarrierEnter, BarrierRelease, Heartbeat,
-                             JobFailed, Shutdown, LoadReport, PeerHello, Grant, TensorKey, PushMeta,
-                             PullRequest, Credit, Moved, Error, Ack, EpochChange, EpochVote,
-                             StateRequest, StateOffer, TransferDone, EpochFinal, WorkerProgress,
-                             LowWatermark, PeerProof, CheckpointSeal, CheckpointSealed, JoinWaiting,
-                             ReplicaOpen, ReplicaGrant, ReplicaAck, ReplicaSynced, PushBatch>;
+using Message =
+    std::variant<Challenge, Hello, Welcome, Reject, ServerList, PlacementChunk, RegisterTensor,
+                 TensorInfo, BarrierEnter, BarrierRelease, Heartbeat, JobFailed, Shutdown,
+                 LoadReport, PeerHello, Grant, TensorKey, PushMeta, PullRequest, Credit, Moved,
+                 Error, Ack, EpochChange, EpochVote, StateRequest, StateOffer, TransferDone,
+                 EpochFinal, WorkerProgress, LowWatermark, PeerProof, CheckpointSeal,
+                 CheckpointSealed, JoinWaiting, ReplicaOpen, ReplicaGrant, ReplicaAck,
+                 ReplicaSynced, PushBatch, AnswerSlots>;
 
 // Rounds of tensors 1..n (by_tensor[t - 1]) as at most kMaxRoundRanges
 // ranges: exact where neighbours share a round or there are few tensors,
