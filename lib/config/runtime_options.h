@@ -53,6 +53,10 @@ struct RuntimeOptions {
   uint32_t slots_per_worker = DataConfig{}.slots_per_worker;
   uint64_t batch_chunk_bytes = DataConfig{}.batch_chunk_bytes;  // 0: no batches
   uint64_t batch_bytes = DataConfig{}.batch_bytes;
+  // Slots a worker gives each server for batches of answers to its small
+  // pulls (protocol::AnswerSlots); 0: none, every pull is its own write.
+  // Not a config key: tests set it to exercise a server that finds none free.
+  uint32_t answer_slots = 4;
   SyncMode sync = DataConfig{}.sync;
   uint32_t staleness = DataConfig{}.staleness_rounds;
   ServerMode mode = ServerConfig{}.mode;

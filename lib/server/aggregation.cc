@@ -283,10 +283,10 @@ void ServerService::process_pull(Shard& shard, PullWork& w) {
 }
 
 void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
-  (void)shard;
   std::shared_ptr<transport::RemoteRegion> remote;
   uint64_t base = 0;  // of the tensor in `remote`
   ConnectionPtr conn;
+  uint64_t answer_slot_bytes = 0;  // 0: the worker takes no batched answer for it
   {
     MutexLock lock(conns_mu_);
     auto it = conns_.find(w.conn);
@@ -296,6 +296,11 @@ void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
     if (t != it->second->tensors.end()) {
       remote = t->second.remote;
       base = t->second.offset;
+      // Not into memory this server maps (a worker on this host over
+      // shared memory): there a pull's own write is one memcpy, cheaper
+      // than the batch's three.
+      if (t->second.batched && t->second.view == nullptr && it->second->answer_slots)
+        answer_slot_bytes = it->second->answer_slot_bytes;
     }
   }
   if (!remote) {
@@ -310,6 +315,10 @@ void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
   }
   const uint64_t offset =
       base + static_cast<uint64_t>(key_chunk(w.req.key)) * session_.welcome().chunk_bytes;
+  if (answer_slot_bytes > 0 &&
+      batch_answer(shard, k, w.conn, w.req.tag, remote, offset, answer_slot_bytes)) {
+    return;
+  }
   ++k.inflight;
   const Key key = w.req.key;
   const uint64_t run = k.owned_from;
@@ -329,6 +338,129 @@ void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
   MutexLock lock(stats_mu_);
   ++stats_.pulls;
   stats_.bytes_out += k.agg.bytes();
+}
+
+bool ServerService::batch_answer(Shard& shard, KeyState& k, uint64_t conn, uint32_t tag,
+                                 const std::shared_ptr<transport::RemoteRegion>& remote,
+                                 uint64_t offset, uint64_t answer_slot_bytes) {
+  const uint64_t bytes = k.agg.bytes();
+  if (!answer_pool_ || device_ || bytes > options_.batch_chunk_bytes) return false;
+  auto aligned = [](uint64_t at) { return (at + 63) & ~uint64_t{63}; };
+  const uint64_t limit = std::min(answer_buffer_bytes_, answer_slot_bytes);
+  if (protocol::kAnswerDataOffset + bytes > limit) return false;
+  AnswerBatch& b = shard.answers[conn];
+  if (b.buffer >= 0 &&
+      (b.entries.size() == protocol::kMaxAnswerEntries || aligned(b.end) + bytes > b.limit)) {
+    flush_answer(conn, b);
+  }
+  if (b.buffer < 0) {
+    MutexLock lock(answer_mu_);
+    if (free_answer_buffers_.empty()) return false;
+    b.buffer = free_answer_buffers_.back();
+    free_answer_buffers_.pop_back();
+    b.end = protocol::kAnswerDataOffset;
+    b.limit = limit;
+  }
+  const uint64_t at = aligned(b.end);
+  uint8_t* buffer = answer_pool_->data() + static_cast<uint64_t>(b.buffer) * answer_buffer_bytes_;
+  // The answer is a copy: the key may change as soon as this returns.
+  std::memcpy(buffer + at, k.out_region->data(), bytes);
+  b.entries.push_back(
+      {protocol::AnswerEntry{tag, static_cast<uint32_t>(at), static_cast<uint32_t>(bytes)}, remote,
+       offset});
+  b.end = at + bytes;
+  load_->begin_service();  // until the batch's write completed
+  load_->record(k.arc, LoadMetric::kBytesOut, static_cast<double>(bytes));
+  MutexLock lock(stats_mu_);
+  ++stats_.pulls;
+  stats_.bytes_out += bytes;
+  return true;
+}
+
+void ServerService::flush_answers(Shard& shard) {
+  for (auto& [conn, batch] : shard.answers)
+    flush_answer(conn, batch);
+  shard.answers.clear();
+}
+
+void ServerService::flush_answer(uint64_t conn_id, AnswerBatch& b) {
+  if (b.buffer < 0 || b.entries.empty()) return;
+  const uint32_t buffer = static_cast<uint32_t>(b.buffer);
+  const uint64_t local = uint64_t{buffer} * answer_buffer_bytes_;
+  const size_t n = b.entries.size();
+  std::vector<AnswerBatch::Entry> entries;
+  entries.swap(b.entries);
+  const uint64_t end = b.end;
+  b.buffer = -1;
+  ConnectionPtr conn;
+  std::shared_ptr<transport::RemoteRegion> slots;
+  uint64_t slot_bytes = 0;
+  std::optional<uint32_t> slot;
+  {
+    MutexLock lock(conns_mu_);
+    auto it = conns_.find(conn_id);
+    if (it != conns_.end()) {
+      WorkerConn& w = *it->second;
+      conn = w.conn;
+      slots = w.answer_slots;
+      slot_bytes = w.answer_slot_bytes;
+      if (!w.free_answer_slots.empty() && end <= slot_bytes) {
+        slot = w.free_answer_slots.front();
+        w.free_answer_slots.pop_front();
+      }
+    }
+  }
+  // Once every write from the buffer completed: the buffer goes back and
+  // each answer stops counting as in service.
+  auto remaining = std::make_shared<std::atomic<size_t>>(slot ? 1 : n);
+  auto release = [this, buffer, n, remaining]() {
+    if (remaining->fetch_sub(1) != 1) return;
+    for (size_t i = 0; i < n; ++i)
+      load_->end_service();
+    MutexLock lock(answer_mu_);
+    free_answer_buffers_.push_back(buffer);
+  };
+  if (!conn) {  // the worker is gone
+    *remaining = 1;
+    release();
+    return;
+  }
+  if (slot) {
+    uint8_t* out = answer_pool_->data() + local;
+    const protocol::AnswerHeader header{protocol::kAnswerMagic, static_cast<uint32_t>(n)};
+    std::memcpy(out, &header, sizeof(header));
+    for (size_t i = 0; i < n; ++i) {
+      std::memcpy(out + sizeof(header) + i * sizeof(protocol::AnswerEntry), &entries[i].entry,
+                  sizeof(protocol::AnswerEntry));
+    }
+    Status st = conn->write({answer_pool_.get(), local, slots.get(), uint64_t{*slot} * slot_bytes,
+                             end, protocol::kAnswerBatch | *slot},
+                            [release, slots](const Status&) { release(); });
+    if (!st.ok()) {
+      release();
+      for (const auto& e : entries)
+        send_error(conn_id, e.entry.tag, st.with_context("pull write"));
+      return;
+    }
+    MutexLock lock(stats_mu_);
+    ++stats_.answer_batches;
+    stats_.batched_answers += n;
+    return;
+  }
+  // No answer slot free: each answer is written on its own, from the buffer.
+  {
+    MutexLock lock(stats_mu_);
+    stats_.answers_alone += n;
+  }
+  for (const auto& e : entries) {
+    Status st = conn->write({answer_pool_.get(), local + e.entry.offset, e.remote.get(),
+                             e.remote_offset, e.entry.bytes, e.entry.tag},
+                            [release, remote = e.remote](const Status&) { release(); });
+    if (!st.ok()) {
+      release();
+      send_error(conn_id, e.entry.tag, st.with_context("pull write"));
+    }
+  }
 }
 
 }  // namespace psld

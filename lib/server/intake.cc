@@ -183,6 +183,37 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
     take_batch(conn, *w, *batch);
     return;
   }
+  if (auto* answers = std::get_if<protocol::AnswerSlots>(&message)) {
+    // Where this worker takes batches of answers to its small pulls.
+    auto region = conn->import_region(answers->key);
+    if (!region.ok() || (*region)->length() / answers->slot_bytes < uint64_t{answers->num_slots}) {
+      send_error(conn->id(), 0,
+                 region.ok() ? InvalidArgument("answer slots larger than their region")
+                             : region.status().with_context("answer slots"));
+      return;
+    }
+    MutexLock lock(conns_mu_);
+    if (w->answer_slots) {
+      PSLD_LOG_WARN("server {}: worker {} sent AnswerSlots twice; the second ignored", rank(),
+                    w->rank);
+      return;
+    }
+    w->answer_slots = *region;
+    w->answer_slot_bytes = answers->slot_bytes;
+    w->answer_num_slots = answers->num_slots;
+    for (uint32_t i = 0; i < answers->num_slots; ++i)
+      w->free_answer_slots.push_back(i);
+    return;
+  }
+  if (auto* credit = std::get_if<protocol::Credit>(&message)) {
+    // From a worker: answer slots it copied out.
+    MutexLock lock(conns_mu_);
+    const uint32_t slots = w->answer_num_slots;
+    for (uint32_t slot : credit->slots) {
+      if (slot < slots && w->free_answer_slots.size() < slots) w->free_answer_slots.push_back(slot);
+    }
+    return;
+  }
   UniqueLock lock(conns_mu_);
   if (auto* key = std::get_if<protocol::TensorKey>(&message)) {
     auto remote = conn->import_region(key->key);
@@ -193,7 +224,8 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
     }
     const uint8_t* view = transport().local_view(**remote);
     if (view != nullptr && key->offset > (*remote)->length()) view = nullptr;
-    w->tensors[key->tensor] = {*remote, key->offset, view};
+    w->tensors[key->tensor] = {*remote, key->offset, view,
+                               (key->flags & protocol::kTensorAnswersBatched) != 0};
     lock.unlock();
     (void)send(conn,
                protocol::Ack{key->request, view != nullptr ? protocol::kAckMapped : uint8_t{0}});

@@ -100,6 +100,22 @@ struct ServerService::KeyState {
   bool taken_over = false;
 };
 
+// Answers to small pulls gathered for one worker connection during one
+// pass of the shard loop, written as one batch at its end
+// (flush_answers; docs/runtime.md, "Batches").
+struct ServerService::AnswerBatch {
+  int64_t buffer = -1;  // in the server's answer pool
+  uint64_t end = protocol::kAnswerDataOffset;
+  uint64_t limit = 0;
+  struct Entry {
+    protocol::AnswerEntry entry;
+    // Where the pull goes when no answer slot is free: its own write.
+    std::shared_ptr<transport::RemoteRegion> remote;
+    uint64_t remote_offset = 0;
+  };
+  std::vector<Entry> entries;
+};
+
 struct ServerService::Shard {
   size_t index = 0;
   std::mutex mu;
@@ -110,6 +126,7 @@ struct ServerService::Shard {
   std::unordered_map<Key, std::vector<std::unique_ptr<KeyState>>> keys;
   std::map<uint64_t, std::vector<uint32_t>> credits;   // connection -> freed slots
   std::map<uint64_t, std::vector<uint32_t>> accepted;  // connection -> plain push tags taken
+  std::map<uint64_t, AnswerBatch> answers;             // connection -> its batch
   // Where its keys live and its kernels run (host, or lane `index` of the
   // server's device), with the staging buffer for pushes.
   ComputeLane lane;
@@ -150,6 +167,11 @@ struct ServerService::WorkerConn {
   std::vector<uint32_t> slot_busy;
   std::map<uint32_t, protocol::PushMeta> metas;     // tag -> metadata waiting for its write
   std::map<uint32_t, protocol::PushBatch> batches;  // tag -> batch waiting for its write
+  // Where answers to its pulls may come in batches (protocol::AnswerSlots).
+  std::shared_ptr<transport::RemoteRegion> answer_slots;
+  uint64_t answer_slot_bytes = 0;
+  uint32_t answer_num_slots = 0;
+  std::deque<uint32_t> free_answer_slots;
   std::map<uint32_t, uint64_t> early;  // tag -> length of a write waiting for its metadata
   // Where each tensor's pulls land (the worker's memory and the tensor's
   // offset in it), and where this process maps that memory, if it does
@@ -158,6 +180,7 @@ struct ServerService::WorkerConn {
     std::shared_ptr<transport::RemoteRegion> remote;
     uint64_t offset = 0;
     const uint8_t* view = nullptr;
+    bool batched = false;  // protocol::kTensorAnswersBatched
   };
   std::map<TensorId, TensorTarget> tensors;
 };

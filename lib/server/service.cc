@@ -42,6 +42,18 @@ Result<std::unique_ptr<ServerService>> ServerService::start(const RuntimeOptions
   }
   PSLD_ASSIGN_OR_RETURN(s->load_, LoadRecorder::make(Role::kServer));
   PSLD_RETURN_IF_ERROR(s->ProcessRuntime::start(options.net, options.secret));
+  if (options.batch_chunk_bytes > 0 && !s->device_) {
+    // Two batches in flight per landing slot a worker holds: enough for a
+    // pass of the shard loop to find one free.
+    const uint32_t buffers = 2 * options.slots_per_worker;
+    auto pool = s->transport().allocate_memory(buffers * options.batch_bytes, MemoryKind::kHost);
+    if (!pool.ok()) return pool.status().with_context("allocating the buffers of answer batches");
+    s->answer_pool_ = *pool;
+    s->answer_buffer_bytes_ = options.batch_bytes;
+    MutexLock lock(s->answer_mu_);
+    for (uint32_t i = buffers; i > 0; --i)
+      s->free_answer_buffers_.push_back(i - 1);
+  }
   for (uint32_t i = 0; i < options.server_threads; ++i) {
     s->shards_.push_back(std::make_unique<Shard>());
     s->shards_.back()->index = i;

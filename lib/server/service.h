@@ -37,6 +37,11 @@ struct ServerStats {
   uint64_t pushes_in_place = 0;  // of them, read from the worker's mapped tensor (kPushMapped)
   uint64_t batches = 0;          // PushBatch messages taken
   uint64_t batched_pushes = 0;   // pushes that came in them
+  uint64_t answer_batches = 0;   // batches of pull answers written
+  uint64_t batched_answers = 0;  // pulls answered in them
+  // Answers gathered for a batch but written one by one (no answer slot
+  // of the worker was free).
+  uint64_t answers_alone = 0;
   uint64_t pulls = 0;
   uint64_t bytes_in = 0;
   uint64_t bytes_out = 0;
@@ -185,6 +190,7 @@ class ServerService final : public ProcessRuntime {
 
   struct KeyState;
   struct Shard;
+  struct AnswerBatch;
   struct WorkerConn;
 
   void on_accept(const transport::ConnectionPtr& conn) override;
@@ -290,6 +296,15 @@ class ServerService final : public ProcessRuntime {
   bool pull_ready(const KeyState& k, const protocol::PullRequest& req) const;
   void serve_pull(Shard& shard, KeyState& k, const PullWork& w);
   void free_slot(Shard& shard, uint64_t conn, uint32_t slot);
+  // A small pull's answer copied into the shard's batch for its worker;
+  // false when it cannot be (no answer slots, a device key, no buffer), and
+  // the pull is written on its own.
+  bool batch_answer(Shard& shard, KeyState& k, uint64_t conn, uint32_t tag,
+                    const std::shared_ptr<transport::RemoteRegion>& remote, uint64_t offset,
+                    uint64_t answer_slot_bytes);
+  // Writes every batch of answers the shard gathered (end of a pass).
+  void flush_answers(Shard& shard);
+  void flush_answer(uint64_t conn, AnswerBatch& batch);
   transport::ConnectionPtr worker_connection(uint64_t conn) const;
   void send_error(uint64_t conn, uint32_t tag, const Status& status);
   // Answers a request for a key this server does not own in its epoch.
@@ -417,6 +432,13 @@ class ServerService final : public ProcessRuntime {
   std::vector<std::unique_ptr<Shard>> shards_;
   std::atomic<bool> stopping_{false};
 
+  // Buffers answers to small pulls are gathered in (batch_answer), each
+  // of answer_buffer_bytes_; a buffer is free again once its write
+  // completed. Null: no batches.
+  std::shared_ptr<transport::MemoryRegion> answer_pool_;
+  uint64_t answer_buffer_bytes_ = 0;
+  Mutex answer_mu_;
+  std::vector<uint32_t> free_answer_buffers_ GUARDED_BY(answer_mu_);
   mutable Mutex stats_mu_;
   ServerStats stats_ GUARDED_BY(stats_mu_);
   // Emulated compute: reduces are serialised through one virtual processor

@@ -28,6 +28,7 @@ void ServerService::shard_loop(Shard& shard) {
     for (auto& work : batch)
       process(shard, work);
     batch.clear();
+    flush_answers(shard);
     flush_credits(shard);
   }
 }

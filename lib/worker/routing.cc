@@ -137,9 +137,9 @@ bool WorkerService::in_place(const ServerConn& s, const ChunkOp& op) const {
 }
 
 uint32_t WorkerService::new_tag() {
-  uint32_t v = next_tag_++;
-  if (v == 0) v = next_tag_++;
-  return v;
+  // 0 is no tag, and notify values from kAnswerBatch up are batches of answers.
+  if (next_tag_ == 0 || next_tag_ >= protocol::kAnswerBatch) next_tag_ = 1;
+  return next_tag_++;
 }
 
 bool WorkerService::batchable(const ChunkOp& op) const {

@@ -76,9 +76,12 @@ Result<std::unique_ptr<WorkerService>> WorkerService::start(const RuntimeOptions
     if (!pool.ok()) return pool.status().with_context("allocating the buffers of push batches");
     w->batch_pool_ = *pool;
     w->batch_buffer_bytes_ = buffer;
-    MutexLock lock(w->mu_);
-    for (uint32_t i = options.slots_per_worker; i > 0; --i)
-      w->free_batch_buffers_.push_back(i - 1);
+    {
+      MutexLock lock(w->mu_);
+      for (uint32_t i = options.slots_per_worker; i > 0; --i)
+        w->free_batch_buffers_.push_back(i - 1);
+    }
+    PSLD_RETURN_IF_ERROR(w->grant_answer_slots());
   }
   Status reports =
       w->session_.start_reports(options.stats_interval, [wk = w.get()](uint64_t window_ns) {
@@ -252,11 +255,103 @@ void WorkerService::on_control(const ConnectionPtr& conn, protocol::Message&& me
   flush();
 }
 
+Status WorkerService::grant_answer_slots() {
+  // By default enough for a server to have a batch in flight while the last
+  // one is copied out; a server that finds none free writes its answers one
+  // by one.
+  const uint32_t answer_slots = options_.answer_slots;
+  if (answer_slots == 0) return Status::Ok();
+  const uint64_t slot_bytes =
+      std::max<uint64_t>(batch_buffer_bytes_, 2 * protocol::kAnswerDataOffset);
+  std::vector<uint32_t> ranks;
+  {
+    MutexLock lock(mu_);
+    for (const auto& [r, s] : servers_)
+      ranks.push_back(r);
+  }
+  // Allocated outside mu_: the transport's handlers take mu_.
+  std::vector<std::shared_ptr<transport::MemoryRegion>> regions;
+  for (uint32_t r : ranks) {
+    auto region = transport().allocate_memory(answer_slots * slot_bytes, MemoryKind::kHost);
+    if (!region.ok()) {
+      return region.status().with_context(fmt::format("allocating answer slots for server {}", r));
+    }
+    regions.push_back(*region);
+  }
+  std::vector<std::pair<ConnectionPtr, protocol::AnswerSlots>> grants;
+  {
+    MutexLock lock(mu_);
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      ServerConn& s = servers_[ranks[i]];
+      s.answers = regions[i];
+      s.answer_slot_bytes = slot_bytes;
+      s.answer_slots = answer_slots;
+      grants.emplace_back(
+          s.conn, protocol::AnswerSlots{answer_slots, slot_bytes,
+                                        std::vector<uint8_t>(s.answers->remote_key().begin(),
+                                                             s.answers->remote_key().end())});
+    }
+  }
+  for (auto& [conn, grant] : grants)
+    PSLD_RETURN_IF_ERROR(send(conn, grant));
+  return Status::Ok();
+}
+
+void WorkerService::take_answers(ServerConn& s, uint32_t slot, uint64_t length) {
+  // A server of this job wrote it, and still nothing in it is trusted: a
+  // malformed batch is logged and dropped (its pulls time out).
+  auto malformed = [&](std::string_view why) REQUIRES(mu_) {
+    PSLD_LOG_ERROR("worker {}: a batch of answers from server {} in slot {}: {}; dropped", rank(),
+                   s.rank, slot, why);
+  };
+  if (!s.answers || slot >= s.answer_slots) return malformed("no such slot");
+  if (length < sizeof(protocol::AnswerHeader) || length > s.answer_slot_bytes) {
+    return malformed("a write of the wrong length");
+  }
+  const uint8_t* base = s.answers->data() + uint64_t{slot} * s.answer_slot_bytes;
+  protocol::AnswerHeader header;
+  std::memcpy(&header, base, sizeof(header));
+  if (header.magic != protocol::kAnswerMagic || header.count == 0 ||
+      header.count > protocol::kMaxAnswerEntries ||
+      sizeof(header) + header.count * sizeof(protocol::AnswerEntry) > protocol::kAnswerDataOffset) {
+    return malformed("not a table of answers");
+  }
+  for (uint32_t i = 0; i < header.count; ++i) {
+    protocol::AnswerEntry e;
+    std::memcpy(&e, base + sizeof(header) + i * sizeof(e), sizeof(e));
+    auto it = pending_.find(e.tag);
+    if (it == pending_.end() || !it->second.lands || it->second.server != s.rank) {
+      malformed(fmt::format("tag {} is no pull of this server's", e.tag));
+      continue;
+    }
+    const Tensor& t = tensors_[it->second.op.tensor];
+    const ChunkSpan span = t.layout->chunk(it->second.op.chunk);
+    if (e.bytes != span.bytes || e.offset < protocol::kAnswerDataOffset || e.offset > length ||
+        e.bytes > length - e.offset || t.region->kind() != MemoryKind::kHost) {
+      malformed(fmt::format("the answer to tag {} does not fit its chunk or the write", e.tag));
+      continue;
+    }
+    std::memcpy(t.region->data() + t.region_offset + span.offset, base + e.offset, e.bytes);
+    finish_tag(e.tag, Status::Ok());
+  }
+  // Copied out: the slot goes back.
+  outbox_.push_back([this, conn = s.conn, slot] {
+    (void)send(conn, protocol::Credit{{slot}, {}});
+  });
+}
+
 void WorkerService::on_write(const ConnectionPtr& conn, uint32_t tag, uint64_t length) {
-  (void)conn;
-  (void)length;
-  MutexLock lock(mu_);
-  finish_tag(tag, Status::Ok());
+  {
+    MutexLock lock(mu_);
+    if ((tag & protocol::kAnswerBatch) == 0) {
+      finish_tag(tag, Status::Ok());
+      return;
+    }
+    ServerConn* s = server_of(conn);
+    if (s == nullptr) return;
+    take_answers(*s, tag & ~protocol::kAnswerBatch, length);
+  }
+  flush();
 }
 
 void WorkerService::on_disconnect(const ConnectionPtr& conn, const Status& why) {
@@ -540,10 +635,15 @@ Result<uint32_t> WorkerService::register_tensor(const std::string& name, DType d
         conns.push_back(s.conn);
       }
     }
+    // In host memory (the tensor's own, or a staged tensor's pinned copy),
+    // answers to its small pulls may come in batches that on_write copies out.
+    const uint8_t flags = batch_pool_ && t.region->kind() == MemoryKind::kHost
+                              ? protocol::kTensorAnswersBatched
+                              : uint8_t{0};
     protocol::TensorKey key{
         request, t.id,
         std::vector<uint8_t>(t.region->remote_key().begin(), t.region->remote_key().end()),
-        t.region_offset};
+        t.region_offset, flags};
     for (auto& c : conns)
       PSLD_RETURN_IF_ERROR(send(c, key));
     UniqueLock lock(mu_);

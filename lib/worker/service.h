@@ -140,6 +140,11 @@ class WorkerService final : public ProcessRuntime {
     uint64_t slot_bytes = 0;
     std::deque<uint32_t> free_slots;
     std::deque<ChunkOp> backlog;  // waiting for credit
+    // Where the server writes batches of answers to small pulls
+    // (protocol::AnswerSlots): answer_slots slots of answer_slot_bytes.
+    std::shared_ptr<transport::MemoryRegion> answers;
+    uint64_t answer_slot_bytes = 0;
+    uint32_t answer_slots = 0;
     // Tensors the server maps (Ack kAckMapped): it reads their push_pulls in
     // place, so those need no slot and no write.
     std::set<TensorId> mapped;
@@ -186,6 +191,11 @@ class WorkerService final : public ProcessRuntime {
   void handshake(ServerConn& s, protocol::Message& message) REQUIRES(mu_);
 
   Status connect_servers();
+  // Gives every server answer slots (protocol::AnswerSlots).
+  Status grant_answer_slots();
+  // A batch of answers landed in slot `slot` of s's answer slots: each pull
+  // copied into its tensor and completed, and the slot given back.
+  void take_answers(ServerConn& s, uint32_t slot, uint64_t length) REQUIRES(mu_);
   ServerConn* server_of(const transport::ConnectionPtr& conn) REQUIRES(mu_);
   // Issues as much of the server's backlog as its credits allow. mu_ held;
   // sends happen after it is released (see issue_later_).
