@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import tomllib
-from typing import Any, Iterable, Mapping, Optional, Union
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 from . import _psld
 
@@ -343,17 +343,27 @@ class Worker:
         raise _error("InvalidArgument", f"expected a psld.Tensor or a tensor name, not {type(tensor).__name__}")
 
     # -- communication
-    def push(self, tensor: Union[Tensor, str]) -> Request:
+    # Each takes one tensor (a Request back) or a list or tuple of them (a
+    # list of Requests, in order): submitted together, the small chunks among
+    # them that go to one server travel as one batch (data.batch_chunk_bytes).
+    def push(self, tensor: Union[Tensor, str, Sequence[Union[Tensor, str]]]):
         """Sends the tensor's contents (a gradient) for the next round."""
-        return Request(self._native.push(self._index(tensor)))
+        return self._submit(tensor, self._native.push, self._native.push_many)
 
-    def pull(self, tensor: Union[Tensor, str]) -> Request:
+    def pull(self, tensor: Union[Tensor, str, Sequence[Union[Tensor, str]]]):
         """Fetches the result of the round this worker last pushed into the tensor's memory."""
-        return Request(self._native.pull(self._index(tensor)))
+        return self._submit(tensor, self._native.pull, self._native.pull_many)
 
-    def push_pull(self, tensor: Union[Tensor, str]) -> Request:
+    def push_pull(self, tensor: Union[Tensor, str, Sequence[Union[Tensor, str]]]):
         """push, then the round's result (sum, or new parameters) written back into the tensor."""
-        return Request(self._native.push_pull(self._index(tensor)))
+        return self._submit(tensor, self._native.push_pull, self._native.push_pull_many)
+
+    def _submit(self, tensor, one, many):
+        if isinstance(tensor, (list, tuple)):
+            # Every name and handle is checked before anything is submitted.
+            indices = [self._index(t) for t in tensor]
+            return [Request(r) for r in many(indices)]
+        return Request(one(self._index(tensor)))
 
     def barrier(self, timeout: Optional[float] = None) -> None:
         """Returns once every worker called barrier() as often (seconds; None: no limit)."""

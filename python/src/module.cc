@@ -252,6 +252,17 @@ class PyWorker {
   PyRequest push(uint32_t tensor) { return submit(&psld::Worker::push, tensor); }
   PyRequest pull(uint32_t tensor) { return submit(&psld::Worker::pull, tensor); }
   PyRequest push_pull(uint32_t tensor) { return submit(&psld::Worker::push_pull, tensor); }
+  // Many tensors at once (Worker::push_pull of a span): their small chunks
+  // travel in batches.
+  std::vector<PyRequest> push_many(const std::vector<uint32_t>& tensors) {
+    return submit_many(&psld::Worker::push, tensors);
+  }
+  std::vector<PyRequest> pull_many(const std::vector<uint32_t>& tensors) {
+    return submit_many(&psld::Worker::pull, tensors);
+  }
+  std::vector<PyRequest> push_pull_many(const std::vector<uint32_t>& tensors) {
+    return submit_many(&psld::Worker::push_pull, tensors);
+  }
 
   void barrier(std::optional<double> timeout_s) {
     // One barrier call, however long; psld's own limit is the timeout.
@@ -306,6 +317,24 @@ class PyWorker {
       r = (get().*fn)(psld::TensorHandle{tensor});
     }
     return PyRequest(take(std::move(r)));
+  }
+
+  using SubmitManyFn = psld::Result<std::vector<psld::Request>> (psld::Worker::*)(
+      std::span<const psld::TensorHandle>);
+  std::vector<PyRequest> submit_many(SubmitManyFn fn, const std::vector<uint32_t>& tensors) {
+    std::vector<psld::TensorHandle> handles;
+    handles.reserve(tensors.size());
+    for (uint32_t t : tensors)
+      handles.push_back(psld::TensorHandle{t});
+    psld::Result<std::vector<psld::Request>> r = std::vector<psld::Request>();
+    {
+      nb::gil_scoped_release release;
+      r = (get().*fn)(handles);
+    }
+    std::vector<PyRequest> out;
+    for (psld::Request& req : take(std::move(r)))
+      out.emplace_back(std::move(req));
+    return out;
   }
 
   psld::Worker& get() const {
@@ -405,6 +434,9 @@ NB_MODULE(_psld, m) {
       .def("push", &PyWorker::push)
       .def("pull", &PyWorker::pull)
       .def("push_pull", &PyWorker::push_pull)
+      .def("push_many", &PyWorker::push_many)
+      .def("pull_many", &PyWorker::pull_many)
+      .def("push_pull_many", &PyWorker::push_pull_many)
       .def("barrier", &PyWorker::barrier, nb::arg("timeout").none() = nb::none())
       .def("health", &PyWorker::health)
       .def("set_learning_rate", &PyWorker::set_learning_rate, nb::arg("lr"))

@@ -118,6 +118,42 @@ def test_a_pull_writes_into_the_registered_memory_itself():
             assert t.array is tensor
 
 
+def test_a_list_of_tensors_is_submitted_together_with_exact_sums():
+    # Two workers in one process, each on its own thread; 40 small tensors
+    # (and names mixed with handles) push_pulled as one list per round.
+    with job(workers=2, servers=2) as workers:
+        arrays = {w.rank: [np.zeros(1 + 37 * i, dtype=np.float32) for i in range(40)] for w in workers}
+        handles = {w.rank: [w.register(f"small{i}", a) for i, a in enumerate(arrays[w.rank])]
+                   for w in workers}
+        failures = []
+
+        def train(w):
+            try:
+                for r in range(1, 11):
+                    for a in arrays[w.rank]:
+                        a[:] = w.rank + r
+                    mixed = [h if i % 2 else h.name for i, h in enumerate(handles[w.rank])]
+                    requests = w.push_pull(mixed)
+                    assert len(requests) == 40
+                    for q in requests:
+                        q.wait(10)
+                    for a in arrays[w.rank]:
+                        assert (a == 1 + 2 * r).all(), (r, a[:3])
+            except Exception as e:  # reported on the test's thread
+                failures.append(e)
+
+        threads = [threading.Thread(target=train, args=(w,)) for w in workers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not failures, failures[0]
+        assert not any(t.is_alive() for t in threads)
+        # A bad name in a list submits nothing and says which.
+        with pytest.raises(psld.NotFound, match="no tensor 'nope'"):
+            workers[0].push_pull([handles[0][0], "nope"])
+
+
 def test_a_resumed_job_starts_at_the_checkpoint_round_with_its_parameters(tmp_path):
     settings = dict(checkpoint=dict(dir=str(tmp_path), every_rounds=2), stats=dict(interval_ms=20))
     with job(**settings) as (w,):
