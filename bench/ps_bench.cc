@@ -145,7 +145,7 @@ constexpr std::string_view kUsage =
     "  --repeat      measure every point N times, interleaved, keep the best (default: 1)\n"
     "  --chunk-bytes data.chunk_bytes of the job (default: 4M)\n"
     "  --batch-chunk-bytes  data.batch_chunk_bytes of the job: small pushes to a server\n"
-    "                submitted together travel in batches; 0 = none (default: 64K)\n"
+    "                submitted together travel in batches; 0 = none (default: 16K)\n"
     "  --slots       slots_per_worker of the job, also the yardstick's writes in flight\n"
     "                per connection (default: 16)\n"
     "  --raw-threads the yardstick's progress: 0 = a sleeping progress thread per transport,\n"

@@ -157,7 +157,7 @@ TEST(Config, EveryKeyCanBeSetFromEachSource) {
       {"job.interface", "eth0"},
       {"data.chunk_bytes", "1048576"},
       {"data.slots_per_worker", "32"},
-      {"data.batch_chunk_bytes", "16384"},
+      {"data.batch_chunk_bytes", "8192"},
       {"data.batch_bytes", "131072"},
       {"data.sync", "staleness"},
       {"data.staleness_rounds", "3"},

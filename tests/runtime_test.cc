@@ -937,7 +937,12 @@ TEST(RuntimeUcxShm, PushPullsOfAllocatedTensorsAreReadInPlaceAndExact) {
     GTEST_SKIP() << "UCX's shared-memory fifos are invisible to ThreadSanitizer";
 #endif
     Cluster c(
-        2, 2, [](RuntimeOptions& o) { o.net.options.ucx.tls = "sm,tcp"; }, "ucx");
+        2, 2,
+        [](RuntimeOptions& o) {
+          o.net.options.ucx.tls = "sm,tcp";
+          o.batch_chunk_bytes = 65536;  // the 64 KiB chunks too
+        },
+        "ucx");
     ASSERT_TRUE(c.start().ok());
     const std::vector<size_t> elems = {3, 4099, 40000};  // 1 + 1 + 3 chunks of 64 KiB
     Status s = on_all(c, [&](size_t wi) -> Status {

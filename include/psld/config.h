@@ -121,7 +121,7 @@ struct DataConfig {
   // server together go out as one batch (one message and one write into one
   // landing slot, or one message for pushes read in place); 0: never. 0 ..
   // 1 GiB. docs/runtime.md, "Batches".
-  uint64_t batch_chunk_bytes = 65536;
+  uint64_t batch_chunk_bytes = 16384;
   // Largest batch: how many bytes one batch's write carries (also at most
   // chunk_bytes, the slot's size); 1 KiB .. 1 GiB.
   uint64_t batch_bytes = 262144;
