@@ -194,7 +194,7 @@ TEST(Protocol, ABatchIsInOneSlotOrAllInPlace) {
 TEST(Protocol, AnswerSlotsAndTensorFlagsAreChecked) {
   auto decodes = [](const Message& m) { return decode(encode(m)).ok(); };
   EXPECT_TRUE(decodes(AnswerSlots{4, 262144, {1, 2}}));
-  EXPECT_FALSE(decodes(AnswerSlots{0, 262144, {1, 2}}));           // no slot
+  EXPECT_FALSE(decodes(AnswerSlots{0, 262144, {1, 2}}));             // no slot
   EXPECT_FALSE(decodes(AnswerSlots{4, kAnswerDataOffset, {1, 2}}));  // no room for data
   EXPECT_FALSE(decodes(AnswerSlots{4, (uint64_t{1} << 30) + 1, {1, 2}}));
   EXPECT_FALSE(decodes(AnswerSlots{static_cast<uint32_t>(kMaxListEntries + 1), 262144, {1}}));
