@@ -5,7 +5,8 @@
 //            [--mode push_pull|push|pull|all|raw] [--seconds T] [--repeat N]
 //            [--chunk-bytes B] [--slots N] [--raw-threads N]
 //            [--tensor-memory psld|heap] [--server-device cpu|cuda] [--quick]
-//            [--replication 1,2] [--batch-chunk-bytes B] [--json FILE]
+//            [--replication 1,2] [--batch-chunk-bytes B] [--profile NAME]
+//            [--json FILE]
 //
 // One process holds a coordinator, S servers and W workers on the `ucx`
 // transport (tcp: UCX_TLS=tcp; shm: UCX_TLS=sm,tcp), server mode sum, BSP,
@@ -38,6 +39,13 @@
 // bytes_per_second = goodput, ratio = goodput / raw and yardstick
 // BM_ps_raw/<tls>/<W>x<S>/<bytes>, whose bytes_per_second is the raw rate;
 // real_time is the ns a MiB took.
+// --profile NAME replaces the sizes with one point: every tensor of a
+// model's profile (bench/profiles, e.g. resnet50's 161), fp32, carved one
+// after another from one block per worker, push_pulled together each round.
+// Its yardstick is the rate raw writes move the same bytes at in the same
+// chunk sizes: the profile's chunks grouped by the power of two their size
+// rounds up to, each group's raw rate measured at that size, and the group
+// times summed. Its rows are named by the profile (BM_ps_push_pull/shm/4x2/resnet50).
 // --replication 1,2 runs a job per replication.factor side by side (each
 // point measured on both, interleaved; docs/replication.md) and ends with a
 // table of their goodputs; rows of factor 2 are BM_ps_<mode>_r2/....
@@ -51,6 +59,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -70,6 +79,7 @@
 #include <vector>
 
 #include "bench/bench_util.h"
+#include "bench/profiles.h"
 #include "bench/report.h"
 #include "lib/coordinator/service.h"
 #include "lib/server/service.h"
@@ -111,6 +121,9 @@ struct Shape {
   uint32_t servers = 0;
 };
 
+// The point of --profile in Options::sizes (no real size is 0).
+constexpr uint64_t kProfilePoint = 0;
+
 struct Options {
   std::vector<Medium> media;
   std::vector<Shape> shapes;
@@ -126,7 +139,11 @@ struct Options {
   bool psld_memory = true;   // tensors in Worker::allocate memory, else malloc'd
   ServerDeviceKind server_device = ServerDeviceKind::kCpu;
   std::vector<uint32_t> replication = {1};  // replication.factor of the jobs, side by side
-  std::string json;                         // --json FILE, or empty
+  // --profile: a model's tensors (bench/profiles) as one more point, pushed
+  // together each round; its name labels the rows.
+  std::string profile;
+  std::vector<bench::TensorSpec> profile_tensors;
+  std::string json;  // --json FILE, or empty
 };
 
 constexpr std::string_view kUsage =
@@ -134,7 +151,8 @@ constexpr std::string_view kUsage =
     "                [--mode push_pull|push|pull|all|raw] [--seconds T] [--repeat N]\n"
     "                [--chunk-bytes B] [--slots N] [--raw-threads N]\n"
     "                [--tensor-memory psld|heap] [--server-device cpu|cuda] [--quick]\n"
-    "                [--replication 1,2] [--batch-chunk-bytes B] [--json FILE]\n"
+    "                [--replication 1,2] [--batch-chunk-bytes B] [--profile NAME]\n"
+    "                [--json FILE]\n"
     "\n"
     "  --tls         tcp (UCX_TLS=tcp), shm (UCX_TLS=sm,tcp) or all (default: all)\n"
     "  --workers, --servers  one job shape, given together (default: 2x2 and 4x2)\n"
@@ -144,6 +162,9 @@ constexpr std::string_view kUsage =
     "  --seconds     timed seconds per point (default: 1)\n"
     "  --repeat      measure every point N times, interleaved, keep the best (default: 1)\n"
     "  --chunk-bytes data.chunk_bytes of the job (default: 4M)\n"
+    "  --profile     a model's tensors (resnet50, vgg16, bert_base or a .tsv; bench/profiles)\n"
+    "                as the point instead of --sizes: every tensor push_pulled each round;\n"
+    "                raw = the raw writes of the same chunks (rate per power-of-two size)\n"
     "  --batch-chunk-bytes  data.batch_chunk_bytes of the job: small pushes to a server\n"
     "                submitted together travel in batches; 0 = none (default: 16K)\n"
     "  --slots       slots_per_worker of the job, also the yardstick's writes in flight\n"
@@ -248,10 +269,12 @@ Result<Options> parse_args(int argc, char** argv) {
       arg.resize(eq);
     } else {
       static const char* const kTakesValue[] = {
-          "--tls",   "--workers",     "--servers",          "--sizes",
-          "--mode",  "--seconds",     "--repeat",           "--chunk-bytes",
-          "--slots", "--raw-threads", "--tensor-memory",    "--server-device",
-          "--json",  "--replication", "--batch-chunk-bytes"};
+          "--tls",         "--workers",       "--servers",
+          "--sizes",       "--mode",          "--seconds",
+          "--repeat",      "--chunk-bytes",   "--slots",
+          "--raw-threads", "--tensor-memory", "--server-device",
+          "--json",        "--replication",   "--batch-chunk-bytes",
+          "--profile"};
       const bool known = std::any_of(std::begin(kTakesValue), std::end(kTakesValue),
                                      [&](const char* f) { return arg == f; });
       if (!known) return bad_flag(fmt::format("unknown argument '{}'", arg));
@@ -289,6 +312,14 @@ Result<Options> parse_args(int argc, char** argv) {
       PSLD_ASSIGN_OR_RETURN(raw_threads, parse_uint(arg, value, 0, 256));
     } else if (arg == "--slots") {
       PSLD_ASSIGN_OR_RETURN(slots, parse_uint(arg, value, 1, 1024));
+    } else if (arg == "--profile") {
+      auto tensors = bench::load_profile(value);
+      if (!tensors.ok()) return bad_flag("--profile: " + tensors.status().message());
+      if (tensors->empty()) return bad_flag(fmt::format("--profile '{}' has no tensors", value));
+      o.profile = value.substr(value.find_last_of('/') + 1);
+      if (o.profile.size() > 4 && o.profile.ends_with(".tsv"))
+        o.profile.resize(o.profile.size() - 4);
+      o.profile_tensors = std::move(tensors).value();
     } else if (arg == "--batch-chunk-bytes") {
       PSLD_ASSIGN_OR_RETURN(batch_chunk, parse_bytes(value));
     } else if (arg == "--chunk-bytes") {
@@ -339,8 +370,13 @@ Result<Options> parse_args(int argc, char** argv) {
         "--mode '{}' is not valid; accepted values: push_pull, push, pull, all, raw", m));
   }
 
+  if (!o.profile.empty()) {
+    if (sizes) return bad_flag("--profile and --sizes go apart: the profile gives the sizes");
+    o.sizes = {kProfilePoint};
+  }
   const std::string sz = sizes.value_or(quick ? "64K,1M,4M" : "4K,16K,64K,256K,1M,4M,16M,64M");
-  for (std::string_view part : split(sz, ',')) {
+  for (std::string_view part :
+       !o.profile.empty() ? std::vector<std::string_view>{} : split(sz, ',')) {
     auto b = parse_bytes(part);
     if (!b.ok()) return bad_flag("--sizes: " + b.status().message());
     if (*b < 4 || *b % 4 != 0 || *b > (uint64_t{1} << 30)) {
@@ -652,6 +688,7 @@ class Cluster {
                                                 uint32_t replication) {
     std::unique_ptr<Cluster> c(new Cluster);
     c->psld_memory_ = opts.psld_memory;
+    c->profile_ = opts.profile_tensors;
     RuntimeOptions& base = c->base_;
     base.net.transport = "ucx";
     base.net.options.ucx.tls = m.tls;
@@ -702,6 +739,7 @@ class Cluster {
   // Registers the tensor set for `size` on every worker (once per size).
   Status prepare(uint64_t size) {
     if (sets_.count(size)) return Status::Ok();
+    if (size == kProfilePoint) return prepare_profile();
     TensorSet set;
     const uint32_t num_servers = base_.num_servers;
     const uint64_t chunks = (size + base_.chunk_bytes - 1) / base_.chunk_bytes;
@@ -750,6 +788,7 @@ class Cluster {
     for (const auto& [server, n] : load)
       set.max_share = std::max(set.max_share, n);
     set.chunks_per_round = set.count * chunks;
+    set.bytes = set.count * size;
     PSLD_RETURN_IF_ERROR(
         on_threads(static_cast<uint32_t>(workers_.size() - 1), [&](uint32_t i) -> Status {
           const uint32_t wi = i + 1;
@@ -767,6 +806,51 @@ class Cluster {
     // is set up.
     return on_threads(num_workers(),
                       [&](uint32_t w) { return round(w, sets_[size], RequestKind::kPushPull); });
+  }
+
+  // The --profile point: every tensor of the profile, fp32, one after
+  // another (64-byte aligned) in one block per worker, in the profile's
+  // order, as a trainer registers its model's parameters.
+  Status prepare_profile() {
+    TensorSet set;
+    std::vector<uint64_t> offsets;
+    uint64_t total = 0;
+    for (const auto& t : profile_) {
+      total = (total + 63) & ~uint64_t{63};
+      offsets.push_back(total);
+      total += t.elements * 4;
+      set.bytes += t.elements * 4;
+    }
+    set.count = static_cast<uint32_t>(profile_.size());
+    set.memory.resize(workers_.size());
+    set.base.resize(workers_.size());
+    set.handles.resize(workers_.size());
+    const Placement placement = *coordinator_->placement();
+    std::map<ServerId, uint64_t> load;
+    // Worker 0 first: the coordinator numbers tensors in that order.
+    for (uint32_t wi = 0; wi < num_workers(); ++wi) {
+      PSLD_RETURN_IF_ERROR(tensor_memory(set, wi, total));
+      for (size_t t = 0; t < profile_.size(); ++t) {
+        PSLD_ASSIGN_OR_RETURN(uint32_t h,
+                              workers_[wi]->register_tensor(profile_[t].name, DType::kFloat32,
+                                                            profile_[t].elements * 4,
+                                                            set.base[wi] + offsets[t], nullptr));
+        set.handles[wi].push_back(h);
+        if (wi != 0) continue;
+        const TensorId id = next_tensor_id_++;
+        const uint64_t chunks =
+            (profile_[t].elements * 4 + base_.chunk_bytes - 1) / base_.chunk_bytes;
+        for (uint64_t c = 0; c < chunks; ++c)
+          ++load[placement.owner_of_key(make_key(id, static_cast<uint32_t>(c)))];
+        set.chunks_per_round += chunks;
+      }
+    }
+    for (const auto& [server, n] : load)
+      set.max_share = std::max(set.max_share, n);
+    sets_[kProfilePoint] = std::move(set);
+    return on_threads(num_workers(), [&](uint32_t w) {
+      return round(w, sets_[kProfilePoint], RequestKind::kPushPull);
+    });
   }
 
   uint32_t num_workers() const { return static_cast<uint32_t>(workers_.size()); }
@@ -819,13 +903,14 @@ class Cluster {
           on_threads(num_workers(), [&](uint32_t w) { return round(w, set, RequestKind::kPull); }));
     }
     const uint64_t bytes_per_round =
-        set.count * size * (mode == Mode::kPushPull ? uint64_t{2} : uint64_t{1});
+        set.bytes * (mode == Mode::kPushPull ? uint64_t{2} : uint64_t{1});
     return Rate{static_cast<double>(rounds * bytes_per_round * num_workers()) / wall, cores};
   }
 
  private:
   struct TensorSet {
     uint32_t count = 0;
+    uint64_t bytes = 0;  // of all its tensors, per worker
     uint64_t chunks_per_round = 0;
     uint64_t max_share = 0;
     std::vector<Buffer> memory;                  // per worker, with --tensor-memory heap
@@ -860,8 +945,9 @@ class Cluster {
   }
 
   RuntimeOptions base_;
-  bool psld_memory_ = true;             // Options::psld_memory
-  std::map<uint64_t, TensorSet> sets_;  // by size; outlives the workers (see ~Cluster)
+  std::vector<bench::TensorSpec> profile_;  // Options::profile_tensors
+  bool psld_memory_ = true;                 // Options::psld_memory
+  std::map<uint64_t, TensorSet> sets_;      // by size; outlives the workers (see ~Cluster)
   std::unique_ptr<CoordinatorService> coordinator_;
   std::vector<std::unique_ptr<ServerService>> servers_;
   std::vector<std::unique_ptr<WorkerService>> workers_;
@@ -873,7 +959,8 @@ class Cluster {
 struct Row {
   std::string medium;
   Shape shape;
-  uint64_t size = 0;
+  uint64_t size = 0;  // kProfilePoint: the profile's, named by `label`
+  std::string label;
   Mode mode = Mode::kPushPull;
   double goodput = 0;  // bytes/s
   double raw = 0;      // bytes/s
@@ -884,16 +971,17 @@ constexpr double kTarget = 0.8;
 constexpr uint64_t kTargetFrom = uint64_t{1} << 20;
 
 std::string target_cell(const Row& r) {
-  if (r.mode != Mode::kPushPull || r.size < kTargetFrom || r.replication != 1) return "";
+  if (r.mode != Mode::kPushPull || r.size < kTargetFrom || r.replication != 1 || !r.label.empty())
+    return "";
   return r.goodput >= kTarget * r.raw ? "ok" : "MISS";
 }
 
 void print_row(const Row& r) {
-  std::printf("| %s | %ux%u | %s | %s%s | %.2f | %.2f | %.2fx | %s |\n", r.medium.c_str(),
-              r.shape.workers, r.shape.servers, human_size(r.size).c_str(),
-              std::string(mode_name(r.mode)).c_str(), r.replication > 1 ? " r=2" : "",
-              r.goodput / 1e9, r.raw / 1e9, r.raw > 0 ? r.goodput / r.raw : 0.0,
-              target_cell(r).c_str());
+  std::printf(
+      "| %s | %ux%u | %s | %s%s | %.2f | %.2f | %.2fx | %s |\n", r.medium.c_str(), r.shape.workers,
+      r.shape.servers, r.label.empty() ? human_size(r.size).c_str() : r.label.c_str(),
+      std::string(mode_name(r.mode)).c_str(), r.replication > 1 ? " r=2" : "", r.goodput / 1e9,
+      r.raw / 1e9, r.raw > 0 ? r.goodput / r.raw : 0.0, target_cell(r).c_str());
   std::fflush(stdout);
 }
 
@@ -915,8 +1003,8 @@ Status write_json(const std::string& path, const std::vector<Row>& rows) {
     report.rows.push_back(std::move(r));
   };
   for (const Row& r : rows) {
-    const std::string point =
-        fmt::format("{}/{}x{}/{}", r.medium, r.shape.workers, r.shape.servers, r.size);
+    const std::string point = fmt::format("{}/{}x{}/{}", r.medium, r.shape.workers, r.shape.servers,
+                                          r.label.empty() ? std::to_string(r.size) : r.label);
     const std::string raw = "BM_ps_raw/" + point;
     if (!raw_written[raw]) {
       add(raw, "", r.raw, 0);
@@ -968,6 +1056,19 @@ Status run(const Options& o, Watchdog& watchdog, std::vector<Row>& rows) {
       uint64_t max_chunk = 4;
       for (uint64_t s : o.sizes)
         max_chunk = std::max(max_chunk, std::min(s, o.chunk_bytes));
+      // The profile's chunks, by the power of two their size rounds up to:
+      // bytes per class, each class's raw rate measured at that size.
+      std::map<uint64_t, uint64_t> classes;
+      for (const auto& t : o.profile_tensors) {
+        uint64_t left = t.elements * 4;
+        while (left > 0) {
+          const uint64_t c = std::min(left, o.chunk_bytes);
+          classes[std::min(std::bit_ceil(std::max<uint64_t>(c, 64)), o.chunk_bytes)] += c;
+          left -= c;
+        }
+      }
+      for (const auto& [c, bytes] : classes)
+        max_chunk = std::max(max_chunk, c);
       auto rig = RawRig::create(m, shape, o.slots, max_chunk, o.raw_threads);
       if (!rig.ok()) return rig.status().with_context("the raw transport rig, " + where);
       // --mode raw: the yardstick alone, no job. One job per replication
@@ -985,23 +1086,40 @@ Status run(const Options& o, Watchdog& watchdog, std::vector<Row>& rows) {
                o.server_device == ServerDeviceKind::kCuda ? "GPU" : "host");
       for (uint64_t size : o.sizes) {
         const uint64_t chunk = std::min(size, o.chunk_bytes);
-        watchdog.arm(point_limit, fmt::format("{} {}", where, human_size(size)));
+        const std::string point = size == kProfilePoint ? o.profile : human_size(size);
+        watchdog.arm(point_limit, fmt::format("{} {}", where, point));
         for (auto& cluster : clusters) {
           PSLD_RETURN_IF_ERROR(cluster->prepare(size).with_context(
-              fmt::format("registering {} tensors, {}", human_size(size), where)));
+              fmt::format("registering {} tensors, {}", point, where)));
           const auto [share, even] = cluster->balance(size);
           progress(
               "{} {}: {} tensors per worker; a round puts at most {} chunks on one server "
               "(even share {:.1f})",
-              where, human_size(size), cluster->tensors(size), share, even);
+              where, point, cluster->tensors(size), share, even);
         }
+        const std::string label = size == kProfilePoint ? o.profile : "";  // the row's
+        // The yardstick: raw writes of `chunk`; for the profile, the rate at
+        // which raw writes move the same bytes in the same chunk sizes (the
+        // time of each class at its own rate, summed).
+        auto measure_raw = [&]() -> Result<Rate> {
+          if (size != kProfilePoint) return (*rig)->measure(chunk, o.seconds);
+          double seconds = 0, bytes = 0, cores = 0;
+          for (const auto& [c, b] : classes) {
+            PSLD_ASSIGN_OR_RETURN(Rate r, (*rig)->measure(c, o.seconds));
+            if (r.bytes_per_s <= 0) return Internal(fmt::format("no raw writes of {} landed", c));
+            seconds += static_cast<double>(b) / r.bytes_per_s;
+            bytes += static_cast<double>(b);
+            cores += r.cores * static_cast<double>(b) / r.bytes_per_s;
+          }
+          return Rate{bytes / seconds, cores / seconds};
+        };
         Rate raw;
         std::map<std::pair<uint32_t, Mode>, Rate> best;
         for (uint32_t rep = 0; rep < o.repeat; ++rep) {
-          auto r = (*rig)->measure(chunk, o.seconds);
+          auto r = measure_raw();
           if (!r.ok()) {
-            return r.status().with_context(
-                fmt::format("raw writes of {}, {}", human_size(chunk), where));
+            return r.status().with_context(fmt::format(
+                "raw writes of {}, {}", label.empty() ? human_size(chunk) : label, where));
           }
           if (r->bytes_per_s > raw.bytes_per_s) raw = *r;
           for (size_t ci = 0; ci < clusters.size(); ++ci) {
@@ -1010,22 +1128,21 @@ Status run(const Options& o, Watchdog& watchdog, std::vector<Row>& rows) {
               auto g = clusters[ci]->measure(size, mode, o.seconds);
               if (!g.ok()) {
                 return g.status().with_context(fmt::format("{} of {} (replication.factor {}), {}",
-                                                           mode_name(mode), human_size(size), f,
-                                                           where));
+                                                           mode_name(mode), point, f, where));
               }
               if (g->bytes_per_s > best[{f, mode}].bytes_per_s) best[{f, mode}] = *g;
             }
           }
         }
-        progress("{} {} raw: {:.2f} GB/s on {:.2f} cores", where, human_size(size),
-                 raw.bytes_per_s / 1e9, raw.cores);
+        progress("{} {} raw: {:.2f} GB/s on {:.2f} cores", where, point, raw.bytes_per_s / 1e9,
+                 raw.cores);
         for (uint32_t f : clusters.empty() ? std::vector<uint32_t>{} : o.replication) {
           for (Mode mode : o.modes) {
             const Rate& got = best[{f, mode}];
-            Row row{m.label, shape, size, mode, got.bytes_per_s, raw.bytes_per_s, f};
-            progress("{} {} {}{}: {:.2f} GB/s on {:.2f} cores, {:.2f}x raw", where,
-                     human_size(size), mode_name(mode), f > 1 ? " r=2" : "", row.goodput / 1e9,
-                     got.cores, row.raw > 0 ? row.goodput / row.raw : 0.0);
+            Row row{m.label, shape, size, label, mode, got.bytes_per_s, raw.bytes_per_s, f};
+            progress("{} {} {}{}: {:.2f} GB/s on {:.2f} cores, {:.2f}x raw", where, point,
+                     mode_name(mode), f > 1 ? " r=2" : "", row.goodput / 1e9, got.cores,
+                     row.raw > 0 ? row.goodput / row.raw : 0.0);
             print_row(row);
             rows.push_back(row);
           }
