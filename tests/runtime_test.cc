@@ -973,8 +973,15 @@ TEST(RuntimeUcxShm, PushPullsOfAllocatedTensorsAreReadInPlaceAndExact) {
       in_place += srv->stats().pushes_in_place;
     // 2 workers x 20 rounds x 5 chunks; the heap tensor's 40 pushes took slots.
     EXPECT_EQ(in_place, 200u);
-    for (auto& srv : c.servers)
+    uint64_t answered_in_place = 0;
+    for (auto& srv : c.servers) {
       batches[together] += srv->stats().batches;
+      answered_in_place += srv->stats().answers_in_place;
+    }
+    // Every pull into the mapped tensors was copied straight into the
+    // worker's memory: 2 workers x 20 rounds x 5 chunks (the heap tensor's
+    // 40 went as writes).
+    EXPECT_EQ(answered_in_place, 200u);
   }
   // Together, the small in-place pushes to a server go in one message (one
   // by one, only a tensor's own chunks can share one).

@@ -287,6 +287,7 @@ void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
   uint64_t base = 0;  // of the tensor in `remote`
   ConnectionPtr conn;
   uint64_t answer_slot_bytes = 0;  // 0: the worker takes no batched answer for it
+  const uint8_t* view = nullptr;   // where this process maps the tensor's memory
   {
     MutexLock lock(conns_mu_);
     auto it = conns_.find(w.conn);
@@ -296,6 +297,7 @@ void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
     if (t != it->second->tensors.end()) {
       remote = t->second.remote;
       base = t->second.offset;
+      view = t->second.view;
       // Not into memory this server maps (a worker on this host over
       // shared memory): there a pull's own write is one memcpy, cheaper
       // than the batch's three.
@@ -317,6 +319,25 @@ void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
       base + static_cast<uint64_t>(key_chunk(w.req.key)) * session_.welcome().chunk_bytes;
   if (answer_slot_bytes > 0 &&
       batch_answer(shard, k, w.conn, w.req.tag, remote, offset, answer_slot_bytes)) {
+    return;
+  }
+  const uint64_t bytes = k.agg.bytes();
+  if (view != nullptr && !device_ && options_.batch_chunk_bytes > 0 && offset <= remote->length() &&
+      bytes <= remote->length() - offset) {
+    // A pull into memory this process maps (a worker on this host, shared
+    // memory), whatever its size: copied straight into the tensor, and its
+    // tag goes in the Credit that ends this pass of the shard loop, one
+    // message for many answers instead of a write and a notification each
+    // (measured 1.3-1.4x the goodput of 64 KiB to 1 MiB push_pulls). The copy
+    // is visible to the worker once it has the Credit (transport.h, local_view).
+    // With batches off (data.batch_chunk_bytes = 0), each is written.
+    std::memcpy(const_cast<uint8_t*>(view) + offset, k.out_region->data(), bytes);
+    shard.accepted[w.conn].push_back(w.req.tag);
+    load_->record(k.arc, LoadMetric::kBytesOut, static_cast<double>(bytes));
+    MutexLock lock(stats_mu_);
+    ++stats_.pulls;
+    ++stats_.answers_in_place;
+    stats_.bytes_out += bytes;
     return;
   }
   ++k.inflight;

@@ -42,6 +42,9 @@ struct ServerStats {
   // Answers gathered for a batch but written one by one (no answer slot
   // of the worker was free).
   uint64_t answers_alone = 0;
+  // Small pulls copied straight into a worker's mapped tensor, their tags
+  // sent in a Credit (shared memory on one host).
+  uint64_t answers_in_place = 0;
   uint64_t pulls = 0;
   uint64_t bytes_in = 0;
   uint64_t bytes_out = 0;
