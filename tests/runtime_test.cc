@@ -910,6 +910,47 @@ TEST_P(Runtime, SmallTensorsSubmittedTogetherTravelInBatchesWithExactSums) {
   small_tensors_in_batches(GetParam(), 16384);
 }
 
+// A model's shape: each small tensor between two large ones. A batch takes
+// the small pushes from further down a server's backlog, past the large
+// ones, so nearly all of them still travel in batches; sums exact.
+TEST_P(Runtime, SmallTensorsBetweenLargeOnesStillTravelInBatches) {
+  std::vector<std::vector<std::vector<float>>> storage_of(2);
+  Cluster c(
+      2, 2,
+      [](RuntimeOptions& o) {
+        o.batch_chunk_bytes = 16384;
+        o.chunk_bytes = 65536;
+      },
+      GetParam());
+  ASSERT_TRUE(c.start().ok());
+  std::vector<size_t> elems;
+  for (size_t i = 0; i < 40; ++i)
+    elems.push_back(i % 2 == 0 ? 16384 : 10 + i);  // a chunk of 64 KiB, then a small one
+  constexpr int kRounds = 10;
+  Status s = on_all(c, [&](size_t wi) -> Status {
+    WorkerService& w = *c.workers[wi];
+    PSLD_ASSIGN_OR_RETURN(std::vector<uint32_t> handles, register_zeroed(w, elems, storage_of[wi]));
+    std::vector<float*> data;
+    for (auto& v : storage_of[wi])
+      data.push_back(v.data());
+    const float rank = static_cast<float>(w.rank());
+    return exact_push_pull_rounds(
+        w, handles, data, elems, kRounds,
+        [&](int r, size_t i) { return rank + static_cast<float>(r + i % 5); },
+        [&](int r, size_t i) { return 1.0f + 2.0f * static_cast<float>(r + i % 5); },
+        /*together=*/true);
+  });
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  uint64_t batched = 0;
+  for (auto& srv : c.servers)
+    batched += srv->stats().batched_pushes;
+  // 20 small tensors a worker a round. Taken only from runs of neighbours
+  // in a server's backlog, those between two large ones on the same server
+  // would go alone.
+  EXPECT_GT(batched, 2u * kRounds * 20u * 9 / 10);
+  EXPECT_LE(batched, 2u * kRounds * 20u);
+}
+
 // One answer slot per server: servers often find it taken and write the
 // gathered answers one by one from their batch buffer instead.
 TEST_P(Runtime, AnswersWithoutAFreeSlotAreWrittenOneByOne) {

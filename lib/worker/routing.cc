@@ -182,18 +182,47 @@ bool WorkerService::issue_batch(ServerConn& s) {
   const uint64_t limit = std::min(batch_buffer_bytes_, s.slot_bytes);
   // Each entry's bytes start on a cache line of the buffer (and of the slot).
   auto aligned = [](uint64_t at) { return (at + 63) & ~uint64_t{63}; };
-  size_t n = 0;
+  // The batch takes the pushes that fit from the first kScan of the
+  // backlog, in order, and leaves the others where they are: a model's
+  // small tensors sit between its large ones. A key's pushes are all
+  // batchable or none (one size, one tensor), so every key's rounds still
+  // leave in order.
+  constexpr size_t kScan = 4 * protocol::kMaxBatchEntries;
+  std::vector<size_t> picked;
   uint64_t end = 0;
-  for (const ChunkOp& op : s.backlog) {
-    if (n == protocol::kMaxBatchEntries || !batchable(op) || in_place(s, op) != mapped) break;
+  const size_t scan = std::min(s.backlog.size(), kScan);
+  for (size_t i = 0; i < scan && picked.size() < protocol::kMaxBatchEntries; ++i) {
+    const ChunkOp& op = s.backlog[i];
+    if (!batchable(op) || in_place(s, op) != mapped) continue;
     if (!mapped) {
       const uint64_t bytes = tensors_[op.tensor].layout->chunk(op.chunk).bytes;
-      if (aligned(end) + bytes > limit) break;
+      if (aligned(end) + bytes > limit) continue;
       end = aligned(end) + bytes;
     }
-    ++n;
+    picked.push_back(i);
   }
-  if (n < 2) return false;
+  if (picked.size() < 2) return false;
+  std::vector<ChunkOp> ops;
+  ops.reserve(picked.size());
+  {
+    // Only the scanned front is rearranged: what was not picked there goes
+    // back in front of the rest, in its order.
+    std::vector<ChunkOp> rest;
+    size_t next = 0;
+    const size_t prefix = picked.back() + 1;
+    for (size_t i = 0; i < prefix; ++i) {
+      if (next < picked.size() && picked[next] == i) {
+        ops.push_back(std::move(s.backlog.front()));
+        ++next;
+      } else {
+        rest.push_back(std::move(s.backlog.front()));
+      }
+      s.backlog.pop_front();
+    }
+    for (auto it = rest.rbegin(); it != rest.rend(); ++it)
+      s.backlog.push_front(std::move(*it));
+  }
+  const size_t n = ops.size();
   protocol::PushBatch batch;
   batch.epoch = epochs_->latest().epoch();
   uint32_t buffer = 0;
@@ -214,9 +243,7 @@ bool WorkerService::issue_batch(ServerConn& s) {
   gather.reserve(mapped ? 0 : n);
   batch.entries.reserve(n);
   uint64_t at = 0;
-  for (size_t i = 0; i < n; ++i) {
-    ChunkOp op = std::move(s.backlog.front());
-    s.backlog.pop_front();
+  for (const ChunkOp& op : ops) {
     const protocol::PushMeta meta = start_push(s, op, batch.slot);
     protocol::BatchEntry e{meta.tag,
                            meta.pull_tag,
