@@ -132,7 +132,7 @@ TEST(BenchRun, TransportAndStragglersSuitesWriteRatios) {
 }
 
 // --rerun measures the flagged rows again, BASE and NEW interleaved: a row
-// doctored to look 30% worse is not confirmed (the programs are the same),
+// doctored to look 60% worse is not confirmed (the programs are the same),
 // kernels forced to the scalar path are (PSLD_KERNEL_ISA, which the report
 // records and the rerun applies to NEW's side only).
 TEST(BenchRun, RerunConfirmsARealRegressionAndNotADoctoredOne) {
@@ -154,11 +154,14 @@ TEST(BenchRun, RerunConfirmsARealRegressionAndNotADoctoredOne) {
   const std::string victim = "kernels/BM_reduce_fp32/1048576";
   Report doctored = *report;
   for (Row& r : doctored.rows) {
-    if (r.name == victim) r.values["ratio"] *= 0.7;
+    if (r.name == victim) r.values["ratio"] *= 0.4;
   }
+  // A threshold of 40%: with 2 repetitions a side, a kernel row of the same
+  // program once differed by 15.6% in the rerun, beside the other tests of a
+  // CI run (load average 4 on 2 cores); the scalar kernels lose 95% on cvt.
   const std::string fake = dir.path() + "/doctored.json";
   ASSERT_TRUE(psld::bench::write_report(fake, doctored).ok());
-  auto same = bench({"compare", base, fake, "--rerun-repetitions", "2", "--threshold", "15%"});
+  auto same = bench({"compare", base, fake, "--rerun-repetitions", "2", "--threshold", "40%"});
   EXPECT_EQ(same.exit_code, 0) << same.output;
   EXPECT_NE(same.output.find("Rerun of the flagged rows"), std::string::npos) << same.output;
   EXPECT_EQ(same.output.find(" regressed:"), std::string::npos) << same.output;
@@ -168,7 +171,7 @@ TEST(BenchRun, RerunConfirmsARealRegressionAndNotADoctoredOne) {
   args.insert(args.begin(), {psld(), "bench"});
   run = psld::testing::run_process(args, {"PSLD_KERNEL_ISA=scalar"}, 400s);
   ASSERT_EQ(run.exit_code, 0) << run.output;
-  auto worse = bench({"compare", base, slow, "--rerun-repetitions", "2", "--threshold", "15%"});
+  auto worse = bench({"compare", base, slow, "--rerun-repetitions", "2", "--threshold", "40%"});
   EXPECT_EQ(worse.exit_code, 1) << worse.output;
   // The fp16 conversion is the row the scalar kernels lose most on every
   // CPU (-95% on an Intel Xeon, where scalar Adam lost only 12%).
