@@ -285,6 +285,7 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
     w->early.erase(early);
     PushWork work{conn->id(), *meta,   w->slots->data() + meta->slot * w->slot_bytes,
                   nullptr,    w->rank, transport::Clock::now()};
+    work.slots = w->slots;
     lock.unlock();
     if (length != meta->bytes) {
       load_->end_service();
@@ -370,6 +371,7 @@ void ServerService::take_batch(const ConnectionPtr& conn, WorkerConn& w,
   }
   std::optional<uint64_t> early;
   const uint8_t* base = nullptr;
+  std::shared_ptr<transport::MemoryRegion> slot_region;
   {
     MutexLock lock(conns_mu_);
     bool valid = batch.slot < w.num_slots && w.slot_busy[batch.slot] == 0;
@@ -382,6 +384,7 @@ void ServerService::take_batch(const ConnectionPtr& conn, WorkerConn& w,
     if (valid) {
       w.slot_busy[batch.slot] = static_cast<uint32_t>(n);
       base = w.slots->data() + batch.slot * w.slot_bytes;
+      slot_region = w.slots;
       auto it = w.early.find(batch.tag);
       if (it == w.early.end()) {
         for (size_t i = 0; i < n; ++i)
@@ -420,15 +423,17 @@ void ServerService::take_batch(const ConnectionPtr& conn, WorkerConn& w,
     MutexLock s(stats_mu_);
     stats_.bytes_in += *early;
   }
-  dispatch_batch(conn->id(), w.rank, base, batch);
+  dispatch_batch(conn->id(), w.rank, slot_region, base, batch);
 }
 
-void ServerService::dispatch_batch(uint64_t conn, uint32_t worker, const uint8_t* base,
-                                   const protocol::PushBatch& batch) {
+void ServerService::dispatch_batch(uint64_t conn, uint32_t worker,
+                                   const std::shared_ptr<transport::MemoryRegion>& slots,
+                                   const uint8_t* base, const protocol::PushBatch& batch) {
   const auto now = transport::Clock::now();
   for (size_t i = 0; i < batch.entries.size(); ++i) {
     PushWork work{
         conn, protocol::entry_meta(batch, i), base + batch.entries[i].offset, nullptr, worker, now};
+    work.slots = slots;
     const Key key = work.meta.key;
     dispatch(key, std::move(work));
   }
@@ -472,6 +477,7 @@ void ServerService::on_write(const ConnectionPtr& conn, uint32_t tag, uint64_t l
     w.batches.erase(batch);
     const uint8_t* base = w.slots->data() + b.slot * w.slot_bytes;
     const uint32_t worker = w.rank;
+    std::shared_ptr<transport::MemoryRegion> slot_region = w.slots;
     lock.unlock();
     if (length != batch_extent(b)) {
       refuse_batch(conn->id(), b, DataLoss("a batch's write length differs from its entries"),
@@ -482,7 +488,7 @@ void ServerService::on_write(const ConnectionPtr& conn, uint32_t tag, uint64_t l
       MutexLock s(stats_mu_);
       stats_.bytes_in += length;
     }
-    dispatch_batch(conn->id(), worker, base, b);
+    dispatch_batch(conn->id(), worker, slot_region, base, b);
     return;
   }
   auto meta = w.metas.find(tag);
@@ -501,6 +507,7 @@ void ServerService::on_write(const ConnectionPtr& conn, uint32_t tag, uint64_t l
   }
   PushWork work{conn->id(), meta->second, w.slots->data() + meta->second.slot * w.slot_bytes,
                 nullptr,    w.rank,       transport::Clock::now()};
+  work.slots = w.slots;
   w.metas.erase(meta);
   lock.unlock();
   if (length != work.meta.bytes) {

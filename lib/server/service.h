@@ -94,6 +94,10 @@ class ServerService final : public ProcessRuntime {
     transport::Clock::time_point arrived{};
     bool taken = false;     // the worker was told the push was accepted
     bool requeued = false;  // queued again after waiting for an epoch: load already counted
+    // A push in a landing slot: the slots, which `data` points into, kept
+    // alive while the push waits (its worker's connection, which owns them,
+    // may close meanwhile).
+    std::shared_ptr<transport::MemoryRegion> slots = nullptr;
   };
   struct PullWork {
     uint64_t conn = 0;
@@ -207,7 +211,8 @@ class ServerService final : public ProcessRuntime {
   void take_batch(const transport::ConnectionPtr& conn, WorkerConn& w, protocol::PushBatch& batch);
   // The entries of a batch whose bytes are in its slot at `base`, each
   // queued as the push it stands for.
-  void dispatch_batch(uint64_t conn, uint32_t worker, const uint8_t* base,
+  void dispatch_batch(uint64_t conn, uint32_t worker,
+                      const std::shared_ptr<transport::MemoryRegion>& slots, const uint8_t* base,
                       const protocol::PushBatch& batch);
   // Every entry of a batch fails with `why`; `counted`: their arrival was
   // counted and the slot marked, and both are undone.

@@ -320,7 +320,8 @@ void WorkerService::take_answers(ServerConn& s, uint32_t slot, uint64_t length) 
     protocol::AnswerEntry e;
     std::memcpy(&e, base + sizeof(header) + i * sizeof(e), sizeof(e));
     auto it = pending_.find(e.tag);
-    if (it == pending_.end() || !it->second.lands || it->second.server != s.rank) {
+    if (it == pending_.end()) continue;  // failed meanwhile (or sent elsewhere), as on_write
+    if (!it->second.lands || it->second.server != s.rank) {
       malformed(fmt::format("tag {} is no pull of this server's", e.tag));
       continue;
     }
