@@ -233,15 +233,8 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
              mapped != nullptr && (mapped->flags & protocol::kPushMapped)) {
     // Read in place from the worker's tensor: no slot, no write to wait for.
     note_round(mapped->round);
-    auto t = w->tensors.find(key_tensor(mapped->key));
-    const uint64_t at = t == w->tensors.end()
-                            ? 0
-                            : t->second.offset + static_cast<uint64_t>(key_chunk(mapped->key)) *
-                                                     session_.welcome().chunk_bytes;
-    if (t == w->tensors.end() || t->second.view == nullptr || mapped->bytes == 0 ||
-        mapped->bytes > session_.welcome().chunk_bytes ||
-        mapped->bytes % protocol::dtype_bytes(mapped->dtype) != 0 ||
-        at > t->second.remote->length() || mapped->bytes > t->second.remote->length() - at) {
+    std::optional<PushWork> work = mapped_work(conn->id(), *w, *mapped);
+    if (!work) {
       lock.unlock();
       send_error(conn->id(), mapped->tag,
                  InvalidArgument(fmt::format(
@@ -250,16 +243,14 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
                      mapped->bytes, mapped->key)));
       return;
     }
-    PushWork work{conn->id(),       *mapped, t->second.view + at,
-                  t->second.remote, w->rank, transport::Clock::now()};
     lock.unlock();
     {
       MutexLock stats(stats_mu_);
       ++stats_.pushes_in_place;
-      stats_.bytes_in += work.meta.bytes;
+      stats_.bytes_in += work->meta.bytes;
     }
     load_->begin_service();
-    dispatch(mapped->key, std::move(work));
+    dispatch(mapped->key, std::move(*work));
   } else if (auto* meta = std::get_if<protocol::PushMeta>(&message)) {
     // Before the push is looked at: an epoch prepared after this line sees it.
     note_round(meta->round);
@@ -308,6 +299,22 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
   }
 }
 
+std::optional<ServerService::PushWork> ServerService::mapped_work(uint64_t conn,
+                                                                  const WorkerConn& w,
+                                                                  const protocol::PushMeta& meta) {
+  const uint64_t chunk = session_.welcome().chunk_bytes;
+  auto t = w.tensors.find(key_tensor(meta.key));
+  if (t == w.tensors.end() || t->second.view == nullptr || meta.bytes == 0 || meta.bytes > chunk ||
+      meta.bytes % protocol::dtype_bytes(meta.dtype) != 0) {
+    return std::nullopt;
+  }
+  const uint64_t at = t->second.offset + static_cast<uint64_t>(key_chunk(meta.key)) * chunk;
+  const uint64_t length = t->second.remote->length();
+  if (at > length || meta.bytes > length - at) return std::nullopt;
+  return PushWork{
+      conn, meta, t->second.view + at, t->second.remote, w.rank, transport::Clock::now()};
+}
+
 void ServerService::note_round(uint64_t round) {
   uint64_t seen = max_round_seen_.load();
   while (round > seen && !max_round_seen_.compare_exchange_weak(seen, round)) {
@@ -319,7 +326,6 @@ void ServerService::take_batch(const ConnectionPtr& conn, WorkerConn& w,
   // Before the pushes are looked at: an epoch prepared after this sees them.
   for (const auto& e : batch.entries)
     note_round(e.round);
-  const uint64_t chunk = session_.welcome().chunk_bytes;
   const size_t n = batch.entries.size();
   {
     MutexLock stats(stats_mu_);
@@ -333,20 +339,12 @@ void ServerService::take_batch(const ConnectionPtr& conn, WorkerConn& w,
     {
       MutexLock lock(conns_mu_);
       for (size_t i = 0; i < n; ++i) {
-        const protocol::PushMeta meta = protocol::entry_meta(batch, i);
-        auto t = w.tensors.find(key_tensor(meta.key));
-        const uint64_t at =
-            t == w.tensors.end()
-                ? 0
-                : t->second.offset + static_cast<uint64_t>(key_chunk(meta.key)) * chunk;
-        if (t == w.tensors.end() || t->second.view == nullptr || meta.bytes > chunk ||
-            meta.bytes == 0 || meta.bytes % protocol::dtype_bytes(meta.dtype) != 0 ||
-            at > t->second.remote->length() || meta.bytes > t->second.remote->length() - at) {
+        std::optional<PushWork> work = mapped_work(conn->id(), w, protocol::entry_meta(batch, i));
+        if (!work) {
           works.clear();
           break;
         }
-        works.push_back(PushWork{conn->id(), meta, t->second.view + at, t->second.remote, w.rank,
-                                 transport::Clock::now()});
+        works.push_back(std::move(*work));
       }
     }
     if (works.size() != n) {
