@@ -209,6 +209,7 @@ TEST(Config, EveryKeyCanBeSetFromEachSource) {
       {"checkpoint.resume", "false"},
       // 1: data.sync is staleness above, and replication needs bsp.
       {"replication.factor", "1"},
+      {"metrics.listen", "[::1]:9464"},
   };
   ASSERT_EQ(values.size(), config_keys().size()) << "a key was added: give it a test value";
 
@@ -838,6 +839,8 @@ TEST(Config, EveryValidationRuleNamesItsKey) {
       {"keep 0", [](Config& c) { c.checkpoint.keep = 0; }, "checkpoint.keep", "1..1000000"},
       {"replication 0", [](Config& c) { c.replication.factor = 0; }, "replication.factor", "1..2"},
       {"replication 3", [](Config& c) { c.replication.factor = 3; }, "replication.factor", "1..2"},
+      {"metrics no port", [](Config& c) { c.metrics.listen = "127.0.0.1"; }, "metrics.listen",
+       "no ':port'"},
       {"replicated async",
        [](Config& c) {
          c.replication.factor = 2;

@@ -269,6 +269,17 @@ struct ReplicationConfig {
   bool operator==(const ReplicationConfig&) const = default;
 };
 
+// [metrics]: what the coordinator serves to operators (docs/operations.md).
+struct MetricsConfig {
+  // "host:port" (port 0: any) where the coordinator serves /metrics
+  // (Prometheus text) and /status.json (`psld top`) over HTTP, read-only
+  // and unauthenticated: keep it on loopback or a trusted network. Empty:
+  // nothing served. Members other than the coordinator ignore it.
+  std::string listen;
+
+  bool operator==(const MetricsConfig&) const = default;
+};
+
 struct Config {
   // Log level: "error", "warn", "info" or "debug" (key `log`, PSLD_LOG).
   std::string log = "warn";
@@ -284,6 +295,7 @@ struct Config {
   LinkConfig link;
   CheckpointConfig checkpoint;
   ReplicationConfig replication;
+  MetricsConfig metrics;
 
   // Where the values came from; filled by load_config, printed by to_string,
   // ignored by validate's checks and by ==.

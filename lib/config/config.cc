@@ -141,7 +141,7 @@ bool operator==(const Config& a, const Config& b) {
   return a.log == b.log && a.job == b.job && a.data == b.data && a.server == b.server &&
          a.optimizer == b.optimizer && a.liveness == b.liveness && a.stats == b.stats &&
          a.balancer == b.balancer && a.ucx == b.ucx && a.verbs == b.verbs && a.link == b.link &&
-         a.checkpoint == b.checkpoint && a.replication == b.replication;
+         a.checkpoint == b.checkpoint && a.replication == b.replication && a.metrics == b.metrics;
 }
 
 Status validate(const Config& c) {

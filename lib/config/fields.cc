@@ -155,6 +155,9 @@ std::string check_coordinator(std::string_view v) {
 std::string check_listen(std::string_view v) {
   return check_endpoint(v, 0);
 }
+std::string check_listen_or_empty(std::string_view v) {
+  return v.empty() ? "" : check_endpoint(v, 0);
+}
 
 // UCX_TLS syntax: comma-separated transport names, optionally led by '^'
 // (everything but these).
@@ -384,6 +387,11 @@ const std::vector<Field>& fields() {
               "copies of every key range: 1, the owner only (a lost server fails the job); 2, a "
               "backup on another server takes the range over when its owner dies (needs "
               "data.sync = bsp and the balancer off)"),
+
+      string_field(PSLD_KEY(metrics.listen), check_listen_or_empty,
+                   "host:port with a port in 0..65535 (0: any), or empty",
+                   "where the coordinator serves /metrics (Prometheus) and /status.json (psld "
+                   "top) over HTTP, unauthenticated: loopback or a trusted network; empty: off"),
   };
   return kFields;
 }

@@ -93,6 +93,7 @@ RuntimeOptions runtime_options_from_config(const Config& c) {
   o.balancer.min_active_servers = b.min_active_servers;
   o.checkpoint = c.checkpoint;
   o.replication_factor = c.replication.factor;
+  o.metrics_listen = c.metrics.listen;
   return o;
 }
 

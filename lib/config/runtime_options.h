@@ -77,6 +77,8 @@ struct RuntimeOptions {
   CheckpointConfig checkpoint;
   // Copies of every key range (replication.factor, docs/replication.md).
   uint32_t replication_factor = 1;
+  // Coordinator: where it serves /metrics and /status.json ("": nowhere).
+  std::string metrics_listen;
 
   // In-process jobs only (benchmarks, tests), never from a Config:
   // The coordinator's epoch 0 instead of Placement::initial over servers
