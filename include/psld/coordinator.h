@@ -24,6 +24,9 @@ class Coordinator {
 
   // The address members dial (config.job.coordinator with the real port).
   std::string address() const;
+  // Where /metrics and /status.json are served (config.metrics.listen with
+  // the real port; docs/operations.md); "" when metrics.listen is empty.
+  std::string metrics_address() const;
   // Blocks until every worker finished (Ok), the job failed (Aborted with the
   // reason, naming the process) or the timeout passed (Timeout).
   Status wait(std::chrono::milliseconds timeout = std::chrono::hours(24 * 365));

@@ -266,6 +266,10 @@ Coordinator::~Coordinator() {
 std::string Coordinator::address() const {
   return impl_->address();
 }
+
+std::string Coordinator::metrics_address() const {
+  return impl_->metrics_address();
+}
 Status Coordinator::wait(std::chrono::milliseconds timeout) {
   return impl_->wait(timeout);
 }

@@ -80,11 +80,15 @@ void CoordinatorService::balance() {
     return;
   }
   PSLD_LOG_DEBUG("balancer: {}", plan->log);
-  if (plan->steps.empty()) return;
+  if (plan->steps.empty()) {
+    observe_decision(*plan, nullptr);
+    return;
+  }
   const PlanStep& step = plan->steps.front();
   PSLD_LOG_INFO("balancer: {}", step.reason);
   Status st = start_switch_locked(step.change.delta);
   if (!st.ok()) PSLD_LOG_WARN("balancer: the plan was not published: {}", st.to_string());
+  observe_decision(*plan, st.ok() ? &step : nullptr);
 }
 
 }  // namespace psld

@@ -108,6 +108,7 @@ void CoordinatorService::commit_switch() {
                 sw.switch_round, sw.delta.assignments.size());
   Placement before = std::move(*placement_);
   placement_ = std::move(sw.next);
+  migrated_bytes_ += moved_bytes(before, *placement_);
   last_switch_round_ = sw.switch_round;
   switch_.reset();
   ++switches_;

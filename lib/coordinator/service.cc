@@ -67,6 +67,14 @@ Result<std::unique_ptr<CoordinatorService>> CoordinatorService::start(
       start_thread(c->monitor_, "coordinator monitor", [raw = c.get()] { raw->monitor(); }));
   PSLD_LOG_INFO("coordinator listening at {} for {} workers, {} servers (+{} standby)",
                 c->address(), options.num_workers, options.num_servers, options.num_standby);
+  if (!options.metrics_listen.empty()) {
+    PSLD_ASSIGN_OR_RETURN(
+        c->metrics_,
+        MetricsEndpoint::start(
+            options.metrics_listen, {"/", "/metrics", "/status.json"},
+            [raw = c.get()](const std::string& path) { return raw->metrics_page(path); }));
+    PSLD_LOG_INFO("coordinator: metrics at http://{}/metrics", c->metrics_->address());
+  }
   const std::string where = c->address();
   // "127.0.0.1:29600", "[::1]:29600", or the loopback transport's "loopback:N".
   const bool loopback = where.rfind("127.", 0) == 0 || where.rfind("localhost:", 0) == 0 ||
@@ -83,6 +91,7 @@ Result<std::unique_ptr<CoordinatorService>> CoordinatorService::start(
 CoordinatorService::CoordinatorService(const RuntimeOptions& options) : options_(options) {}
 
 CoordinatorService::~CoordinatorService() {
+  metrics_.reset();  // its thread reads view()
   {
     MutexLock lock(mu_);
     stopping_ = true;
@@ -320,6 +329,7 @@ void CoordinatorService::handle_hello(Member& m, const protocol::Hello& hello) {
   m.rank = rank;
   m.host = hello.host;
   m.pid = hello.pid;
+  admitted_[{m.role, m.rank}] = {m.host, m.pid};
   m.address = hello.address;
   (*ranks)[rank] = m.conn->id();
   protocol::Welcome welcome{m.role,
@@ -437,6 +447,7 @@ void CoordinatorService::handle_load_report(const Member& m, const protocol::Loa
   }
   if (r.role == Role::kWorker) max_round_ = std::max(max_round_, r.rounds);
   load_.ingest(r);
+  observe_report(r);
 }
 
 uint64_t CoordinatorService::epoch() const {

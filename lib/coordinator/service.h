@@ -9,8 +9,10 @@
 // whose backup holds its ranges: they fail over to it (docs/replication.md).
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -24,6 +26,8 @@
 #include "lib/balancer/balancer.h"
 #include "lib/checkpoint/checkpoint.h"
 #include "lib/config/runtime_options.h"
+#include "lib/coordinator/job_view.h"
+#include "lib/coordinator/metrics_endpoint.h"
 #include "lib/placement/placement.h"
 #include "lib/runtime/door.h"
 #include "lib/runtime/runtime.h"
@@ -81,6 +85,13 @@ class CoordinatorService final : public ProcessRuntime {
   uint64_t checkpoints() const EXCLUDES(mu_);
   uint64_t last_checkpoint_round() const EXCLUDES(mu_);
   uint64_t checkpoints_skipped() const EXCLUDES(mu_);
+  // What an operator sees (lib/coordinator/observe.cc): the members, the
+  // servers' traffic and share, the balancer's beliefs and decisions, the
+  // workers' pace; served on metrics.listen.
+  JobView view() const EXCLUDES(mu_);
+  // "host:port" of the metrics endpoint; "" when metrics.listen is empty.
+  std::string metrics_address() const { return metrics_ ? metrics_->address() : ""; }
+
   // A copy of the committed placement, nullopt before there is one. (A
   // pointer into placement_ would race with the commit that replaces it.)
   std::optional<Placement> placement() const EXCLUDES(mu_) {
@@ -181,6 +192,17 @@ class CoordinatorService final : public ProcessRuntime {
   std::string describe(const Member& m) const REQUIRES(mu_);
 
   void monitor();
+
+  // Observation (lib/coordinator/observe.cc), all with mu_ held: a load
+  // report's totals and pace, a balancer decision and the step it
+  // published, and the bytes of the registered model each server owns in
+  // `placement` (cached for the committed one).
+  void observe_report(const protocol::LoadReport& report) REQUIRES(mu_);
+  void observe_decision(const Plan& plan, const PlanStep* published) REQUIRES(mu_);
+  uint64_t moved_bytes(const Placement& before, const Placement& after) const REQUIRES(mu_);
+  // A page of the metrics endpoint: /metrics, /status.json or /.
+  MetricsEndpoint::Page metrics_page(const std::string& path) const EXCLUDES(mu_);
+  const std::map<uint32_t, uint64_t>& owned_bytes() const REQUIRES(mu_);
 
   // Checkpoints (lib/coordinator/checkpoint.cc). Resuming: the newest
   // complete checkpoint gives the tensors their ids, sizes and rounds.
@@ -290,6 +312,36 @@ class CoordinatorService final : public ProcessRuntime {
   uint64_t checkpoints_skipped_ GUARDED_BY(mu_) = 0;
   Mutex flush_mu_;  // held while flushing: sends leave in posting order
   std::thread monitor_;
+
+  // What view() shows beyond the above. Every member admitted so far, by
+  // (role, rank), with its host and pid.
+  const transport::Clock::time_point started_ = transport::Clock::now();
+  std::map<std::pair<Role, uint32_t>, std::pair<std::string, uint32_t>> admitted_ GUARDED_BY(mu_);
+  struct ServerTotals {
+    uint64_t bytes_in = 0;
+    uint64_t bytes_out = 0;
+    uint64_t reports = 0;
+  };
+  std::map<uint32_t, ServerTotals> server_totals_ GUARDED_BY(mu_);
+  struct WorkerPace {
+    bool seen = false;
+    uint64_t round = 0;  // the highest round its last report named
+    double round_s = 0;
+    std::array<uint64_t, JobView::kRoundBuckets.size()> buckets{};
+    uint64_t rounds = 0;
+    double rounds_sum_s = 0;
+    std::vector<JobView::Answers> answers;
+  };
+  std::map<uint32_t, WorkerPace> pace_ GUARDED_BY(mu_);
+  std::vector<ServerPrediction> predictions_ GUARDED_BY(mu_);
+  std::deque<JobView::Decision> decisions_ GUARDED_BY(mu_);
+  std::map<std::string, uint64_t> steps_ GUARDED_BY(mu_);
+  uint64_t migrated_bytes_ GUARDED_BY(mu_) = 0;
+  // owned_bytes()'s cache: for this epoch and number of tensors.
+  mutable std::optional<std::pair<uint64_t, size_t>> owned_for_ GUARDED_BY(mu_);
+  mutable std::map<uint32_t, uint64_t> owned_ GUARDED_BY(mu_);
+  // Started last and stopped first: its thread calls view().
+  std::unique_ptr<MetricsEndpoint> metrics_;
 };
 
 }  // namespace psld
