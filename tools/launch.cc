@@ -374,6 +374,10 @@ int cmd_launch(int argc, char** argv, const char* kUsage) {
   config->job.coordinator = address;
   auto coordinator = psld::Coordinator::start(*config);
   if (!coordinator.ok()) return fail(coordinator.status().to_string());
+  if (const std::string metrics = (*coordinator)->metrics_address(); !metrics.empty()) {
+    std::fprintf(stderr, "psld launch: metrics at http://%s/metrics; watch with `psld top %s`\n",
+                 metrics.c_str(), metrics.c_str());
+  }
 
   std::map<std::string, std::string> env = {
       {"PSLD_JOB_COORDINATOR", address},

@@ -5,6 +5,7 @@
 //   psld coordinator [--key=value ...]
 //   psld server [--key=value ...]
 //   psld config [--key=value ...]
+//   psld top [HOST:PORT] [--once] [--json] [--interval SECONDS]
 //   psld bench run [flags]
 //   psld bench compare BASE NEW [flags]
 //   psld bench merge OUT IN...
@@ -29,6 +30,7 @@
 #include "psld/coordinator.h"
 #include "psld/server.h"
 #include "tools/launch.h"
+#include "tools/top.h"
 
 namespace {
 
@@ -52,6 +54,9 @@ constexpr const char* kUsage = R"(usage:
   psld coordinator [--key=value ...]   run the coordinator of a job
   psld server [--key=value ...]        run one parameter server
   psld config [--key=value ...]        print the effective configuration
+  psld top [HOST:PORT] [--once] [--json]  a live view of a running job from
+                                       its coordinator's metrics.listen
+                                       (--help; docs/operations.md)
   psld bench stragglers [flags]        the straggler scenarios S1-S5 under
                                        every placement policy (--help for
                                        flags; docs/stragglers.md)
@@ -146,6 +151,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape)
   if (cmd == "coordinator") return cmd_coordinator(argc, argv);
   if (cmd == "server") return cmd_server(argc, argv);
   if (cmd == "config") return cmd_config(argc, argv);
+  if (cmd == "top") return psld::tools::cmd_top(argc, argv);
   if (cmd == "bench") {
     if (argc >= 3 && std::string(argv[2]) == "compare") {
       return psld::bench::cmd_compare(argc - 3, argv + 3);
