@@ -41,6 +41,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "psld/status.h"
 #include "transports/transport.h"
@@ -49,6 +51,17 @@ namespace psld::transport {
 
 Result<std::unique_ptr<Transport>> create_ucx_transport(const TransportOptions& options,
                                                         Handler* handler);
+
+// What UCX offers here (psld doctor): its version, and every transport/device
+// pair its components report ("tcp/eth0", "rc_mlx5/mlx5_0:1", "posix/memory",
+// "cuda_copy/cuda"), as `ucx_info -d` lists them; `problems` names memory
+// domains that would not open.
+struct UcxInventory {
+  std::string version;
+  std::vector<std::string> transports;
+  std::vector<std::string> problems;
+};
+Result<UcxInventory> ucx_inventory();
 
 // What a UCX transport counted since it was created; for tests and
 // diagnostics.
