@@ -6,6 +6,7 @@
 //   psld server [--key=value ...]
 //   psld config [--key=value ...]
 //   psld top [HOST:PORT] [--once] [--json] [--interval SECONDS]
+//   psld doctor [--key=value ...]
 //   psld bench run [flags]
 //   psld bench compare BASE NEW [flags]
 //   psld bench merge OUT IN...
@@ -29,6 +30,7 @@
 #include "psld/config.h"
 #include "psld/coordinator.h"
 #include "psld/server.h"
+#include "tools/doctor.h"
 #include "tools/launch.h"
 #include "tools/top.h"
 
@@ -57,6 +59,9 @@ constexpr const char* kUsage = R"(usage:
   psld top [HOST:PORT] [--once] [--json]  a live view of a running job from
                                        its coordinator's metrics.listen
                                        (--help; docs/operations.md)
+  psld doctor [--key=value ...]        what this node offers a job and
+                                       lacks (RDMA, UCX, GPUs, memlock,
+                                       interface), with the fix for each
   psld bench stragglers [flags]        the straggler scenarios S1-S5 under
                                        every placement policy (--help for
                                        flags; docs/stragglers.md)
@@ -152,6 +157,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape)
   if (cmd == "server") return cmd_server(argc, argv);
   if (cmd == "config") return cmd_config(argc, argv);
   if (cmd == "top") return psld::tools::cmd_top(argc, argv);
+  if (cmd == "doctor") return psld::tools::cmd_doctor(argc, argv);
   if (cmd == "bench") {
     if (argc >= 3 && std::string(argv[2]) == "compare") {
       return psld::bench::cmd_compare(argc - 3, argv + 3);
