@@ -210,6 +210,8 @@ TEST(Config, EveryKeyCanBeSetFromEachSource) {
       // 1: data.sync is staleness above, and replication needs bsp.
       {"replication.factor", "1"},
       {"metrics.listen", "[::1]:9464"},
+      {"trace.dir", "/tmp/psld-trace"},
+      {"trace.rounds", "5:8"},
   };
   ASSERT_EQ(values.size(), config_keys().size()) << "a key was added: give it a test value";
 
@@ -841,6 +843,11 @@ TEST(Config, EveryValidationRuleNamesItsKey) {
       {"replication 3", [](Config& c) { c.replication.factor = 3; }, "replication.factor", "1..2"},
       {"metrics no port", [](Config& c) { c.metrics.listen = "127.0.0.1"; }, "metrics.listen",
        "no ':port'"},
+      {"trace rounds backwards", [](Config& c) { c.trace.rounds = "9:3"; }, "trace.rounds",
+       "1 <= A <= B"},
+      {"trace round 0", [](Config& c) { c.trace.rounds = "0:3"; }, "trace.rounds", "1 <= A <= B"},
+      {"trace rounds text", [](Config& c) { c.trace.rounds = "1-3"; }, "trace.rounds",
+       "1 <= A <= B"},
       {"replicated async",
        [](Config& c) {
          c.replication.factor = 2;

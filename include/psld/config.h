@@ -280,6 +280,17 @@ struct MetricsConfig {
   bool operator==(const MetricsConfig&) const = default;
 };
 
+// [trace]: Chrome traces of a range of rounds (docs/operations.md, "Traces").
+struct TraceConfig {
+  // Where each process writes psld-<role><rank>-<pid>.json; empty: no trace.
+  // Every process writes its own file: a shared directory, or one per host.
+  std::string dir;
+  // "A:B": rounds A to B (1 <= A <= B), the first round being 1.
+  std::string rounds = "1:10";
+
+  bool operator==(const TraceConfig&) const = default;
+};
+
 struct Config {
   // Log level: "error", "warn", "info" or "debug" (key `log`, PSLD_LOG).
   std::string log = "warn";
@@ -296,6 +307,7 @@ struct Config {
   CheckpointConfig checkpoint;
   ReplicationConfig replication;
   MetricsConfig metrics;
+  TraceConfig trace;
 
   // Where the values came from; filled by load_config, printed by to_string,
   // ignored by validate's checks and by ==.

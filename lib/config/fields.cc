@@ -107,6 +107,17 @@ std::string_view trim(std::string_view s) {
   return s;
 }
 
+bool parse_round_range(std::string_view v, uint64_t* first, uint64_t* last) {
+  const size_t colon = v.find(':');
+  if (colon == std::string_view::npos) return false;
+  auto number = [](std::string_view s, uint64_t* out) {
+    auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), *out);
+    return !s.empty() && ec == std::errc() && end == s.data() + s.size();
+  };
+  return number(v.substr(0, colon), first) && number(v.substr(colon + 1), last) && *first >= 1 &&
+         *first <= *last;
+}
+
 // "host:port" or "[v6 address]:port" with a port in min_port..65535.
 bool split_endpoint(std::string_view v, std::string* host, std::string* port) {
   if (!check_endpoint(v, 0).empty()) return false;
@@ -154,6 +165,12 @@ std::string check_coordinator(std::string_view v) {
 }
 std::string check_listen(std::string_view v) {
   return check_endpoint(v, 0);
+}
+// "A:B" with 1 <= A <= B.
+std::string check_rounds(std::string_view v) {
+  uint64_t a = 0;
+  uint64_t b = 0;
+  return parse_round_range(v, &a, &b) ? "" : "not A:B with 1 <= A <= B";
 }
 std::string check_listen_or_empty(std::string_view v) {
   return v.empty() ? "" : check_endpoint(v, 0);
@@ -388,6 +405,12 @@ const std::vector<Field>& fields() {
               "backup on another server takes the range over when its owner dies (needs "
               "data.sync = bsp and the balancer off)"),
 
+      string_field(PSLD_KEY(trace.dir), check_path, "a directory path (a string), or empty",
+                   "where each process writes a Chrome trace (Perfetto) of trace.rounds: worker "
+                   "chunks' push, wait and pull, server reduce and update, epoch switches; "
+                   "empty: none"),
+      string_field(PSLD_KEY(trace.rounds), check_rounds, "a string A:B with 1 <= A <= B",
+                   "the rounds traced; a process writes its file once past B, or when it ends"),
       string_field(PSLD_KEY(metrics.listen), check_listen_or_empty,
                    "host:port with a port in 0..65535 (0: any), or empty",
                    "where the coordinator serves /metrics (Prometheus) and /status.json (psld "

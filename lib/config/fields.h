@@ -73,6 +73,8 @@ std::string check_endpoint(std::string_view v, int min_port);
 // Splits an endpoint that check_endpoint(v, 0) accepts; the host keeps its
 // brackets. False for anything else.
 bool split_endpoint(std::string_view v, std::string* host, std::string* port);
+// "A:B" (trace.rounds) with 1 <= A <= B; false for anything else.
+bool parse_round_range(std::string_view v, uint64_t* first, uint64_t* last);
 
 // Every key, in printing order.
 const std::vector<Field>& fields();

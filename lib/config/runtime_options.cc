@@ -1,5 +1,7 @@
 #include "lib/config/runtime_options.h"
 
+#include "lib/config/fields.h"
+
 namespace psld {
 
 std::string_view gpu_path_name(GpuPath path) {
@@ -94,6 +96,8 @@ RuntimeOptions runtime_options_from_config(const Config& c) {
   o.checkpoint = c.checkpoint;
   o.replication_factor = c.replication.factor;
   o.metrics_listen = c.metrics.listen;
+  o.trace_dir = c.trace.dir;
+  config_detail::parse_round_range(c.trace.rounds, &o.trace_first_round, &o.trace_last_round);
   return o;
 }
 

@@ -79,6 +79,10 @@ struct RuntimeOptions {
   uint32_t replication_factor = 1;
   // Coordinator: where it serves /metrics and /status.json ("": nowhere).
   std::string metrics_listen;
+  // Chrome traces (trace.dir, trace.rounds): "" traces nothing.
+  std::string trace_dir;
+  uint64_t trace_first_round = 1;
+  uint64_t trace_last_round = 10;
 
   // In-process jobs only (benchmarks, tests), never from a Config:
   // The coordinator's epoch 0 instead of Placement::initial over servers
