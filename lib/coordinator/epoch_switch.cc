@@ -108,7 +108,13 @@ void CoordinatorService::commit_switch() {
                 sw.switch_round, sw.delta.assignments.size());
   Placement before = std::move(*placement_);
   placement_ = std::move(sw.next);
-  migrated_bytes_ += moved_bytes(before, *placement_);
+  const uint64_t moved = moved_bytes(before, *placement_);
+  migrated_bytes_ += moved;
+  if (trace_ && trace_->wants(sw.switch_round)) {
+    trace_->instant("epoch commit", "epoch", transport::Clock::now(),
+                    fmt::format(R"("epoch":{},"switch_round":{},"moved_bytes":{})",
+                                placement_->epoch(), sw.switch_round, moved));
+  }
   last_switch_round_ = sw.switch_round;
   switch_.reset();
   ++switches_;

@@ -65,6 +65,11 @@ void CoordinatorService::observe_decision(const Plan& plan, const PlanStep* publ
                         published->change.next.epoch(), kind, published->reason});
   while (decisions_.size() > JobView::kMaxDecisions)
     decisions_.pop_front();
+  if (trace_ && trace_->wants(std::max<uint64_t>(max_round_, 1))) {
+    trace_->instant(
+        kind, "balancer", Clock::now(),
+        fmt::format(R"("decision":{},"reason":{})", plan.decision, json_string(published->reason)));
+  }
 }
 
 // mu_ held. Parameter bytes of the registered tensors whose owner differs.

@@ -32,6 +32,7 @@
 #include "lib/runtime/door.h"
 #include "lib/runtime/runtime.h"
 #include "lib/stats/load_history.h"
+#include "lib/stats/trace.h"
 
 namespace psld {
 
@@ -340,6 +341,8 @@ class CoordinatorService final : public ProcessRuntime {
   // owned_bytes()'s cache: for this epoch and number of tensors.
   mutable std::optional<std::pair<uint64_t, size_t>> owned_for_ GUARDED_BY(mu_);
   mutable std::map<uint32_t, uint64_t> owned_ GUARDED_BY(mu_);
+  // trace.dir: epoch switches and balancer steps as instants.
+  std::unique_ptr<TraceRecorder> trace_;
   // Started last and stopped first: its thread calls view().
   std::unique_ptr<MetricsEndpoint> metrics_;
 };

@@ -44,6 +44,11 @@ bool ServerService::reduce_push(Shard& shard, KeyState& k, const PushWork& w) {
   if (st.ok()) st = k.agg.reduce(shard.lane, w.worker, w.meta.round, w.data, w.meta.lr);
   if (st.ok()) pace_compute(k.agg.bytes());
   load_->record(k.arc, LoadMetric::kBusyNs, ns_since(start));
+  if (trace_ && trace_->wants(w.meta.round)) {
+    trace_->complete("reduce", "server", start, transport::Clock::now(),
+                     fmt::format(R"("key":"{:#x}","worker":{},"round":{},"bytes":{})", k.key,
+                                 w.worker, w.meta.round, w.meta.bytes));
+  }
   free_slot(shard, w.conn, w.meta.slot);
   if (!st.ok()) {
     fail_key(shard, k, st);
@@ -232,6 +237,11 @@ void ServerService::apply_round(Shard& shard, KeyState& k) {
   }
   if (k.agg.swaps()) std::swap(k.out_region, k.acc_region);
   load_->record(k.arc, LoadMetric::kBusyNs, ns_since(start));
+  if (trace_ && trace_->wants(k.agg.version())) {
+    trace_->complete("update", "server", start, transport::Clock::now(),
+                     fmt::format(R"("key":"{:#x}","round":{},"bytes":{})", k.key, k.agg.version(),
+                                 k.agg.bytes()));
+  }
   load_->record(k.arc, LoadMetric::kRound, 1);
   {
     MutexLock lock(stats_mu_);

@@ -230,15 +230,23 @@ void ServerService::ship_state(Shard& shard, KeyState& k, const StateWork& w) {
   k.shipping_round = w.req.switch_round;
   const Key key = k.key;
   const uint64_t run = k.owned_from, round = w.req.switch_round;
-  Status st = conn->write({region.get(), 0, target.get(), 0, bytes, w.req.tag},
-                          [this, region, target, key, run, round](const Status& s) {
-                            if (!s.ok()) {
-                              PSLD_LOG_ERROR("shipping the state of key {:#x} failed: {}", key,
-                                             s.to_string());
-                            }
-                            // Completed: the transfer may be done (docs/migration.md).
-                            dispatch(key, ShipDone{key, run, round, s.ok()});
-                          });
+  std::shared_ptr<TraceRecorder> trace = trace_ && trace_->wants(round) ? trace_ : nullptr;
+  const auto started = transport::Clock::now();
+  Status st = conn->write(
+      {region.get(), 0, target.get(), 0, bytes, w.req.tag},
+      [this, region, target, key, run, round, trace, started, bytes](const Status& s) {
+        if (trace) {
+          trace->async_begin(
+              "ship", "migration", key, started,
+              fmt::format(R"("key":"{:#x}","switch_round":{},"bytes":{})", key, round, bytes));
+          trace->async_end("ship", "migration", key, transport::Clock::now());
+        }
+        if (!s.ok()) {
+          PSLD_LOG_ERROR("shipping the state of key {:#x} failed: {}", key, s.to_string());
+        }
+        // Completed: the transfer may be done (docs/migration.md).
+        dispatch(key, ShipDone{key, run, round, s.ok()});
+      });
   if (!st.ok()) {
     PSLD_LOG_ERROR("server {}: shipping key {:#x}: {}", rank(), k.key, st.to_string());
   }
@@ -306,6 +314,12 @@ void ServerService::on_epoch_change(const protocol::EpochChange& change) {
         losing = losing || (a == me && b != me);
       });
       epochs_->push(next, change.switch_round);
+      if (trace_ && trace_->wants(change.switch_round)) {
+        trace_->instant(change.step == EpochStep::kCommit ? "epoch commit" : "epoch hand-over",
+                        "epoch", transport::Clock::now(),
+                        fmt::format(R"("epoch":{},"switch_round":{},"losing":{})", change.epoch,
+                                    change.switch_round, losing));
+      }
       const bool held = !gate_final_ && gate_round_ == change.switch_round;
       if (!held && !next->arcs_of(me).empty()) owned_ever_ = true;
       if (change.step == EpochStep::kCommit) {

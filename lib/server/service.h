@@ -29,6 +29,7 @@
 #include "lib/server/checkpointing.h"
 #include "lib/server/server_device.h"
 #include "lib/stats/load_stats.h"
+#include "lib/stats/trace.h"
 
 namespace psld {
 
@@ -462,6 +463,8 @@ class ServerService final : public ProcessRuntime {
   Mutex compute_mu_;
   transport::Clock::time_point compute_free_ GUARDED_BY(compute_mu_){};
   std::unique_ptr<LoadRecorder> load_;
+  // trace.dir: reduce and update spans per key, shipping, epoch switches.
+  std::shared_ptr<TraceRecorder> trace_;
   // Replication: the copies this server keeps as a backup, by (the
   // primary's connection, tag); and, as a primary, its opened slots by
   // (connection to the backup, tag) -> (key, run).

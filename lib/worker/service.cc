@@ -59,6 +59,9 @@ Result<std::unique_ptr<WorkerService>> WorkerService::start(const RuntimeOptions
   w->session_.on_epoch([wk = w.get()](const protocol::EpochChange& e) { wk->on_epoch_change(e); });
   w->session_.on_tick([wk = w.get()] { wk->on_tick(); });
   PSLD_RETURN_IF_ERROR(w->session_.join({}));
+  w->trace_ =
+      TraceRecorder::make({options.trace_dir, options.trace_first_round, options.trace_last_round});
+  if (w->trace_) w->trace_->set_process("worker", w->rank());
   std::vector<protocol::EpochChange> early;
   {
     MutexLock lock(w->mu_);
@@ -504,18 +507,53 @@ void WorkerService::finish_tag(uint32_t tag, const Status& status) {
     load_->record(p.server, LoadMetric::kAnswerNs, static_cast<double>(ns));
   }
   const Tensor& t = tensors_[p.op.tensor];
+  const auto answered = Clock::now();
   if (status.ok() && p.lands && t.shadow) {
     // The chunk is in the shadow; the request completes once it is on the GPU.
     const ChunkSpan span = t.layout->chunk(p.op.chunk);
+    // Its trace span ends when it is on the GPU: the copy is the pull.
+    std::shared_ptr<TraceRecorder> trace = trace_ && trace_->wants(p.op.round) ? trace_ : nullptr;
     copier_->copy(
         DeviceCopier::Direction::kToDevice, t.data + span.offset, t.shadow.get() + span.offset,
-        span.bytes, [request = p.request, name = t.name, chunk = p.op.chunk](const Status& s) {
-          request->complete_part(
-              s.ok() ? s : s.with_context(fmt::format("tensor '{}' chunk {}", name, chunk)));
+        span.bytes, [trace, p, answered, name = t.name, bytes = span.bytes](const Status& s) {
+          p.request->complete_part(
+              s.ok() ? s : s.with_context(fmt::format("tensor '{}' chunk {}", name, p.op.chunk)));
+          if (trace) trace_chunk(*trace, p, name, bytes, answered, Clock::now(), s);
         });
     return;
   }
   p.request->complete_part(status);
+  if (trace_ && trace_->wants(p.op.round)) {
+    trace_chunk(*trace_, p, t.name, t.layout->chunk(p.op.chunk).bytes, answered, Clock::now(),
+                status);
+  }
+}
+
+void WorkerService::trace_chunk(TraceRecorder& trace, const Pending& p, const std::string& tensor,
+                                uint64_t bytes, Clock::time_point answered, Clock::time_point done,
+                                const Status& status) {
+  // One id per chunk of a round: tensor, chunk and round share 64 bits.
+  const uint64_t id = (uint64_t{p.op.tensor} << 44) ^ (uint64_t{p.op.chunk} << 24) ^ p.op.round;
+  const std::string_view kind = p.op.kind == RequestKind::kPull   ? "pull"
+                                : p.op.kind == RequestKind::kPush ? "push"
+                                                                  : "push_pull";
+  const auto submitted = p.op.submitted == Clock::time_point{} ? p.issued : p.op.submitted;
+  const std::string name = fmt::format("{} {}[{}]", kind, tensor, p.op.chunk);
+  trace.async_begin(
+      name, "chunk", id, submitted,
+      fmt::format(R"("tensor":{},"chunk":{},"round":{},"server":{},"bytes":{},"status":{})",
+                  json_string(tensor), p.op.chunk, p.op.round, p.server, bytes,
+                  json_string(status.ok() ? "ok" : status.to_string())));
+  // push: waiting for the server's credit and writing; wait: the server
+  // reducing, updating and answering; pull: the answer into the tensor
+  // (the copy to the GPU for a tensor in GPU memory) and the completion.
+  trace.async_begin("push", "chunk", id, submitted);
+  trace.async_end("push", "chunk", id, p.issued);
+  trace.async_begin("wait", "chunk", id, p.issued);
+  trace.async_end("wait", "chunk", id, answered);
+  trace.async_begin("pull", "chunk", id, answered);
+  trace.async_end("pull", "chunk", id, done);
+  trace.async_end(name, "chunk", id, done);
 }
 
 std::vector<ServerLoadStats> WorkerService::server_loads() {
@@ -708,6 +746,7 @@ Result<std::vector<std::shared_ptr<RequestState>>> WorkerService::submit_many(
   std::vector<std::shared_ptr<RequestState>> reqs;
   reqs.reserve(handles.size());
   std::vector<std::function<void()>> copy_out;
+  const auto now = Clock::now();
   {
     MutexLock lock(mu_);
     if (stopped_) return FailedPrecondition("the worker was shut down");
@@ -734,7 +773,7 @@ Result<std::vector<std::shared_ptr<RequestState>>> WorkerService::submit_many(
       // the GPU (on_staged); everything else is routed now.
       const bool stage_out = t.shadow != nullptr && kind != RequestKind::kPull;
       for (uint64_t c = 0; c < chunks; ++c) {
-        ChunkOp op{kind, handle, static_cast<uint32_t>(c), round, req, lr_};
+        ChunkOp op{kind, handle, static_cast<uint32_t>(c), round, req, lr_, now};
         if (!stage_out) {
           route(std::move(op));
           continue;

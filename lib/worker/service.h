@@ -22,6 +22,7 @@
 #include "lib/placement/epoch_log.h"
 #include "lib/runtime/member.h"
 #include "lib/stats/load_stats.h"
+#include "lib/stats/trace.h"
 #include "lib/worker/device_staging.h"
 
 namespace psld {
@@ -127,6 +128,7 @@ class WorkerService final : public ProcessRuntime {
     uint64_t round = 0;
     std::shared_ptr<RequestState> request;
     double lr = 0;  // the learning rate its pushes carry (set_learning_rate); 0: the server's
+    transport::Clock::time_point submitted{};  // for its trace span (trace.dir)
   };
   struct ServerConn {
     uint32_t rank = 0;
@@ -264,6 +266,13 @@ class WorkerService final : public ProcessRuntime {
   std::map<uint32_t, ServerConn> servers_ GUARDED_BY(mu_);     // by server rank
   std::map<uint32_t, ServerLoadStats> loads_ GUARDED_BY(mu_);  // by server rank
   std::unique_ptr<LoadRecorder> load_;  // the windows sent to the coordinator
+  // trace.dir: chunk spans (push, wait, pull), written past trace.rounds.
+  // Shared with the GPU copier's callbacks, which record chunks they end.
+  std::shared_ptr<TraceRecorder> trace_;
+  // Records a chunk's spans once it completed.
+  static void trace_chunk(TraceRecorder& trace, const Pending& p, const std::string& tensor,
+                          uint64_t bytes, transport::Clock::time_point answered,
+                          transport::Clock::time_point done, const Status& status);
   std::vector<Tensor> tensors_ GUARDED_BY(mu_);
   std::map<std::string, uint32_t> tensor_by_name_ GUARDED_BY(mu_);
   std::map<uint32_t, Pending> pending_ GUARDED_BY(mu_);
