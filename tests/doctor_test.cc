@@ -10,6 +10,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -166,6 +167,48 @@ TEST(Doctor, TheChosenInterfaceIsShownOrItsMistakeNamed) {
   r = doctor(root.path(), {"--job.interface=bad name!"});
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("job.interface"), std::string::npos) << r.output;
+}
+
+// --peer against a --serve-once on this machine over TCP: both rows, with
+// ucx_perftest's figures beside psld's where it is installed.
+TEST(Doctor, APeerCheckMeasuresLatencyAndBandwidthNextToUcxPerftest) {
+  psld::testing::Background serve(
+      {psld(), "doctor", "--serve-once", "--ucx.tls=tcp", "--job.listen=127.0.0.1:0"},
+      {"PSLD_JOB_SECRET=doctor-test"});
+  ASSERT_TRUE(serve.wait_for_output("serving at ", 30s)) << serve.output();
+  std::smatch m;
+  const std::string out = serve.output();
+  ASSERT_TRUE(std::regex_search(out, m, std::regex("serving at ([0-9.]+:[0-9]+)"))) << out;
+  RunResult r = run_process({psld(), "doctor", "--peer", m[1], "--ucx.tls=tcp"},
+                            {"PSLD_JOB_SECRET=doctor-test"}, 120s);
+  ASSERT_EQ(r.exit_code, 0) << r.output << serve.output();
+  EXPECT_TRUE(std::regex_search(r.output, std::regex(R"(latency 8 B, one-way +[0-9.]+ us)")))
+      << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex(R"(bandwidth, 4 MiB +[0-9]+ MiB/s)")))
+      << r.output;
+  if (access("/usr/bin/ucx_perftest", X_OK) == 0) {
+    EXPECT_TRUE(std::regex_search(r.output, std::regex(R"(us \(ucp_am_lat\) +[0-9.]+x)")))
+        << r.output;
+    EXPECT_TRUE(std::regex_search(r.output, std::regex(R"(MiB/s \(ucp_am_bw\) +[0-9.]+x)")))
+        << r.output;
+  }
+  EXPECT_EQ(serve.wait(20s), 0) << serve.output();
+  EXPECT_NE(serve.output().find("the peer is done"), std::string::npos) << serve.output();
+}
+
+TEST(Doctor, APeerWithoutTheJobSecretIsRefusedClearly) {
+  psld::testing::Background serve(
+      {psld(), "doctor", "--serve-once", "--ucx.tls=tcp", "--job.listen=127.0.0.1:0"},
+      {"PSLD_JOB_SECRET=the-right-one"});
+  ASSERT_TRUE(serve.wait_for_output("serving at ", 30s)) << serve.output();
+  std::smatch m;
+  const std::string out = serve.output();
+  ASSERT_TRUE(std::regex_search(out, m, std::regex("serving at ([0-9.]+:[0-9]+)"))) << out;
+  RunResult r = run_process({psld(), "doctor", "--peer", m[1], "--ucx.tls=tcp"},
+                            {"PSLD_JOB_SECRET=a-wrong-one"}, 60s);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("psld doctor: peer " + m[1].str()), std::string::npos) << r.output;
+  EXPECT_EQ(serve.wait(0s), std::nullopt) << "the serving side must outlive a refused peer";
 }
 
 }  // namespace

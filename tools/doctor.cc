@@ -37,6 +37,8 @@ namespace {
 namespace fs = std::filesystem;
 
 constexpr const char* kDoctorUsage = R"(usage: psld doctor [--root DIR] [--key=value ...]
+       psld doctor --serve [--job.listen=HOST:PORT] [--key=value ...]
+       psld doctor --peer HOST:PORT [--key=value ...]
   Says what this node offers a psld job and what it lacks, with the fix for
   each: the pinned-memory limit, RDMA devices, their ports and GIDs, UCX's
   version and transports, NVIDIA GPUs and the GPUDirect RDMA path (dma-buf,
@@ -44,6 +46,13 @@ constexpr const char* kDoctorUsage = R"(usage: psld doctor [--root DIR] [--key=v
   chooses (job.interface, job.coordinator). Reads the configuration like
   every psld command. Exit status 0; 1 only when it cannot run.
   --root DIR  read /sys and /proc under DIR instead (for tests)
+  --serve     listen on job.listen (and keep a ucx_perftest server) for
+              `psld doctor --peer` from another node; --serve-once ends
+              after one peer
+  --peer HOST:PORT  a short latency and bandwidth check against a node
+              running --serve, through psld's transport and, next to it,
+              ucx_perftest's ucp_am_lat and ucp_am_bw (same job.secret and
+              ucx.tls on both sides)
 )";
 
 enum class Level { kOk, kInfo, kWarn, kMissing };
@@ -389,6 +398,9 @@ void Doctor::interface(const Config& config) {
 int cmd_doctor(int argc, char** argv) {
   ConfigSources sources;
   std::string root;
+  std::string peer;
+  bool serve = false;
+  bool once = false;
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "-h" || a == "--help") {
@@ -399,6 +411,15 @@ int cmd_doctor(int argc, char** argv) {
       root = argv[++i];
       continue;
     }
+    if (a == "--peer" && i + 1 < argc) {
+      peer = argv[++i];
+      continue;
+    }
+    if (a == "--serve" || a == "--serve-once") {
+      serve = true;
+      once = a == "--serve-once";
+      continue;
+    }
     sources.args.push_back(a);
   }
   auto config = load_config(sources);
@@ -406,6 +427,8 @@ int cmd_doctor(int argc, char** argv) {
     std::fprintf(stderr, "psld doctor: %s\n", config.status().message().c_str());
     return 1;
   }
+  if (serve) return cmd_doctor_serve(*config, once);
+  if (!peer.empty()) return cmd_doctor_peer(*config, peer);
   Doctor d(root);
   d.memlock();
   d.rdma();
