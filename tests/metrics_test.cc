@@ -330,26 +330,26 @@ TEST(CoordinatorMetrics, AJobShowsItsMembersTrafficAndPace) {
     ASSERT_TRUE(h.ok()) << h.status().to_string();
     handles[w] = *h;
   }
-  // Rounds until the coordinator has heard of some from both workers.
-  std::atomic<bool> stop{false};
+  // The same rounds on both workers (BSP: one that stopped early would
+  // leave the other waiting), then until the coordinator has heard of them.
+  constexpr int kRounds = 300;
   Status st = on_all(c, [&](size_t w) -> Status {
-    for (int r = 0; r < 2000 && !stop; ++r) {
+    for (int r = 0; r < kRounds; ++r) {
       PSLD_ASSIGN_OR_RETURN(auto reqs,
                             c.workers[w]->submit_many(handles[w], RequestKind::kPushPull));
       for (auto& req : reqs)
         PSLD_RETURN_IF_ERROR(req->wait(10s));
-      if (r >= 50) {
-        JobView v = c.coordinator->view();
-        bool paced = v.workers.size() == 2;
-        for (const auto& wk : v.workers)
-          paced = paced && wk.rounds >= 20;
-        if (paced) stop = true;
-      }
     }
     return Status::Ok();
   });
   ASSERT_TRUE(st.ok()) << st.to_string();
-  ASSERT_TRUE(stop.load()) << "the workers' rounds never reached the coordinator's view";
+  ASSERT_TRUE(eventually("both workers' last rounds in the coordinator's view", 10s, [&] {
+    JobView v = c.coordinator->view();
+    bool paced = v.workers.size() == 2;
+    for (const auto& wk : v.workers)
+      paced = paced && wk.round == kRounds && wk.rounds >= 20;
+    return paced;
+  }));
 
   const std::string response = ask(at, "GET /metrics HTTP/1.1\r\n\r\n");
   ASSERT_EQ(response.rfind("HTTP/1.1 200 OK\r\n", 0), 0U) << response;

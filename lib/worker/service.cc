@@ -516,17 +516,19 @@ void WorkerService::finish_tag(uint32_t tag, const Status& status) {
     copier_->copy(
         DeviceCopier::Direction::kToDevice, t.data + span.offset, t.shadow.get() + span.offset,
         span.bytes, [trace, p, answered, name = t.name, bytes = span.bytes](const Status& s) {
+          // Recorded before the completion: a later round that the
+          // completion lets start may write the file.
+          if (trace) trace_chunk(*trace, p, name, bytes, answered, Clock::now(), s);
           p.request->complete_part(
               s.ok() ? s : s.with_context(fmt::format("tensor '{}' chunk {}", name, p.op.chunk)));
-          if (trace) trace_chunk(*trace, p, name, bytes, answered, Clock::now(), s);
         });
     return;
   }
-  p.request->complete_part(status);
   if (trace_ && trace_->wants(p.op.round)) {
     trace_chunk(*trace_, p, t.name, t.layout->chunk(p.op.chunk).bytes, answered, Clock::now(),
                 status);
   }
+  p.request->complete_part(status);
 }
 
 void WorkerService::trace_chunk(TraceRecorder& trace, const Pending& p, const std::string& tensor,
@@ -546,7 +548,7 @@ void WorkerService::trace_chunk(TraceRecorder& trace, const Pending& p, const st
                   json_string(status.ok() ? "ok" : status.to_string())));
   // push: waiting for the server's credit and writing; wait: the server
   // reducing, updating and answering; pull: the answer into the tensor
-  // (the copy to the GPU for a tensor in GPU memory) and the completion.
+  // (the copy to the GPU for a tensor in GPU memory).
   trace.async_begin("push", "chunk", id, submitted);
   trace.async_end("push", "chunk", id, p.issued);
   trace.async_begin("wait", "chunk", id, p.issued);
