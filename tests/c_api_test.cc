@@ -93,6 +93,46 @@ TEST(CApi, AWorkerPushPullsThroughTheCApi) {
   EXPECT_EQ(static_cast<float*>(block)[7], 0.0f);
   EXPECT_EQ(psld_allocate(w, 0, &block), PSLD_INVALID_ARGUMENT);
 
+  // Many tensors at once: one request each, exact, and a bad handle submits
+  // nothing.
+  std::vector<std::vector<float>> small(20, std::vector<float>(64));
+  std::vector<uint32_t> handles;
+  for (size_t i = 0; i < small.size(); ++i) {
+    uint32_t h = 0;
+    ASSERT_EQ(psld_register_tensor(w, ("small" + std::to_string(i)).c_str(), PSLD_FLOAT32, 256,
+                                   small[i].data(), nullptr, &h),
+              PSLD_OK)
+        << psld_last_error();
+    handles.push_back(h);
+  }
+  for (int round = 1; round <= 2; ++round) {
+    for (size_t i = 0; i < small.size(); ++i)
+      std::fill(small[i].begin(), small[i].end(), static_cast<float>(round * 100 + i));
+    std::vector<psld_request*> reqs(handles.size(), nullptr);
+    ASSERT_EQ(psld_push_pull_many(w, handles.data(), handles.size(), reqs.data()), PSLD_OK)
+        << psld_last_error();
+    for (psld_request* r : reqs) {
+      ASSERT_EQ(psld_request_wait(r, 10000), PSLD_OK) << psld_last_error();
+      psld_request_free(r);
+    }
+    for (size_t i = 0; i < small.size(); ++i)
+      ASSERT_EQ(small[i][63], static_cast<float>(round * 100 + i)) << i;
+  }
+  std::vector<psld_request*> pulled(handles.size(), nullptr);
+  ASSERT_EQ(psld_pull_many(w, handles.data(), handles.size(), pulled.data()), PSLD_OK)
+      << psld_last_error();
+  for (psld_request* r : pulled) {
+    ASSERT_EQ(psld_request_wait(r, 10000), PSLD_OK) << psld_last_error();
+    psld_request_free(r);
+  }
+  std::vector<uint32_t> with_bad = {handles[0], 12345};
+  std::vector<psld_request*> untouched(2, nullptr);
+  EXPECT_EQ(psld_push_many(w, with_bad.data(), with_bad.size(), untouched.data()),
+            PSLD_INVALID_ARGUMENT);
+  EXPECT_EQ(untouched[0], nullptr);
+  EXPECT_EQ(psld_push_pull_many(w, nullptr, 3, untouched.data()), PSLD_INVALID_ARGUMENT);
+  EXPECT_EQ(psld_push_pull_many(w, handles.data(), 0, nullptr), PSLD_OK);
+
   // Errors are codes plus a message, never a crash.
   uint32_t bad = 0;
   EXPECT_EQ(psld_register_tensor(w, nullptr, PSLD_FLOAT32, 4, x.data(), nullptr, &bad),

@@ -63,6 +63,13 @@ int psld_register_tensor(psld_worker* w, const char* name, int dtype, size_t byt
 int psld_push(psld_worker* w, uint32_t tensor, psld_request** out);
 int psld_pull(psld_worker* w, uint32_t tensor, psld_request** out);
 int psld_push_pull(psld_worker* w, uint32_t tensor, psld_request** out);
+/* The same for `n` tensors at once: out[i] is the request of tensors[i].
+ * Submitted together, the small chunks among them that go to one server
+ * leave as one batch (what a model of many small tensors should use each
+ * round). On an error nothing was submitted and out is untouched. */
+int psld_push_many(psld_worker* w, const uint32_t* tensors, size_t n, psld_request** out);
+int psld_pull_many(psld_worker* w, const uint32_t* tensors, size_t n, psld_request** out);
+int psld_push_pull_many(psld_worker* w, const uint32_t* tensors, size_t n, psld_request** out);
 /* Waits up to timeout_ms (< 0: forever) for the request; PSLD_TIMEOUT leaves
  * it in flight. */
 int psld_request_wait(psld_request* r, int64_t timeout_ms);

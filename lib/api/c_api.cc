@@ -3,7 +3,9 @@
 #include <exception>
 #include <memory>
 #include <new>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "psld/worker.h"
 
@@ -55,6 +57,28 @@ int submit(psld_worker* w, uint32_t tensor, psld_request** out, Fn fn) {
     psld::Result<psld::Request> r = fn(*w->w, psld::TensorHandle{tensor});
     if (!r.ok()) return fail(r.status());
     *out = new psld_request{*r};
+    return 0;
+  });
+}
+
+template <typename Fn>
+int submit_many(psld_worker* w, const uint32_t* tensors, size_t n, psld_request** out, Fn fn) {
+  if (w == nullptr || (n > 0 && (tensors == nullptr || out == nullptr))) {
+    return fail_args("worker, tensors and out");
+  }
+  return guarded([&] {
+    std::vector<psld::TensorHandle> handles(n);
+    for (size_t i = 0; i < n; ++i)
+      handles[i] = psld::TensorHandle{tensors[i]};
+    psld::Result<std::vector<psld::Request>> r =
+        fn(*w->w, std::span<const psld::TensorHandle>(handles));
+    if (!r.ok()) return fail(r.status());
+    std::vector<std::unique_ptr<psld_request>> made;
+    made.reserve(r->size());
+    for (const auto& req : *r)
+      made.push_back(std::make_unique<psld_request>(psld_request{req}));
+    for (size_t i = 0; i < made.size(); ++i)
+      out[i] = made[i].release();
     return 0;
   });
 }
@@ -161,6 +185,22 @@ int psld_pull(psld_worker* w, uint32_t tensor, psld_request** out) {
 int psld_push_pull(psld_worker* w, uint32_t tensor, psld_request** out) {
   return submit(w, tensor, out,
                 [](psld::Worker& k, psld::TensorHandle t) { return k.push_pull(t); });
+}
+
+int psld_push_many(psld_worker* w, const uint32_t* tensors, size_t n, psld_request** out) {
+  return submit_many(
+      w, tensors, n, out,
+      [](psld::Worker& k, std::span<const psld::TensorHandle> t) { return k.push(t); });
+}
+int psld_pull_many(psld_worker* w, const uint32_t* tensors, size_t n, psld_request** out) {
+  return submit_many(
+      w, tensors, n, out,
+      [](psld::Worker& k, std::span<const psld::TensorHandle> t) { return k.pull(t); });
+}
+int psld_push_pull_many(psld_worker* w, const uint32_t* tensors, size_t n, psld_request** out) {
+  return submit_many(
+      w, tensors, n, out,
+      [](psld::Worker& k, std::span<const psld::TensorHandle> t) { return k.push_pull(t); });
 }
 
 int psld_request_wait(psld_request* r, int64_t timeout_ms) {
