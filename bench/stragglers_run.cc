@@ -15,6 +15,7 @@
 #include <memory>
 #include <numeric>
 #include <optional>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -55,6 +56,11 @@ other in this process, and prints one table per scenario (docs/stragglers.md).
   --scale F         model scale, 0 < F <= 1, as a fraction or 1/N (default:
                     the scenario's, 1/32 for ResNet-50 and 1/128 for VGG-16)
   --transport T     ucx (tcp) or loopback (default ucx)
+  --noise N         N busy threads for the whole run, each spinning
+                    --noise-duty of every 10 ms (random phase): a machine
+                    noisy on purpose, to measure how calm the balancer stays
+                    (default 0)
+  --noise-duty D    0 < D <= 1 (default 0.5)
   --out DIR         also write DIR/results.md, DIR/<scenario>.tsv and, when
                     gnuplot is installed, DIR/<scenario>.png
   --json FILE       also write the round times as Google Benchmark-shaped JSON
@@ -72,6 +78,44 @@ struct Options {
   std::string transport = "ucx";
   std::string out_dir;
   std::string json;
+  uint32_t noise = 0;  // busy threads
+  double noise_duty = 0.5;
+};
+
+// --noise: threads that spin `duty` of every period and sleep the rest, each
+// at a random phase, until destroyed.
+class Noise {
+ public:
+  Noise(uint32_t threads, double duty) {
+    std::random_device seed;
+    for (uint32_t i = 0; i < threads; ++i) {
+      const auto phase = std::chrono::microseconds(seed() % 10000);
+      threads_.emplace_back([this, duty, phase] {
+        constexpr auto kPeriod = std::chrono::microseconds(10000);
+        const auto busy = std::chrono::duration_cast<std::chrono::microseconds>(kPeriod * duty);
+        auto start = Clock::now() + phase;
+        std::this_thread::sleep_until(start);
+        volatile uint64_t sink = 0;
+        while (!stop_.load(std::memory_order_relaxed)) {
+          while (Clock::now() < start + busy)
+            sink = sink + 1;
+          start += kPeriod;
+          std::this_thread::sleep_until(start);
+        }
+      });
+    }
+  }
+  ~Noise() {
+    stop_ = true;
+    for (auto& t : threads_)
+      t.join();
+  }
+  Noise(const Noise&) = delete;
+  Noise& operator=(const Noise&) = delete;
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::vector<std::thread> threads_;
 };
 
 std::vector<std::string> split_list(const std::string& s) {
@@ -138,6 +182,19 @@ Result<Options> parse_args(int argc, char** argv) {
             fmt::format("--transport '{}': accepted values are ucx, loopback", value));
       }
       o.transport = value;
+    } else if (arg == "--noise") {
+      PSLD_ASSIGN_OR_RETURN(double v, parse_number(arg, value));
+      if (v < 0 || v > 64 || v != std::floor(v)) {
+        return InvalidArgument(
+            fmt::format("--noise {}: busy threads, a whole number 0 to 64", value));
+      }
+      o.noise = static_cast<uint32_t>(v);
+    } else if (arg == "--noise-duty") {
+      PSLD_ASSIGN_OR_RETURN(double v, parse_number(arg, value));
+      if (!(v > 0 && v <= 1)) {
+        return InvalidArgument(fmt::format("--noise-duty {}: a fraction in (0, 1]", value));
+      }
+      o.noise_duty = v;
     } else if (arg == "--out") {
       o.out_dir = value;
     } else if (arg == "--json") {
@@ -460,6 +517,7 @@ Row summarise(const Scenario& sc, const RunResult& r) {
 
 std::string table(const Scenario& sc, const std::vector<RunResult>& results) {
   std::vector<Row> rows;
+  rows.reserve(results.size());
   for (const RunResult& r : results)
     rows.push_back(summarise(sc, r));
   std::string out =
@@ -496,12 +554,15 @@ std::string describe(const Options& o, const Scenario& sc,
   return fmt::format(
       "{} at 1/{:.0f} scale: {} tensors, {:.2f} MB pushed and pulled by each worker a round; "
       "{} workers, {} servers{}; R = {:.0f} MB/s ({}); {} transport; {} rounds; "
-      "psld's balancer plans every 250 ms",
+      "psld's balancer plans every 250 ms{}",
       sc.profile, 1 / sc.scale, tensors.size(), static_cast<double>(bytes) / 1e6, o.workers,
       sc.servers, sc.standby ? fmt::format(" + {} standby", sc.standby) : "", o.rate / 1e6,
       sc.resource == Resource::kLink ? "each server's emulated link, each way"
                                      : "each server's reduce; links unlimited",
-      o.transport == "ucx" ? "ucx over tcp" : "loopback", sc.rounds);
+      o.transport == "ucx" ? "ucx over tcp" : "loopback", sc.rounds,
+      o.noise > 0 ? fmt::format("; noise: {} busy thread{} at {:.0f}% duty", o.noise,
+                                o.noise == 1 ? "" : "s", o.noise_duty * 100)
+                  : "");
 }
 
 bool have_program(const char* name) {
@@ -628,6 +689,8 @@ int run_stragglers(int argc, char** argv) {
     return 2;
   }
   Watchdog watchdog("psld bench stragglers");
+  std::optional<Noise> noise;
+  if (o.noise > 0) noise.emplace(o.noise, o.noise_duty);
   std::string markdown;
   std::string notes;
   bench::Report report;
@@ -682,6 +745,8 @@ int run_stragglers(int argc, char** argv) {
   }
   if (!o.json.empty()) {
     report.context["executable"] = "psld bench stragglers";
+    report.context["noise"] =
+        o.noise > 0 ? fmt::format("{} threads at {} duty", o.noise, o.noise_duty) : "none";
     Status s = write_report(o.json, report);
     if (!s.ok()) {
       std::fprintf(stderr, "psld bench stragglers: %s\n", s.to_string().c_str());

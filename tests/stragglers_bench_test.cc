@@ -95,6 +95,16 @@ TEST(StragglersBench, ComputeAndScaleOutScenariosRunOnTheLoopbackTransport) {
   EXPECT_NE(r.output.find("3 servers + 1 standby"), std::string::npos);
 }
 
+TEST(StragglersBench, NoiseIsMadeOnPurposeAndSaid) {
+  auto r = psld::testing::run_process(
+      {psld(), "bench", "stragglers", "--scenario", "S3", "--policies", "mxnet", "--rounds", "8",
+       "--workers", "2", "--transport", "loopback", "--noise", "1", "--noise-duty", "0.25"},
+      {}, 300s);
+  ASSERT_FALSE(r.timed_out) << r.output;
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("noise: 1 busy thread at 25% duty"), std::string::npos) << r.output;
+}
+
 TEST(StragglersBench, BadFlagsAreRefusedWithTheAcceptedValues) {
   struct Case {
     std::vector<std::string> args;
@@ -108,6 +118,8 @@ TEST(StragglersBench, BadFlagsAreRefusedWithTheAcceptedValues) {
       {{"--rate", "-5"}, "--rate -5: MB/s, above 0"},
       {{"--transport", "carrier-pigeon"}, "accepted values are ucx, loopback"},
       {{"--rounds"}, "--rounds needs a value"},
+      {{"--noise", "-1"}, "--noise -1: busy threads, a whole number 0 to 64"},
+      {{"--noise-duty", "1.5"}, "--noise-duty 1.5: a fraction in (0, 1]"},
       {{"--bogus", "1"}, "unknown flag '--bogus'"},
   };
   for (const Case& c : cases) {
