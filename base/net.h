@@ -9,14 +9,18 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cstdint>
+
 namespace psld {
 
-inline int free_loopback_port() {
+// The same on `address` (host byte order): INADDR_ANY for a port free on
+// every address (psld doctor's ucx_perftest server).
+inline int free_tcp_port(uint32_t address) {
   const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return -1;
   sockaddr_in a{};
   a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_addr.s_addr = htonl(address);
   socklen_t len = sizeof(a);
   int port = -1;
   if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
@@ -25,6 +29,10 @@ inline int free_loopback_port() {
   }
   close(fd);
   return port;
+}
+
+inline int free_loopback_port() {
+  return free_tcp_port(INADDR_LOOPBACK);
 }
 
 }  // namespace psld

@@ -37,7 +37,7 @@
 #include <thread>
 #include <vector>
 
-#include "base/wire.h"
+#include "base/net.h"
 #include "lib/config/interface.h"
 #include "lib/config/runtime_options.h"
 #include "psld/config.h"
@@ -179,22 +179,6 @@ Result<RuntimeOptions> options_of(const Config& config) {
   return o;
 }
 
-// A TCP port nothing listens on now, on every address.
-int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return -1;
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  socklen_t len = sizeof(a);
-  int port = -1;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
-    port = ntohs(a.sin_port);
-  }
-  close(fd);
-  return port;
-}
-
 std::optional<std::string> find_perftest() {
   std::stringstream path(std::getenv("PATH") != nullptr ? std::getenv("PATH") : "/usr/bin");
   for (std::string dir; std::getline(path, dir, ':');) {
@@ -318,7 +302,8 @@ int cmd_doctor_serve(const Config& config, bool once) {
   Side side;
   side.serving = true;
   std::optional<std::string> perftest = find_perftest();
-  if (perftest) side.our_perftest_port = static_cast<uint16_t>(std::max(0, free_port()));
+  if (perftest)
+    side.our_perftest_port = static_cast<uint16_t>(std::max(0, free_tcp_port(INADDR_ANY)));
   auto t = transport::create_transport(o->net.transport, o->net.options, &side);
   if (!t.ok()) {
     std::fprintf(stderr, "psld doctor: %s\n", t.status().to_string().c_str());
