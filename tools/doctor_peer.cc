@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "base/net.h"
+#include "lib/config/fields.h"
 #include "lib/config/interface.h"
 #include "lib/config/runtime_options.h"
 #include "psld/config.h"
@@ -288,10 +289,9 @@ std::optional<std::vector<double>> perftest_row(const std::string& out) {
 }
 
 std::string host_of(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  std::string host = address.substr(0, colon);
-  if (host.size() >= 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
-  return host;
+  std::string host;
+  std::string port;
+  return config_detail::split_endpoint_unbracketed(address, &host, &port) ? host : address;
 }
 
 }  // namespace

@@ -64,10 +64,9 @@ Result<std::string> http_get(const std::string& address, const std::string& path
                              std::chrono::milliseconds timeout) {
   std::string host;
   std::string port;
-  if (!config_detail::split_endpoint(address, &host, &port) || port == "0") {
+  if (!config_detail::split_endpoint_unbracketed(address, &host, &port) || port == "0") {
     return InvalidArgument(fmt::format("'{}' is not host:port with a port in 1..65535", address));
   }
-  if (host.size() >= 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
   const auto deadline = Clock::now() + timeout;
   auto left_ms = [&] {
     return static_cast<int>(std::max<int64_t>(

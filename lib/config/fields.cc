@@ -127,6 +127,14 @@ bool split_endpoint(std::string_view v, std::string* host, std::string* port) {
   return true;
 }
 
+bool split_endpoint_unbracketed(std::string_view v, std::string* host, std::string* port) {
+  if (!split_endpoint(v, host, port)) return false;
+  if (host->size() >= 2 && host->front() == '[' && host->back() == ']') {
+    *host = host->substr(1, host->size() - 2);
+  }
+  return true;
+}
+
 std::string check_endpoint(std::string_view v, int min_port) {
   if (v.empty()) return "empty";
   std::string_view host;

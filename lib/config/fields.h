@@ -73,6 +73,9 @@ std::string check_endpoint(std::string_view v, int min_port);
 // Splits an endpoint that check_endpoint(v, 0) accepts; the host keeps its
 // brackets. False for anything else.
 bool split_endpoint(std::string_view v, std::string* host, std::string* port);
+// The same with an IPv6 host out of its brackets ("::1"): what getaddrinfo
+// takes.
+bool split_endpoint_unbracketed(std::string_view v, std::string* host, std::string* port);
 // "A:B" (trace.rounds) with 1 <= A <= B; false for anything else.
 bool parse_round_range(std::string_view v, uint64_t* first, uint64_t* last);
 

@@ -81,11 +81,8 @@ Result<InterfaceAddress> find_interface(std::string_view name) {
 Result<InterfaceAddress> interface_toward(const std::string& host_port) {
   std::string host;
   std::string port;
-  if (!config_detail::split_endpoint(host_port, &host, &port)) {
+  if (!config_detail::split_endpoint_unbracketed(host_port, &host, &port)) {
     return InvalidArgument(fmt::format("'{}' is not host:port", host_port));
-  }
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
   }
   addrinfo hints{};
   hints.ai_socktype = SOCK_DGRAM;

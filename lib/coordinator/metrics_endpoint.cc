@@ -86,11 +86,10 @@ Result<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::start(const std::strin
                                                                 Source source) {
   std::string host;
   std::string port;
-  if (!config_detail::split_endpoint(listen, &host, &port)) {
+  if (!config_detail::split_endpoint_unbracketed(listen, &host, &port)) {
     return InvalidArgument(
         fmt::format("metrics.listen '{}': {}", listen, config_detail::check_endpoint(listen, 0)));
   }
-  if (host.size() >= 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
