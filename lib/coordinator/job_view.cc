@@ -148,81 +148,27 @@ std::string to_prometheus(const JobView& v) {
   return w.text();
 }
 
+// One list of fields serves both ways: a field missing or of the wrong type
+// makes the document "not a psld job status".
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(JobView::Member, role, rank, host, pid, state, silent_s)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(JobView::Server, rank, state, share, owned_bytes, bytes_in,
+                                   bytes_out, reports, in_bytes_per_s, out_bytes_per_s, busy,
+                                   queue_p50_s, queue_p99_s, predicted_rate, predicted_round_s,
+                                   straggler)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(JobView::Answers, server, answers, mean_s, p99_s)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(JobView::Worker, rank, round, round_s, buckets, rounds,
+                                   rounds_sum_s, answers)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(JobView::Decision, decision, at_s, epoch, kind, reason)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(JobView, time_s, state, failure, num_workers, num_servers,
+                                   num_standby, epoch, round, switching, switches, aborts,
+                                   failovers, checkpoints, last_checkpoint_round, model_bytes,
+                                   tensors, migrated_bytes, balancer, balancer_decisions, steps,
+                                   unadmitted, refused, members, servers, workers, decisions)
+
 std::string to_json(const JobView& v) {
-  json j;
-  j["time_s"] = v.time_s;
-  j["state"] = v.state;
-  j["failure"] = v.failure;
-  j["num_workers"] = v.num_workers;
-  j["num_servers"] = v.num_servers;
-  j["num_standby"] = v.num_standby;
-  j["epoch"] = v.epoch;
-  j["round"] = v.round;
-  j["switching"] = v.switching;
-  j["switches"] = v.switches;
-  j["aborts"] = v.aborts;
-  j["failovers"] = v.failovers;
-  j["checkpoints"] = v.checkpoints;
-  j["last_checkpoint_round"] = v.last_checkpoint_round;
-  j["model_bytes"] = v.model_bytes;
-  j["tensors"] = v.tensors;
-  j["migrated_bytes"] = v.migrated_bytes;
-  j["balancer"] = v.balancer;
-  j["balancer_decisions"] = v.balancer_decisions;
-  j["steps"] = v.steps;
-  j["unadmitted"] = v.unadmitted;
-  j["refused"] = v.refused;
-  j["members"] = json::array();
-  for (const auto& m : v.members) {
-    j["members"].push_back({{"role", m.role},
-                            {"rank", m.rank},
-                            {"host", m.host},
-                            {"pid", m.pid},
-                            {"state", m.state},
-                            {"silent_s", m.silent_s}});
-  }
-  j["servers"] = json::array();
-  for (const auto& s : v.servers) {
-    j["servers"].push_back({{"rank", s.rank},
-                            {"state", s.state},
-                            {"share", s.share},
-                            {"owned_bytes", s.owned_bytes},
-                            {"bytes_in", s.bytes_in},
-                            {"bytes_out", s.bytes_out},
-                            {"reports", s.reports},
-                            {"in_bytes_per_s", s.in_bytes_per_s},
-                            {"out_bytes_per_s", s.out_bytes_per_s},
-                            {"busy", s.busy},
-                            {"queue_p50_s", s.queue_p50_s},
-                            {"queue_p99_s", s.queue_p99_s},
-                            {"predicted_rate", s.predicted_rate},
-                            {"predicted_round_s", s.predicted_round_s},
-                            {"straggler", s.straggler}});
-  }
-  j["workers"] = json::array();
-  for (const auto& wk : v.workers) {
-    json answers = json::array();
-    for (const auto& a : wk.answers) {
-      answers.push_back(
-          {{"server", a.server}, {"answers", a.answers}, {"mean_s", a.mean_s}, {"p99_s", a.p99_s}});
-    }
-    j["workers"].push_back({{"rank", wk.rank},
-                            {"round", wk.round},
-                            {"round_s", wk.round_s},
-                            {"buckets", wk.buckets},
-                            {"rounds", wk.rounds},
-                            {"rounds_sum_s", wk.rounds_sum_s},
-                            {"answers", std::move(answers)}});
-  }
-  j["decisions"] = json::array();
-  for (const auto& d : v.decisions) {
-    j["decisions"].push_back({{"decision", d.decision},
-                              {"at_s", d.at_s},
-                              {"epoch", d.epoch},
-                              {"kind", d.kind},
-                              {"reason", d.reason}});
-  }
-  return j.dump();
+  // A member's host or a reason that is not UTF-8 is written with U+FFFD
+  // rather than failing the page.
+  return json(v).dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
 Result<JobView> job_view_from_json(const std::string& text) {
@@ -231,73 +177,7 @@ Result<JobView> job_view_from_json(const std::string& text) {
     return InvalidArgument("not a psld job status: the document is not a JSON object");
   }
   try {
-    JobView v;
-    v.time_s = j.at("time_s").get<double>();
-    v.state = j.at("state").get<std::string>();
-    v.failure = j.value("failure", std::string());
-    v.num_workers = j.at("num_workers").get<uint32_t>();
-    v.num_servers = j.at("num_servers").get<uint32_t>();
-    v.num_standby = j.value("num_standby", 0U);
-    v.epoch = j.at("epoch").get<uint64_t>();
-    v.round = j.at("round").get<uint64_t>();
-    v.switching = j.value("switching", false);
-    v.switches = j.value("switches", uint64_t{0});
-    v.aborts = j.value("aborts", uint64_t{0});
-    v.failovers = j.value("failovers", uint64_t{0});
-    v.checkpoints = j.value("checkpoints", uint64_t{0});
-    v.last_checkpoint_round = j.value("last_checkpoint_round", uint64_t{0});
-    v.model_bytes = j.value("model_bytes", uint64_t{0});
-    v.tensors = j.value("tensors", uint64_t{0});
-    v.migrated_bytes = j.value("migrated_bytes", uint64_t{0});
-    v.balancer = j.value("balancer", false);
-    v.balancer_decisions = j.value("balancer_decisions", uint64_t{0});
-    v.steps = j.value("steps", std::map<std::string, uint64_t>());
-    v.unadmitted = j.value("unadmitted", uint64_t{0});
-    v.refused = j.value("refused", uint64_t{0});
-    for (const auto& m : j.at("members")) {
-      v.members.push_back({m.at("role").get<std::string>(), m.at("rank").get<uint32_t>(),
-                           m.value("host", std::string()), m.value("pid", 0U),
-                           m.at("state").get<std::string>(), m.value("silent_s", 0.0)});
-    }
-    for (const auto& s : j.at("servers")) {
-      JobView::Server e;
-      e.rank = s.at("rank").get<uint32_t>();
-      e.state = s.at("state").get<std::string>();
-      e.share = s.value("share", 0.0);
-      e.owned_bytes = s.value("owned_bytes", uint64_t{0});
-      e.bytes_in = s.value("bytes_in", uint64_t{0});
-      e.bytes_out = s.value("bytes_out", uint64_t{0});
-      e.reports = s.value("reports", uint64_t{0});
-      e.in_bytes_per_s = s.value("in_bytes_per_s", 0.0);
-      e.out_bytes_per_s = s.value("out_bytes_per_s", 0.0);
-      e.busy = s.value("busy", 0.0);
-      e.queue_p50_s = s.value("queue_p50_s", 0.0);
-      e.queue_p99_s = s.value("queue_p99_s", 0.0);
-      e.predicted_rate = s.value("predicted_rate", 0.0);
-      e.predicted_round_s = s.value("predicted_round_s", 0.0);
-      e.straggler = s.value("straggler", false);
-      v.servers.push_back(std::move(e));
-    }
-    for (const auto& w : j.at("workers")) {
-      JobView::Worker e;
-      e.rank = w.at("rank").get<uint32_t>();
-      e.round = w.value("round", uint64_t{0});
-      e.round_s = w.value("round_s", 0.0);
-      if (w.contains("buckets")) e.buckets = w.at("buckets").get<decltype(e.buckets)>();
-      e.rounds = w.value("rounds", uint64_t{0});
-      e.rounds_sum_s = w.value("rounds_sum_s", 0.0);
-      for (const auto& a : w.value("answers", json::array())) {
-        e.answers.push_back({a.at("server").get<uint32_t>(), a.value("answers", uint64_t{0}),
-                             a.value("mean_s", 0.0), a.value("p99_s", 0.0)});
-      }
-      v.workers.push_back(std::move(e));
-    }
-    for (const auto& d : j.at("decisions")) {
-      v.decisions.push_back({d.at("decision").get<uint64_t>(), d.value("at_s", 0.0),
-                             d.value("epoch", uint64_t{0}), d.at("kind").get<std::string>(),
-                             d.value("reason", std::string())});
-    }
-    return v;
+    return j.get<JobView>();
   } catch (const json::exception& e) {
     return InvalidArgument(fmt::format("not a psld job status: {}", e.what()));
   }
