@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <functional>
 
 #include "base/log.h"
 #include "lib/coordinator/service.h"
@@ -72,19 +73,24 @@ void CoordinatorService::observe_decision(const Plan& plan, const PlanStep* publ
   }
 }
 
-// mu_ held. Parameter bytes of the registered tensors whose owner differs.
-uint64_t CoordinatorService::moved_bytes(const Placement& before, const Placement& after) const {
-  uint64_t moved = 0;
+// mu_ held. Every chunk of the registered tensors: its key and bytes.
+void CoordinatorService::for_each_chunk(const std::function<void(Key, uint64_t)>& fn) const {
   for (const auto& [name, t] : tensors_) {
     if (t.chunk_bytes == 0) continue;
     const uint64_t chunks = (t.bytes + t.chunk_bytes - 1) / t.chunk_bytes;
     for (uint64_t c = 0; c < chunks; ++c) {
-      const Key key = make_key(t.id, static_cast<uint32_t>(c));
-      if (before.owner_of_key(key) != after.owner_of_key(key)) {
-        moved += std::min(t.chunk_bytes, t.bytes - c * t.chunk_bytes);
-      }
+      fn(make_key(t.id, static_cast<uint32_t>(c)),
+         std::min(t.chunk_bytes, t.bytes - c * t.chunk_bytes));
     }
   }
+}
+
+// mu_ held. Parameter bytes of the registered tensors whose owner differs.
+uint64_t CoordinatorService::moved_bytes(const Placement& before, const Placement& after) const {
+  uint64_t moved = 0;
+  for_each_chunk([&](Key key, uint64_t bytes) {
+    if (before.owner_of_key(key) != after.owner_of_key(key)) moved += bytes;
+  });
   return moved;
 }
 
@@ -97,15 +103,12 @@ const std::map<uint32_t, uint64_t>& CoordinatorService::owned_bytes() const {
   }
   const std::pair<uint64_t, size_t> key{placement_->epoch(), tensors_.size()};
   if (owned_for_ == key) return owned_;
-  owned_.clear();
-  for (const auto& [name, t] : tensors_) {
-    if (t.chunk_bytes == 0) continue;
-    const uint64_t chunks = (t.bytes + t.chunk_bytes - 1) / t.chunk_bytes;
-    for (uint64_t c = 0; c < chunks; ++c) {
-      const Key k = make_key(t.id, static_cast<uint32_t>(c));
-      owned_[placement_->owner_of_key(k)] += std::min(t.chunk_bytes, t.bytes - c * t.chunk_bytes);
-    }
-  }
+  // Counted into a local: the lambda runs under mu_ too, but the analysis
+  // cannot see that.
+  std::map<uint32_t, uint64_t> owned;
+  const Placement& placement = *placement_;
+  for_each_chunk([&](Key k, uint64_t bytes) { owned[placement.owner_of_key(k)] += bytes; });
+  owned_ = std::move(owned);
   owned_for_ = key;
   return owned_;
 }

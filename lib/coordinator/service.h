@@ -13,6 +13,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -200,6 +201,7 @@ class CoordinatorService final : public ProcessRuntime {
   // `placement` (cached for the committed one).
   void observe_report(const protocol::LoadReport& report) REQUIRES(mu_);
   void observe_decision(const Plan& plan, const PlanStep* published) REQUIRES(mu_);
+  void for_each_chunk(const std::function<void(Key, uint64_t)>& fn) const REQUIRES(mu_);
   uint64_t moved_bytes(const Placement& before, const Placement& after) const REQUIRES(mu_);
   // A page of the metrics endpoint: /metrics, /status.json or /.
   MetricsEndpoint::Page metrics_page(const std::string& path) const EXCLUDES(mu_);
