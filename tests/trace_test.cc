@@ -51,7 +51,7 @@ TEST(Trace, JsonEscapesWhatAStringHolds) {
 }
 
 TEST(Trace, NoDirectoryTracesNothing) {
-  EXPECT_EQ(TraceRecorder::make({}), nullptr);
+  EXPECT_EQ(TraceRecorder::make({}, "worker", 0), nullptr);
 }
 
 TEST(Trace, AJobWritesNestedSpansOfItsRoundsPerProcess) {
@@ -60,11 +60,7 @@ TEST(Trace, AJobWritesNestedSpansOfItsRoundsPerProcess) {
   constexpr uint64_t kLast = 12;
   constexpr int kRounds = 14;
   {
-    Cluster c(2, 2, [&](RuntimeOptions& o) {
-      o.trace_dir = dir.path();
-      o.trace_first_round = kFirst;
-      o.trace_last_round = kLast;
-    });
+    Cluster c(2, 2, [&](RuntimeOptions& o) { o.trace = {dir.path(), kFirst, kLast}; });
     c.server_tweak = numbered_servers("loopback");
     ASSERT_TRUE(c.start().ok());
     const std::vector<size_t> elems = {1000, 40000, 3};

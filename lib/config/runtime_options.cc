@@ -96,8 +96,8 @@ RuntimeOptions runtime_options_from_config(const Config& c) {
   o.checkpoint = c.checkpoint;
   o.replication_factor = c.replication.factor;
   o.metrics_listen = c.metrics.listen;
-  o.trace_dir = c.trace.dir;
-  config_detail::parse_round_range(c.trace.rounds, &o.trace_first_round, &o.trace_last_round);
+  o.trace.dir = c.trace.dir;
+  config_detail::parse_round_range(c.trace.rounds, &o.trace.first_round, &o.trace.last_round);
   return o;
 }
 

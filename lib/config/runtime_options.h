@@ -16,6 +16,7 @@
 #include "lib/runtime/runtime.h"
 #include "lib/server/aggregator.h"
 #include "lib/server/server_device.h"
+#include "lib/stats/trace.h"
 #include "psld/config.h"
 #include "psld/keys.h"
 
@@ -79,10 +80,8 @@ struct RuntimeOptions {
   uint32_t replication_factor = 1;
   // Coordinator: where it serves /metrics and /status.json ("": nowhere).
   std::string metrics_listen;
-  // Chrome traces (trace.dir, trace.rounds): "" traces nothing.
-  std::string trace_dir;
-  uint64_t trace_first_round = 1;
-  uint64_t trace_last_round = 10;
+  // Chrome traces (trace.dir, trace.rounds): an empty dir traces nothing.
+  TraceRecorder::Options trace;
 
   // In-process jobs only (benchmarks, tests), never from a Config:
   // The coordinator's epoch 0 instead of Placement::initial over servers

@@ -56,9 +56,7 @@ Result<std::unique_ptr<CoordinatorService>> CoordinatorService::start(
     }
   }
   std::unique_ptr<CoordinatorService> c(new CoordinatorService(options));
-  c->trace_ =
-      TraceRecorder::make({options.trace_dir, options.trace_first_round, options.trace_last_round});
-  if (c->trace_) c->trace_->set_process("coordinator", -1);
+  c->trace_ = TraceRecorder::make(options.trace, "coordinator", -1);
   if (options.checkpoint.resume) PSLD_RETURN_IF_ERROR(c->load_resume());
   PSLD_RETURN_IF_ERROR(c->ProcessRuntime::start(options.net, options.secret));
   if (options.balancer_enabled) {

@@ -84,9 +84,7 @@ Result<std::unique_ptr<ServerService>> ServerService::start(const RuntimeOptions
     (void)srv->session_.send_to_coordinator(answer);
   });
   PSLD_RETURN_IF_ERROR(s->session_.join(s->transport().address()));
-  s->trace_ =
-      TraceRecorder::make({options.trace_dir, options.trace_first_round, options.trace_last_round});
-  if (s->trace_) s->trace_->set_process("server", s->rank());
+  s->trace_ = TraceRecorder::make(options.trace, "server", s->rank());
   {
     MutexLock lock(s->epoch_mu_);
     s->epochs_.emplace(s->session_.placement());

@@ -39,19 +39,14 @@ std::string json_string(std::string_view s) {
       .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
-std::unique_ptr<TraceRecorder> TraceRecorder::make(const Options& options) {
+std::unique_ptr<TraceRecorder> TraceRecorder::make(const Options& options, std::string_view role,
+                                                   int64_t rank) {
   if (options.dir.empty()) return nullptr;
-  return std::unique_ptr<TraceRecorder>(new TraceRecorder(options));
+  return std::unique_ptr<TraceRecorder>(new TraceRecorder(options, role, rank));
 }
 
 TraceRecorder::~TraceRecorder() {
   if (Status s = write(); !s.ok()) PSLD_LOG_WARN("trace: {}", s.to_string());
-}
-
-void TraceRecorder::set_process(std::string_view role, int64_t rank) {
-  MutexLock lock(mu_);
-  role_ = std::string(role);
-  rank_ = rank;
 }
 
 bool TraceRecorder::wants(uint64_t round) {

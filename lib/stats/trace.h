@@ -40,12 +40,11 @@ class TraceRecorder {
     size_t max_events = size_t{1} << 20;
   };
 
-  // nullptr when options.dir is empty (tracing off).
-  static std::unique_ptr<TraceRecorder> make(const Options& options);
+  // nullptr when options.dir is empty (tracing off). `role` and `rank`
+  // ("worker", 3; -1: none) name the process in the trace and the file.
+  static std::unique_ptr<TraceRecorder> make(const Options& options, std::string_view role,
+                                             int64_t rank);
   ~TraceRecorder();
-
-  // "worker", 3: names the process in the trace and the file.
-  void set_process(std::string_view role, int64_t rank) EXCLUDES(mu_);
 
   // Whether events of `round` are recorded. A round past the range writes
   // the file (once) and returns false.
@@ -69,14 +68,15 @@ class TraceRecorder {
   uint64_t dropped() const { return dropped_.load(); }
 
  private:
-  explicit TraceRecorder(Options options) : options_(std::move(options)) {}
+  TraceRecorder(Options options, std::string_view role, int64_t rank)
+      : options_(std::move(options)), role_(role), rank_(rank) {}
   void add(std::string event) EXCLUDES(mu_);
 
   const Options options_;
+  const std::string role_;
+  const int64_t rank_;
   mutable Mutex mu_;
   std::vector<std::string> events_ GUARDED_BY(mu_);  // each one JSON object
-  std::string role_ GUARDED_BY(mu_) = "process";
-  int64_t rank_ GUARDED_BY(mu_) = -1;
   std::string path_ GUARDED_BY(mu_);
   std::atomic<bool> done_{false};
   std::atomic<uint64_t> dropped_{0};

@@ -59,9 +59,7 @@ Result<std::unique_ptr<WorkerService>> WorkerService::start(const RuntimeOptions
   w->session_.on_epoch([wk = w.get()](const protocol::EpochChange& e) { wk->on_epoch_change(e); });
   w->session_.on_tick([wk = w.get()] { wk->on_tick(); });
   PSLD_RETURN_IF_ERROR(w->session_.join({}));
-  w->trace_ =
-      TraceRecorder::make({options.trace_dir, options.trace_first_round, options.trace_last_round});
-  if (w->trace_) w->trace_->set_process("worker", w->rank());
+  w->trace_ = TraceRecorder::make(options.trace, "worker", w->rank());
   std::vector<protocol::EpochChange> early;
   {
     MutexLock lock(w->mu_);
