@@ -222,6 +222,43 @@ inline Status exact_push_pull_rounds(WorkerService& w, const std::vector<uint32_
   return Status::Ok();
 }
 
+// register_zeroed on every worker of `c`, worker w's tensors in storage_of[w]
+// (resized to the workers); its handles in the result's [w].
+inline Result<std::vector<std::vector<uint32_t>>> register_zeroed_on_all(
+    Cluster& c, const std::vector<size_t>& elems,
+    std::vector<std::vector<std::vector<float>>>& storage_of) {
+  storage_of.resize(c.workers.size());
+  std::vector<std::vector<uint32_t>> handles;
+  for (size_t w = 0; w < c.workers.size(); ++w) {
+    PSLD_ASSIGN_OR_RETURN(auto h, register_zeroed(*c.workers[w], elems, storage_of[w]));
+    handles.push_back(std::move(h));
+  }
+  return handles;
+}
+
+// On every worker at once: zeroed tensors of `elems` (in storage_of[w]),
+// then `rounds` rounds of exact_push_pull_rounds with each round's tensors
+// submitted together; value(rank, r, i) is what a worker of that rank
+// pushes, want(r, i) the sum it must pull.
+inline Status exact_rounds_together_on_all(Cluster& c,
+                                           std::vector<std::vector<std::vector<float>>>& storage_of,
+                                           const std::vector<size_t>& elems, int rounds,
+                                           const std::function<float(float, int, size_t)>& value,
+                                           const std::function<float(int, size_t)>& want) {
+  storage_of.resize(c.workers.size());
+  return on_all(c, [&](size_t wi) -> Status {
+    WorkerService& w = *c.workers[wi];
+    PSLD_ASSIGN_OR_RETURN(std::vector<uint32_t> handles, register_zeroed(w, elems, storage_of[wi]));
+    std::vector<float*> data;
+    for (auto& v : storage_of[wi])
+      data.push_back(v.data());
+    const float rank = static_cast<float>(w.rank());
+    return exact_push_pull_rounds(
+        w, handles, data, elems, rounds, [&](int r, size_t i) { return value(rank, r, i); }, want,
+        /*together=*/true);
+  });
+}
+
 // Two runs' tensors hold the very same floats, bit for bit; the first
 // difference fails the test.
 inline void expect_bit_identical(const std::vector<std::vector<float>>& a,

@@ -323,13 +323,10 @@ TEST(CoordinatorMetrics, AJobShowsItsMembersTrafficAndPace) {
   const std::string at = c.coordinator->metrics_address();
   ASSERT_NE(at, "");
   const std::vector<size_t> elems = {1000, 30000, 7};
-  std::vector<std::vector<std::vector<float>>> data(2);
-  std::vector<std::vector<uint32_t>> handles(2);
-  for (size_t w = 0; w < 2; ++w) {
-    auto h = register_zeroed(*c.workers[w], elems, data[w]);
-    ASSERT_TRUE(h.ok()) << h.status().to_string();
-    handles[w] = *h;
-  }
+  std::vector<std::vector<std::vector<float>>> data;
+  auto registered = register_zeroed_on_all(c, elems, data);
+  ASSERT_TRUE(registered.ok()) << registered.status().to_string();
+  const std::vector<std::vector<uint32_t>>& handles = *registered;
   // The same rounds on both workers (BSP: one that stopped early would
   // leave the other waiting), then until the coordinator has heard of them.
   constexpr int kRounds = 300;

@@ -857,19 +857,10 @@ void small_tensors_in_batches(const std::string& backend, uint64_t batch_chunk_b
   for (size_t i = 0; i < 60; ++i)
     elems.push_back(std::vector<size_t>{1, 7, 100, 1000, 1024, 4096, 5000, 70000}[i % 8]);
   constexpr int kRounds = 15;
-  Status s = on_all(c, [&](size_t wi) -> Status {
-    WorkerService& w = *c.workers[wi];
-    PSLD_ASSIGN_OR_RETURN(std::vector<uint32_t> handles, register_zeroed(w, elems, storage_of[wi]));
-    std::vector<float*> data;
-    for (auto& v : storage_of[wi])
-      data.push_back(v.data());
-    const float rank = static_cast<float>(w.rank());
-    return exact_push_pull_rounds(
-        w, handles, data, elems, kRounds,
-        [&](int r, size_t i) { return rank * 100.0f + static_cast<float>(r + i % 11); },
-        [&](int r, size_t i) { return 300.0f + 3.0f * static_cast<float>(r + i % 11); },
-        /*together=*/true);
-  });
+  Status s = exact_rounds_together_on_all(
+      c, storage_of, elems, kRounds,
+      [](float rank, int r, size_t i) { return rank * 100.0f + static_cast<float>(r + i % 11); },
+      [](int r, size_t i) { return 300.0f + 3.0f * static_cast<float>(r + i % 11); });
   EXPECT_TRUE(s.ok()) << s.to_string();
   uint64_t batches = 0, batched = 0, pushes = 0, answer_batches = 0, answered = 0, alone = 0;
   for (auto& srv : c.servers) {
@@ -927,19 +918,10 @@ TEST_P(Runtime, SmallTensorsBetweenLargeOnesStillTravelInBatches) {
   for (size_t i = 0; i < 40; ++i)
     elems.push_back(i % 2 == 0 ? 16384 : 10 + i);  // a chunk of 64 KiB, then a small one
   constexpr int kRounds = 10;
-  Status s = on_all(c, [&](size_t wi) -> Status {
-    WorkerService& w = *c.workers[wi];
-    PSLD_ASSIGN_OR_RETURN(std::vector<uint32_t> handles, register_zeroed(w, elems, storage_of[wi]));
-    std::vector<float*> data;
-    for (auto& v : storage_of[wi])
-      data.push_back(v.data());
-    const float rank = static_cast<float>(w.rank());
-    return exact_push_pull_rounds(
-        w, handles, data, elems, kRounds,
-        [&](int r, size_t i) { return rank + static_cast<float>(r + i % 5); },
-        [&](int r, size_t i) { return 1.0f + 2.0f * static_cast<float>(r + i % 5); },
-        /*together=*/true);
-  });
+  Status s = exact_rounds_together_on_all(
+      c, storage_of, elems, kRounds,
+      [](float rank, int r, size_t i) { return rank + static_cast<float>(r + i % 5); },
+      [](int r, size_t i) { return 1.0f + 2.0f * static_cast<float>(r + i % 5); });
   EXPECT_TRUE(s.ok()) << s.to_string();
   uint64_t batched = 0;
   for (auto& srv : c.servers)

@@ -64,13 +64,10 @@ TEST(Trace, AJobWritesNestedSpansOfItsRoundsPerProcess) {
     c.server_tweak = numbered_servers("loopback");
     ASSERT_TRUE(c.start().ok());
     const std::vector<size_t> elems = {1000, 40000, 3};
-    std::vector<std::vector<std::vector<float>>> data(2);
-    std::vector<std::vector<uint32_t>> handles(2);
-    for (size_t w = 0; w < 2; ++w) {
-      auto h = register_zeroed(*c.workers[w], elems, data[w]);
-      ASSERT_TRUE(h.ok()) << h.status().to_string();
-      handles[w] = *h;
-    }
+    std::vector<std::vector<std::vector<float>>> data;
+    auto registered = register_zeroed_on_all(c, elems, data);
+    ASSERT_TRUE(registered.ok()) << registered.status().to_string();
+    const std::vector<std::vector<uint32_t>>& handles = *registered;
     // Tensor 1's first chunk moves to the other server once round 4 is
     // reached.
     std::thread mover([&] {
