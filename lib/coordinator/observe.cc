@@ -214,11 +214,14 @@ JobView CoordinatorService::view() const {
       s.queue_p50_s = seconds(w.queue_p50_ns);
       s.queue_p99_s = seconds(w.queue_p99_ns);
     }
-    for (const auto& p : predictions_) {
-      if (p.id != rank) continue;
-      s.predicted_rate = p.rate_bytes_per_s;
-      s.predicted_round_s = p.predicted_round_s;
-      s.straggler = balancer_ && p.straggler_windows >= balancer_->options().straggler_windows;
+    // Plan::servers is sorted by id: a lookup, not a scan per server, under
+    // the lock the control path needs.
+    auto p = std::lower_bound(predictions_.begin(), predictions_.end(), rank,
+                              [](const ServerPrediction& a, uint32_t id) { return a.id < id; });
+    if (p != predictions_.end() && p->id == rank) {
+      s.predicted_rate = p->rate_bytes_per_s;
+      s.predicted_round_s = p->predicted_round_s;
+      s.straggler = balancer_ && p->straggler_windows >= balancer_->options().straggler_windows;
     }
     v.servers.push_back(std::move(s));
   }
