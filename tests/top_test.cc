@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -177,11 +178,16 @@ TEST(Top, MetricsAndTopFollowARunningJobWithAStraggler) {
       << "psld top did not quit on q\n"
       << tmux.capture("top");
 
-  // The job ends cleanly, every worker at the same round, a little ahead.
-  text = scrape_text(address);
-  const auto now_round = parse_prometheus(text).value("psld_round");
-  ASSERT_TRUE(now_round.has_value()) << text;
-  std::ofstream(stop_file) << static_cast<long>(*now_round) + 50 << "\n";
+  // The job ends cleanly, every worker at the same round: one about 3 s of
+  // their pace ahead (over 1,000 rounds/s once the load is off the slow
+  // server; a fixed 50 rounds ahead was passed before the workers read it).
+  auto round_now = [&] { return parse_prometheus(scrape_text(address)).value("psld_round"); };
+  const auto before = round_now();
+  std::this_thread::sleep_for(1s);
+  const auto now_round = round_now();
+  ASSERT_TRUE(before.has_value() && now_round.has_value());
+  const auto pace = static_cast<long>(*now_round - *before);  // rounds a second
+  std::ofstream(stop_file) << static_cast<long>(*now_round) + std::max(50L, 3 * pace) << "\n";
   auto code = launch.wait(60s);
   ASSERT_TRUE(code.has_value()) << "the job did not end at the stop round\n" << launch.output();
   EXPECT_EQ(*code, 0) << launch.output();
