@@ -27,6 +27,7 @@
 #include "lib/balancer/balancer.h"
 #include "lib/checkpoint/checkpoint.h"
 #include "lib/config/runtime_options.h"
+#include "lib/coordinator/balance_feed.h"
 #include "lib/coordinator/job_view.h"
 #include "lib/coordinator/metrics_endpoint.h"
 #include "lib/placement/placement.h"
@@ -285,9 +286,7 @@ class CoordinatorService final : public ProcessRuntime {
   // The balancer, when enabled, and what its last decision had seen.
   std::optional<Balancer> balancer_ GUARDED_BY(mu_);
   transport::Clock::time_point last_decision_ GUARDED_BY(mu_){};
-  uint64_t decision_round_ GUARDED_BY(mu_) = 0;                   // max_round_ then
-  uint64_t decision_epoch_ GUARDED_BY(mu_) = 0;                   // the committed epoch then
-  std::map<uint32_t, uint64_t> decision_window_ GUARDED_BY(mu_);  // server -> last window seen
+  BalanceFeed feed_ GUARDED_BY(mu_);
   uint64_t last_switch_round_ GUARDED_BY(mu_) = 0;
   uint64_t switches_ GUARDED_BY(mu_) = 0;
   uint64_t bad_reports_ GUARDED_BY(mu_) = 0;
