@@ -24,6 +24,7 @@
 #include "bench/report.h"
 #include "bench/stats.h"
 #include "bench/stragglers.h"
+#include "bench/stragglers_report.h"
 #include "lib/coordinator/service.h"
 #include "lib/server/service.h"
 #include "lib/worker/service.h"
@@ -238,26 +239,6 @@ Result<Options> parse_args(int argc, char** argv) {
   return o;
 }
 
-// The chunk a policy's keys use. BytePS's partitions (4,096,000 bytes,
-// scaled like the model) are the chunk for every policy but MXNet's, which
-// splits a big array into one part per server: its chunks are a quarter of
-// that, so that even the smallest big array (1e6 elements) has a part for
-// each of 4 servers.
-uint64_t chunk_bytes_for(Policy policy, double scale) {
-  double bytes = static_cast<double>(kBytePsPartitionBytes) * scale;
-  if (policy == Policy::kMxnet) bytes /= 4;
-  return std::max<uint64_t>(4, static_cast<uint64_t>(bytes / 4) * 4);
-}
-
-struct RunResult {
-  Policy policy = Policy::kPsld;
-  std::vector<double> round_ms;      // [r - 1]: round r, as worker 0 saw it
-  std::vector<uint8_t> migrating;    // [r - 1]: an epoch switch ran during round r
-  uint64_t switches = 0;             // epoch switches committed
-  double seconds = 0;                // wall time of the rounds
-  std::vector<double> final_shares;  // of the bytes pushed, per server id, at the end
-};
-
 // The in-process job: coordinator, servers, workers, and the memory the
 // workers' tensors live in. Stopped in order by the destructor.
 struct Job {
@@ -464,88 +445,6 @@ Result<RunResult> run_policy(const Options& o, const Scenario& sc, Policy policy
   return result;
 }
 
-// ---- reporting
-
-struct Row {
-  Policy policy;
-  double rounds_per_s = 0;
-  double mean_ms = 0;
-  std::string settle;
-  std::string migration;
-  uint64_t switches = 0;
-  std::string shares;
-};
-
-std::vector<uint64_t> phase_starts(const Scenario& sc) {
-  std::vector<uint64_t> starts{1};
-  for (const CapacityEvent& e : sc.events) {
-    if (e.round > 1 && e.round <= sc.rounds && e.round != starts.back()) starts.push_back(e.round);
-  }
-  return starts;
-}
-
-Row summarise(const Scenario& sc, const RunResult& r) {
-  Row row;
-  row.policy = r.policy;
-  row.rounds_per_s = static_cast<double>(r.round_ms.size()) / r.seconds;
-  row.mean_ms = std::accumulate(r.round_ms.begin(), r.round_ms.end(), 0.0) /
-                static_cast<double>(std::max<size_t>(1, r.round_ms.size()));
-  const auto starts = phase_starts(sc);
-  for (size_t p = 0; p < starts.size(); ++p) {
-    const size_t from = starts[p] - 1;
-    const size_t to = p + 1 < starts.size() ? starts[p + 1] - 1 : r.round_ms.size();
-    const auto settle = rounds_to_settle(r.round_ms, from, to);
-    if (!row.settle.empty()) row.settle += ", ";
-    row.settle += settle ? std::to_string(*settle) : "?";
-  }
-  std::vector<double> during;
-  for (size_t i = 0; i < r.round_ms.size(); ++i) {
-    if (r.migrating[i]) during.push_back(r.round_ms[i]);
-  }
-  row.migration = during.empty() ? "-"
-                                 : fmt::format("{:.1f} ({} rounds)",
-                                               std::accumulate(during.begin(), during.end(), 0.0) /
-                                                   static_cast<double>(during.size()),
-                                               during.size());
-  row.switches = r.switches;
-  for (size_t s = 0; s < r.final_shares.size(); ++s) {
-    if (!row.shares.empty()) row.shares += " ";
-    row.shares += fmt::format("{:.0f}", 100 * r.final_shares[s]);
-  }
-  return row;
-}
-
-std::string table(const Scenario& sc, const std::vector<RunResult>& results) {
-  std::vector<Row> rows;
-  rows.reserve(results.size());
-  for (const RunResult& r : results)
-    rows.push_back(summarise(sc, r));
-  std::string out =
-      "| policy | rounds/s | mean round ms | rounds to settle | round ms while migrating | "
-      "epoch switches | model % per server at the end |";
-  std::vector<const Row*> baselines;
-  for (Policy b : kBaselines) {
-    for (const Row& row : rows) {
-      if (row.policy == b) baselines.push_back(&row);
-    }
-  }
-  for (const Row* b : baselines)
-    out += fmt::format(" speedup vs {} |", policy_name(b->policy));
-  out += "\n|---|---:|---:|---:|---:|---:|---|";
-  for (size_t i = 0; i < baselines.size(); ++i)
-    out += "---:|";
-  out += "\n";
-  for (const Row& row : rows) {
-    out += fmt::format("| {} | {:.2f} | {:.1f} | {} | {} | {} | {} |", policy_name(row.policy),
-                       row.rounds_per_s, row.mean_ms, row.settle, row.migration, row.switches,
-                       row.shares);
-    for (const Row* b : baselines)
-      out += fmt::format(" {:.2f}x |", row.rounds_per_s / b->rounds_per_s);
-    out += "\n";
-  }
-  return out;
-}
-
 std::string describe(const Options& o, const Scenario& sc,
                      const std::vector<ModelTensor>& tensors) {
   uint64_t bytes = 0;
@@ -563,101 +462,6 @@ std::string describe(const Options& o, const Scenario& sc,
       o.noise > 0 ? fmt::format("; noise: {} busy thread{} at {:.0f}% duty", o.noise,
                                 o.noise == 1 ? "" : "s", o.noise_duty * 100)
                   : "");
-}
-
-bool have_program(const char* name) {
-  const std::string cmd = fmt::format("command -v {} >/dev/null 2>&1", name);
-  return std::system(cmd.c_str()) == 0;
-}
-
-Status write_file(const std::string& path, const std::string& text) {
-  std::ofstream f(path, std::ios::trunc);
-  f << text;
-  f.close();
-  if (!f) return Unavailable(fmt::format("cannot write {}", path));
-  return Status::Ok();
-}
-
-// DIR/<id>.tsv (round, then each policy's round time) and, with gnuplot,
-// DIR/<id>.png.
-Status write_plot(const Options& o, const Scenario& sc, const std::vector<RunResult>& results,
-                  std::string* note) {
-  const std::string tsv = o.out_dir + "/" + sc.id + ".tsv";
-  std::string text = "round";
-  for (const RunResult& r : results)
-    text += fmt::format("\t{}", policy_name(r.policy));
-  text += "\n";
-  for (size_t i = 0; i < sc.rounds; ++i) {
-    text += std::to_string(i + 1);
-    for (const RunResult& r : results)
-      text += i < r.round_ms.size() ? fmt::format("\t{:.2f}", r.round_ms[i]) : "\t";
-    text += "\n";
-  }
-  PSLD_RETURN_IF_ERROR(write_file(tsv, text));
-  if (!have_program("gnuplot")) {
-    *note = "gnuplot not found, PNG plots skipped (apt-get install gnuplot-nox)";
-    return Status::Ok();
-  }
-  std::string script = fmt::format(
-      "set terminal png size 1000,520 font ',10'\n"
-      "set output '{}/{}.png'\n"
-      "set title \"{}: {}\" noenhanced\n"
-      "set xlabel 'round'\nset ylabel 'round time (ms)'\n"
-      "set key outside right top\nset grid\nset yrange [0:*]\n"
-      "set datafile separator '\\t'\nset datafile missing ''\n",
-      o.out_dir, sc.id, sc.id, sc.title);
-  for (uint64_t start : phase_starts(sc)) {
-    if (start > 1)
-      script += fmt::format("set arrow from {0},graph 0 to {0},graph 1 nohead dt 2\n", start);
-  }
-  script += "plot ";
-  for (size_t i = 0; i < results.size(); ++i) {
-    script += fmt::format("{}'{}' using 1:{} with lines lw 1.5 title '{}'", i ? ", " : "", tsv,
-                          i + 2, policy_name(results[i].policy));
-  }
-  script += "\n";
-  const std::string script_path = o.out_dir + "/." + sc.id + ".gnuplot";
-  PSLD_RETURN_IF_ERROR(write_file(script_path, script));
-  const std::string cmd = fmt::format("gnuplot '{}'", script_path);
-  const int rc = std::system(cmd.c_str());
-  std::remove(script_path.c_str());
-  if (rc != 0) return Internal(fmt::format("gnuplot failed on {}", script_path));
-  return Status::Ok();
-}
-
-// The scenario's rounds as report rows: every policy's round times, and
-// psld's against MXNet's and the oracle's median round time, round by round.
-void add_rows(const Scenario& sc, const std::vector<RunResult>& results, bench::Report& report) {
-  const std::string prefix = "BM_stragglers/" + sc.id + "/";
-  const RunResult* psld = nullptr;
-  for (const RunResult& r : results) {
-    if (r.policy == Policy::kPsld) psld = &r;
-  }
-  auto add = [&](const std::string& name, const std::vector<double>& round_ms,
-                 const std::string& yardstick, double yard_median_ms) {
-    for (size_t i = 0; i < round_ms.size(); ++i) {
-      bench::Row row;
-      row.name = name;
-      row.repetition = static_cast<int>(i);
-      row.repetitions = static_cast<int>(round_ms.size());
-      row.values["real_time"] = round_ms[i] * 1e6;
-      row.values["cpu_time"] = round_ms[i] * 1e6;
-      row.values["iterations"] = 1;
-      if (!yardstick.empty() && round_ms[i] > 0) {
-        row.yardstick = yardstick;
-        row.values["ratio"] = yard_median_ms / round_ms[i];
-      }
-      report.rows.push_back(std::move(row));
-    }
-  };
-  for (const RunResult& r : results)
-    add(prefix + std::string(policy_name(r.policy)), r.round_ms, "", 0);
-  if (psld == nullptr) return;
-  for (const RunResult& r : results) {
-    if (r.policy != Policy::kMxnet && r.policy != Policy::kOracle) continue;
-    const std::string name(policy_name(r.policy));
-    add(prefix + "psld_vs_" + name, psld->round_ms, prefix + name, median(r.round_ms));
-  }
 }
 
 }  // namespace
@@ -722,7 +526,7 @@ int run_stragglers(int argc, char** argv) {
     markdown += section;
     if (!o.out_dir.empty()) {
       std::string note;
-      Status s = write_plot(o, sc, results, &note);
+      Status s = write_plot(o.out_dir, sc, results, &note);
       if (!s.ok()) {
         std::fprintf(stderr, "psld bench stragglers: %s\n", s.to_string().c_str());
         return 1;
