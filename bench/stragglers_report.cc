@@ -191,4 +191,95 @@ void add_rows(const Scenario& sc, const std::vector<RunResult>& results, bench::
   }
 }
 
+namespace {
+
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= s.size()) {
+    const size_t comma = std::min(s.find(',', start), s.size());
+    if (comma > start) out.push_back(s.substr(start, comma - start));
+    start = comma + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+Result<std::vector<Scenario>> parse_scenarios(const std::string& list,
+                                              std::optional<uint64_t> rounds,
+                                              std::optional<double> scale) {
+  std::vector<Scenario> out;
+  const auto all = default_scenarios();
+  for (const std::string& name : split_list(list)) {
+    bool found = false;
+    for (const Scenario& s : all) {
+      if (name == "all" || name == s.id) {
+        out.push_back(rounds ? with_rounds(s, *rounds) : s);
+        if (scale) out.back().scale = *scale;
+        found = true;
+      }
+    }
+    if (!found) {
+      return InvalidArgument(
+          fmt::format("--scenario '{}': accepted values are S1, S2, S3, S4, S5, all", name));
+    }
+  }
+  if (out.empty()) return InvalidArgument("nothing to run: give at least one scenario");
+  return out;
+}
+
+Result<std::vector<Policy>> parse_policies(const std::string& list) {
+  std::vector<Policy> out;
+  for (const std::string& name : split_list(list)) {
+    if (name == "all") {
+      out.insert(out.end(), std::begin(kAllPolicies), std::end(kAllPolicies));
+      continue;
+    }
+    auto p = parse_policy(name);
+    if (!p) {
+      return InvalidArgument(fmt::format(
+          "--policies '{}': accepted values are mxnet, byteps, round-robin, psld, oracle, all",
+          name));
+    }
+    out.push_back(*p);
+  }
+  if (out.empty()) return InvalidArgument("nothing to run: give at least one policy");
+  return out;
+}
+
+Status ScenarioReport::add(const Scenario& sc, const std::string& description,
+                           const std::vector<RunResult>& results, const std::string& extra) {
+  add_rows(sc, results, report_);
+  const std::string section =
+      fmt::format("## {}: {}\n\n{}\n\n{}{}", sc.id, sc.title, description, table(sc, results),
+                  extra.empty() ? "" : "\n" + extra + "\n");
+  std::printf("%s\n", section.c_str());
+  std::fflush(stdout);
+  markdown_ += section;
+  if (!out_dir_.empty()) {
+    std::string note;
+    PSLD_RETURN_IF_ERROR(write_plot(out_dir_, sc, results, &note));
+    if (!note.empty()) {
+      notes_ = note;
+    } else {
+      markdown_ += fmt::format("\n![{} round time per policy]({}.png)\n", sc.id, sc.id);
+    }
+  }
+  markdown_ += "\n";
+  return Status::Ok();
+}
+
+Status ScenarioReport::finish(const std::map<std::string, std::string>& context) {
+  if (!out_dir_.empty()) {
+    PSLD_RETURN_IF_ERROR(write_file(out_dir_ + "/results.md", markdown_));
+    if (!notes_.empty()) std::fprintf(stderr, "%s: %s\n", program_.c_str(), notes_.c_str());
+  }
+  if (json_.empty()) return Status::Ok();
+  report_.context["executable"] = program_;
+  for (const auto& [key, value] : context)
+    report_.context[key] = value;
+  return write_report(json_, report_);
+}
+
 }  // namespace psld::bench

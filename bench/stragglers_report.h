@@ -5,6 +5,8 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -49,5 +51,37 @@ Status write_plot(const std::string& out_dir, const Scenario& sc,
 void add_rows(const Scenario& sc, const std::vector<RunResult>& results, bench::Report& report);
 
 Status write_file(const std::string& path, const std::string& text);
+
+// --scenario and --policies, as both commands take them: comma lists of
+// names or "all". Scenarios run for `rounds` (events at the same fractions)
+// and at `scale` when given.
+Result<std::vector<Scenario>> parse_scenarios(const std::string& list,
+                                              std::optional<uint64_t> rounds,
+                                              std::optional<double> scale);
+Result<std::vector<Policy>> parse_policies(const std::string& list);
+
+// The outputs of one run of several scenarios: each scenario's section on
+// stdout and, with an output folder, in DIR/results.md with its plot; its
+// rounds as benchmark rows for a JSON report. `program` prefixes errors.
+class ScenarioReport {
+ public:
+  ScenarioReport(std::string program, std::string out_dir, std::string json)
+      : program_(std::move(program)), out_dir_(std::move(out_dir)), json_(std::move(json)) {}
+
+  // `description` is the line under the title; `extra` follows the table.
+  Status add(const Scenario& sc, const std::string& description,
+             const std::vector<RunResult>& results, const std::string& extra = "");
+  // Writes results.md and the JSON report, with `context` added to its
+  // context. A missing gnuplot is said on stderr.
+  Status finish(const std::map<std::string, std::string>& context);
+
+ private:
+  std::string program_;
+  std::string out_dir_;
+  std::string json_;
+  std::string markdown_;
+  std::string notes_;
+  Report report_;
+};
 
 }  // namespace psld::bench

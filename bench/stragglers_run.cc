@@ -119,17 +119,6 @@ class Noise {
   std::vector<std::thread> threads_;
 };
 
-std::vector<std::string> split_list(const std::string& s) {
-  std::vector<std::string> out;
-  size_t start = 0;
-  while (start <= s.size()) {
-    const size_t comma = std::min(s.find(',', start), s.size());
-    if (comma > start) out.push_back(s.substr(start, comma - start));
-    start = comma + 1;
-  }
-  return out;
-}
-
 Result<double> parse_number(const std::string& flag, const std::string& text) {
   char* end = nullptr;
   const double v = std::strtod(text.c_str(), &end);
@@ -205,37 +194,8 @@ Result<Options> parse_args(int argc, char** argv) {
       return InvalidArgument(fmt::format("unknown flag '{}'\n{}", arg, kUsage));
     }
   }
-  const auto all = default_scenarios();
-  for (const std::string& name : split_list(scenarios)) {
-    bool found = false;
-    for (const Scenario& s : all) {
-      if (name == "all" || name == s.id) {
-        o.scenarios.push_back(rounds ? with_rounds(s, *rounds) : s);
-        if (o.scale) o.scenarios.back().scale = *o.scale;
-        found = true;
-      }
-    }
-    if (!found) {
-      return InvalidArgument(
-          fmt::format("--scenario '{}': accepted values are S1, S2, S3, S4, S5, all", name));
-    }
-  }
-  for (const std::string& name : split_list(policies)) {
-    if (name == "all") {
-      o.policies.assign(std::begin(kAllPolicies), std::end(kAllPolicies));
-      continue;
-    }
-    auto p = parse_policy(name);
-    if (!p) {
-      return InvalidArgument(fmt::format(
-          "--policies '{}': accepted values are mxnet, byteps, round-robin, psld, oracle, all",
-          name));
-    }
-    o.policies.push_back(*p);
-  }
-  if (o.scenarios.empty() || o.policies.empty()) {
-    return InvalidArgument("nothing to run: give at least one scenario and one policy");
-  }
+  PSLD_ASSIGN_OR_RETURN(o.scenarios, parse_scenarios(scenarios, rounds, o.scale));
+  PSLD_ASSIGN_OR_RETURN(o.policies, parse_policies(policies));
   return o;
 }
 
@@ -495,9 +455,7 @@ int run_stragglers(int argc, char** argv) {
   Watchdog watchdog("psld bench stragglers");
   std::optional<Noise> noise;
   if (o.noise > 0) noise.emplace(o.noise, o.noise_duty);
-  std::string markdown;
-  std::string notes;
-  bench::Report report;
+  ScenarioReport out("psld bench stragglers", o.out_dir, o.json);
   const auto t0 = Clock::now();
   for (const Scenario& sc : o.scenarios) {
     auto profile = load_profile(sc.profile);
@@ -518,44 +476,18 @@ int run_stragglers(int argc, char** argv) {
       results.push_back(std::move(r).value());
     }
     watchdog.disarm();
-    add_rows(sc, results, report);
-    const std::string section = fmt::format("## {}: {}\n\n{}\n\n{}", sc.id, sc.title,
-                                            describe(o, sc, tensors), table(sc, results));
-    std::printf("%s\n", section.c_str());
-    std::fflush(stdout);
-    markdown += section;
-    if (!o.out_dir.empty()) {
-      std::string note;
-      Status s = write_plot(o.out_dir, sc, results, &note);
-      if (!s.ok()) {
-        std::fprintf(stderr, "psld bench stragglers: %s\n", s.to_string().c_str());
-        return 1;
-      }
-      if (!note.empty()) {
-        notes = note;
-      } else {
-        markdown += fmt::format("\n![{} round time per policy]({}.png)\n", sc.id, sc.id);
-      }
-    }
-    markdown += "\n";
-  }
-  if (!o.out_dir.empty()) {
-    Status s = write_file(o.out_dir + "/results.md", markdown);
+    Status s = out.add(sc, describe(o, sc, tensors), results);
     if (!s.ok()) {
       std::fprintf(stderr, "psld bench stragglers: %s\n", s.to_string().c_str());
       return 1;
     }
-    if (!notes.empty()) std::fprintf(stderr, "psld bench stragglers: %s\n", notes.c_str());
   }
-  if (!o.json.empty()) {
-    report.context["executable"] = "psld bench stragglers";
-    report.context["noise"] =
-        o.noise > 0 ? fmt::format("{} threads at {} duty", o.noise, o.noise_duty) : "none";
-    Status s = write_report(o.json, report);
-    if (!s.ok()) {
-      std::fprintf(stderr, "psld bench stragglers: %s\n", s.to_string().c_str());
-      return 1;
-    }
+  Status s = out.finish(
+      {{"noise",
+        o.noise > 0 ? fmt::format("{} threads at {} duty", o.noise, o.noise_duty) : "none"}});
+  if (!s.ok()) {
+    std::fprintf(stderr, "psld bench stragglers: %s\n", s.to_string().c_str());
+    return 1;
   }
   std::fprintf(stderr, "psld bench stragglers: done in %.0f s\n",
                std::chrono::duration<double>(Clock::now() - t0).count());

@@ -11,6 +11,7 @@
 //   psld bench compare BASE NEW [flags]
 //   psld bench merge OUT IN...
 //   psld bench stragglers [flags]
+//   psld sim [flags]
 //
 // Every subcommand but launch reads the configuration the same way a worker
 // does (PSLD_CONFIG file, launcher environment, PSLD_* variables, flags).
@@ -32,6 +33,7 @@
 #include "psld/server.h"
 #include "tools/doctor.h"
 #include "tools/launch.h"
+#include "tools/sim/sim.h"
 #include "tools/top.h"
 
 namespace {
@@ -65,6 +67,9 @@ constexpr const char* kUsage = R"(usage:
   psld bench stragglers [flags]        the straggler scenarios S1-S5 under
                                        every placement policy (--help for
                                        flags; docs/stragglers.md)
+  psld sim [flags]                     the same scenarios (or your own
+                                       cluster) simulated with the real
+                                       balancer (--help; docs/sim.md)
   psld bench run [flags]               the benchmark suites into one JSON
                                        report (--help for flags)
   psld bench compare BASE NEW [flags]  compare two benchmark reports; exit 1
@@ -158,6 +163,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape)
   if (cmd == "config") return cmd_config(argc, argv);
   if (cmd == "top") return psld::tools::cmd_top(argc, argv);
   if (cmd == "doctor") return psld::tools::cmd_doctor(argc, argv);
+  if (cmd == "sim") return psld::sim::run_sim(argc - 1, argv + 1);
   if (cmd == "bench") {
     if (argc >= 3 && std::string(argv[2]) == "compare") {
       return psld::bench::cmd_compare(argc - 3, argv + 3);
