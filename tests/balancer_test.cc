@@ -340,9 +340,10 @@ TEST(BalancerPredict, EstimatesRatesAndLoads) {
 
 // ---- Exploit: converge, and do not churn -------------------------------------------
 
+// With the trust region alone (confident steps off): 25% steps.
 TEST(BalancerExploit, ConvergesToTheRateProportionalSplit) {
   Cluster c({.rates = {1, 1, 1, 0.25}, .noise = 0.05, .range_noise = 0.05, .seed = 7});
-  Balancer b = make_balancer();
+  Balancer b = make_balancer({.confident_samples = 0});
   const double before = c.round_time();
   std::vector<Plan> changes;
   for (int i = 0; i < 60; ++i) {
@@ -371,6 +372,62 @@ TEST(BalancerExploit, ConvergesToTheRateProportionalSplit) {
   // Settled: nothing more moves.
   EXPECT_TRUE(run(c, b, 30).empty());
   EXPECT_LE(c.imbalance(), 1.10);
+}
+
+// Clear evidence: the rates' samples agree within a few percent, so the
+// first step goes to the rate-proportional split, and nothing moves after.
+TEST(BalancerExploit, ClearEvidenceGoesAllTheWayInOneStep) {
+  Cluster c({.rates = {1, 1, 1, 0.25}, .noise = 0.02, .range_noise = 0.02, .seed = 7});
+  Balancer b = make_balancer();
+  const std::vector<Plan> changes = run(c, b, 40);
+  ASSERT_EQ(changes.size(), 1u);
+  EXPECT_NE(changes[0].log.find("rebalance"), std::string::npos) << changes[0].log;
+  EXPECT_NEAR(c.share(4), 0.25 / 3.25, 0.02);
+  EXPECT_LE(c.imbalance(), 1.10);
+  EXPECT_TRUE(run(c, b, 30).empty());
+}
+
+// Scattered samples are not clear evidence: the trust region holds.
+TEST(BalancerExploit, ScatteredRatesKeepTheTrustRegion) {
+  Cluster c({.rates = {1, 1, 1, 0.25}, .noise = 0.4, .seed = 5});
+  Balancer b = make_balancer();
+  for (int i = 0; i < 12; ++i) {
+    const std::map<ServerId, double> loads = c.loads();
+    const Plan p = step(c, b);
+    for (const PlanStep& s : p.steps) {
+      std::map<ServerId, double> gave;
+      for (const Move& m : s.moves)
+        gave[m.from] += m.bytes_per_round;
+      for (const auto& [id, bytes] : gave)
+        EXPECT_LE(bytes, b.options().max_step_fraction * loads.at(id) * 1.06) << p.log;
+    }
+  }
+}
+
+// A member that never held load has no measured rate, only the others'
+// median as a prior, and it may be slow: a rebalance gives it no more than
+// a probe's worth per step (it once got a whole 256 KiB key, and was the
+// straggler).
+TEST(BalancerExploit, AServerNeverMeasuredTakesOnlyAProbesWorth) {
+  Cluster c({.rates = {0.25, 1, 1}, .noise = 0.02, .seed = 3});
+  c.placement = c.placement.add_server_empty(ServerSpec{4, 1.0}).value().next;
+  c.servers[4].rate = 0.1 * kRate;
+  Balancer b = make_balancer();
+  const double mean = c.total_load() / 4;
+  bool moved = false;
+  for (int i = 0; i < 12; ++i) {
+    const bool unmeasured = c.loads()[4] == 0;  // no window of it has had bytes
+    const Plan p = step(c, b);
+    for (const PlanStep& s : p.steps) {
+      if (s.kind != StepKind::kRebalance || !unmeasured) continue;
+      moved = true;
+      double got = 0;
+      for (const Move& m : s.moves)
+        if (m.to == 4) got += m.bytes_per_round;
+      EXPECT_LE(got, b.options().probe_fraction * mean * 1.06) << p.log;
+    }
+  }
+  EXPECT_TRUE(moved) << "server 1 is a straggler: something should have moved";
 }
 
 TEST(BalancerExploit, SplitsABigArcToMoveAFractionOfIt) {

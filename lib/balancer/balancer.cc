@@ -173,6 +173,8 @@ Status BalancerOptions::validate() const {
       {"migration_bytes_per_load_byte", migration_bytes_per_load_byte, 0, 1e6, false},
       {"min_move_fraction", min_move_fraction, 0, 0.5, false},
       {"max_step_fraction", max_step_fraction, 0, 1, true},
+      {"confident_samples", static_cast<double>(confident_samples), 0, 1e6, false},
+      {"confident_error", confident_error, 0, 1, false},
       {"evaluation_windows", static_cast<double>(evaluation_windows), 1, 1000, false},
       {"rollback_tolerance", rollback_tolerance, 0, 10, false},
       {"rollback_cooldown_decisions", static_cast<double>(rollback_cooldown_decisions), 0, 1e6,

@@ -111,6 +111,12 @@ struct BalancerOptions {
 
   // Explore.
   double max_step_fraction = 0.25;  // trust region: of a server's load, per decision
+  // Clear evidence lifts the trust region: a rebalance between servers
+  // whose rates have at least confident_samples samples and a standard
+  // error of at most confident_error of the rate goes to the
+  // rate-proportional placement in one step (0 samples: never).
+  uint32_t confident_samples = 3;
+  double confident_error = 0.1;
   uint32_t evaluation_windows = 2;  // windows at the new epoch before judging a move
   // Roll back when the measured round time grew by more than this fraction.
   // Keep it above the noise of a mean of evaluation_windows windows.

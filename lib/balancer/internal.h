@@ -113,6 +113,19 @@ class Balancer::Decision {
     return options_.max_step_fraction *
            std::max(load, active_load_ / std::max<size_t>(active_count_, 1));
   }
+  // Enough samples, tightly spread: the rate may be planned on without a
+  // trust region. The EWMA's variance starts at 0 and reaches its level only
+  // after many samples, so it is divided by 1 - (1 - alpha)^(n - 1) here
+  // (the same start-up correction as Adam's) before it is trusted.
+  bool confident(const Tracked& t) const {
+    if (options_.confident_samples == 0 || t.rate_samples < options_.confident_samples ||
+        t.rate_samples < 2) {
+      return false;
+    }
+    const double warmed =
+        1 - std::pow(1 - options_.rate_ewma_alpha, static_cast<double>(t.rate_samples - 1));
+    return rate_error(t) / std::sqrt(warmed) <= options_.confident_error * t.rate;
+  }
   void water_fill(std::vector<Node>& nodes) const;
   void fill_receivers(std::vector<Node>& nodes, double total_out) const;
   Result<PlanStep> realise(StepKind kind, std::vector<Node>& nodes,

@@ -432,11 +432,20 @@ Result<std::optional<PlanStep>> Balancer::Decision::rebalance_step(std::string* 
       stragglers.push_back(m.id);
   if (!balancer_.rebalancing_ && stragglers.empty()) return std::optional<PlanStep>();
 
+  // With every active rate known well, one step goes all the way; otherwise
+  // the trust region holds each server to a fraction of its load. A server
+  // never measured takes no more than a probe's worth: the prior (the
+  // others' median) is a guess, and it may be the straggler.
+  bool sure = true;
+  for (const Member& m : members_)
+    sure = sure && (!m.active() || confident(*m.tracked));
+  const double probe = options_.probe_fraction * active_load_ / std::max<size_t>(active_count_, 1);
   std::vector<Node> nodes = base_nodes();
   for (size_t i = 0; i < members_.size(); ++i) {
     if (!members_[i].active()) continue;
-    nodes[i].max_out = step_limit(members_[i].load);
-    nodes[i].max_in = take_limit(members_[i].load);
+    nodes[i].max_out = sure ? members_[i].load : step_limit(members_[i].load);
+    nodes[i].max_in = sure ? kInf : take_limit(members_[i].load);
+    if (!members_[i].estimated) nodes[i].max_in = std::min(nodes[i].max_in, probe);
     nodes[i].receives = !cooling(*members_[i].tracked);
   }
   water_fill(nodes);
