@@ -271,6 +271,53 @@ TEST(BalancerOptions, OutOfRangeValuesAreNamed) {
   EXPECT_NE(o.validate().message().find("history_windows"), std::string::npos);
 }
 
+// ---- Detect: a level change, not noise --------------------------------------------
+
+// A quiet cluster learns its noise; one window at a third of the speed (a
+// spike) moves nothing, and a server that stays at a quarter is caught
+// within a few windows.
+TEST(BalancerDetect, ASpikeIsNotAStragglerButALevelChangeIs) {
+  Cluster c({.rates = {1, 1, 1, 1}, .noise = 0.05, .range_noise = 0.02, .seed = 21});
+  Balancer b = make_balancer();
+  EXPECT_TRUE(run(c, b, 40).empty());
+  c.servers[2].rate = kRate / 3;
+  Plan spike = step(c, b);
+  c.servers[2].rate = kRate;
+  EXPECT_TRUE(spike.steps.empty()) << spike.log;
+  EXPECT_TRUE(run(c, b, 40).empty()) << "one slow window started a rebalance";
+  c.servers[2].rate = kRate / 4;
+  int caught = 0;
+  for (int i = 1; i <= 8 && caught == 0; ++i) {
+    const Plan p = step(c, b);
+    if (!p.steps.empty()) {
+      caught = i;
+      EXPECT_NE(p.log.find("stragglers: server 2"), std::string::npos) << p.log;
+    }
+  }
+  EXPECT_GE(caught, 1) << "a server at a quarter of the speed for 8 windows was not seen";
+  EXPECT_LE(caught, 4);
+}
+
+// The false-alarm rate is an option: a test told to tolerate few windows
+// between false alarms moves on noise that the default ignores.
+TEST(BalancerDetect, TheFalseAlarmRateTradesCalmForReaction) {
+  auto steps = [](double false_alarm_windows) {
+    Cluster c({.rates = {1, 1, 1, 1, 1, 1}, .noise = 0.3, .range_noise = 0.1, .seed = 4});
+    BalancerOptions o;
+    o.false_alarm_windows = false_alarm_windows;
+    o.straggler_threshold = 0.05;
+    Balancer b = make_balancer(o);
+    return run(c, b, 300).size();
+  };
+  const size_t calm = steps(1e5);
+  const size_t jumpy = steps(10);
+  EXPECT_LE(calm, 2u);
+  EXPECT_GT(jumpy, calm);
+  BalancerOptions o;
+  o.false_alarm_windows = 5;
+  EXPECT_NE(o.validate().message().find("false_alarm_windows"), std::string::npos);
+}
+
 TEST(BalancerInputs, MalformedInputsAreRejected) {
   Cluster c({.rates = {1, 1}});
   Balancer b = make_balancer();
@@ -380,7 +427,7 @@ TEST(BalancerExploit, ClearEvidenceGoesAllTheWayInOneStep) {
   Cluster c({.rates = {1, 1, 1, 0.25}, .noise = 0.02, .range_noise = 0.02, .seed = 7});
   Balancer b = make_balancer();
   const std::vector<Plan> changes = run(c, b, 40);
-  ASSERT_EQ(changes.size(), 1u);
+  ASSERT_EQ(changes.size(), 1u) << changes.back().log;
   EXPECT_NE(changes[0].log.find("rebalance"), std::string::npos) << changes[0].log;
   EXPECT_NEAR(c.share(4), 0.25 / 3.25, 0.02);
   EXPECT_LE(c.imbalance(), 1.10);

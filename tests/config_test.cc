@@ -183,6 +183,7 @@ TEST(Config, EveryKeyCanBeSetFromEachSource) {
       {"balancer.interval_ms", "500"},
       {"balancer.straggler_threshold", "0.25"},
       {"balancer.straggler_windows", "4"},
+      {"balancer.false_alarm_windows", "500"},
       {"balancer.horizon_rounds", "200"},
       {"balancer.max_step_fraction", "0.5"},
       {"balancer.evaluation_windows", "3"},
@@ -807,6 +808,8 @@ TEST(Config, EveryValidationRuleNamesItsKey) {
        "balancer.straggler_threshold", "[0, 10]"},
       {"straggler windows 0", [](Config& c) { c.balancer.straggler_windows = 0; },
        "balancer.straggler_windows", "1..1000000"},
+      {"false alarms 5", [](Config& c) { c.balancer.false_alarm_windows = 5; },
+       "balancer.false_alarm_windows", "[10, 1000000000000]"},
       {"horizon 0", [](Config& c) { c.balancer.horizon_rounds = 0.5; }, "balancer.horizon_rounds",
        "[1, 1000000000]"},
       {"step 0", [](Config& c) { c.balancer.max_step_fraction = 0; }, "balancer.max_step_fraction",
@@ -1269,6 +1272,7 @@ TEST(Config, BalancerKeysDefaultToTheBalancersOptionsAndReachThem) {
   const BalancerOptions got = runtime_options_from_config(Config{}).balancer;
   EXPECT_EQ(got.straggler_threshold, want.straggler_threshold);
   EXPECT_EQ(got.straggler_windows, want.straggler_windows);
+  EXPECT_EQ(got.false_alarm_windows, want.false_alarm_windows);
   EXPECT_EQ(got.horizon_rounds, want.horizon_rounds);
   EXPECT_EQ(got.max_step_fraction, want.max_step_fraction);
   EXPECT_EQ(got.evaluation_windows, want.evaluation_windows);

@@ -195,13 +195,16 @@ struct BalancerConfig {
   // The options a job may want to tune; docs/balancer.md explains each, and
   // the defaults are lib/balancer/balancer.h's BalancerOptions.
   double straggler_threshold = 0.15;  // predicted time above the others' by this fraction ...
-  uint32_t straggler_windows = 3;     // ... for this many windows in a row
-  double horizon_rounds = 100;        // rounds a migration's cost is amortised over
-  double max_step_fraction = 0.25;    // of a server's load moved per decision, at most
-  uint32_t evaluation_windows = 2;    // windows at a new epoch before judging a move
-  double rollback_tolerance = 0.1;    // roll back when the round grew by more than this
-  bool scale_out = true;              // may add standby servers
-  bool scale_in = true;               // may drain servers
+  uint32_t straggler_windows = 1;     // ... for this many windows in a row, ...
+  // ... once a sequential test tells it from noise: its mean windows between
+  // false alarms, per server.
+  double false_alarm_windows = 1e5;
+  double horizon_rounds = 100;      // rounds a migration's cost is amortised over
+  double max_step_fraction = 0.25;  // of a server's load moved per decision, at most
+  uint32_t evaluation_windows = 2;  // windows at a new epoch before judging a move
+  double rollback_tolerance = 0.1;  // roll back when the round grew by more than this
+  bool scale_out = true;            // may add standby servers
+  bool scale_in = true;             // may drain servers
   double scale_out_utilisation = 0.8;
   double scale_in_utilisation = 0.5;
   uint32_t min_active_servers = 1;

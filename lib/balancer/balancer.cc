@@ -168,6 +168,7 @@ Status BalancerOptions::validate() const {
       {"history_windows", static_cast<double>(history_windows), 2, 4096, false},
       {"straggler_threshold", straggler_threshold, 0, 10, true},
       {"straggler_windows", static_cast<double>(straggler_windows), 1, 1e6, false},
+      {"false_alarm_windows", false_alarm_windows, 10, 1e12, false},
       {"settle_gain", settle_gain, 0, 0.99, false},
       {"horizon_rounds", horizon_rounds, 1, 1e9, false},
       {"migration_bytes_per_load_byte", migration_bytes_per_load_byte, 0, 1e6, false},

@@ -95,8 +95,17 @@ struct BalancerOptions {
   uint32_t history_windows = 32;  // windows kept per server, [2, 4096]
 
   // Detect.
-  double straggler_threshold = 0.15;  // predicted time above the others' by this fraction
-  uint32_t straggler_windows = 3;     // ... for this many windows in a row
+  // A straggler: its time per round above the others' by straggler_threshold,
+  // for straggler_windows windows in a row, once a sequential test (a
+  // one-sided CUSUM of log(its window's time / the others'), against half
+  // the threshold, in units of that ratio's measured noise) has told the
+  // level change from noise. false_alarm_windows is the test's mean run
+  // length without a change, per server: the larger, the calmer on a noisy
+  // machine and the slower to see a small straggler (a large one is seen in
+  // a window or two).
+  double straggler_threshold = 0.15;
+  uint32_t straggler_windows = 1;
+  double false_alarm_windows = 1e5;
   // A rebalance, once started, continues until a step would gain less than
   // this fraction of the predicted round time.
   double settle_gain = 0.02;
@@ -255,6 +264,17 @@ class Balancer {
     std::deque<WindowRecord> history;  // at most history_windows
     uint32_t new_windows = 0;          // ingested by this decision
     uint32_t straggler_windows = 0;
+    // Detection: the CUSUM of x = log(window time / the others'), and x's
+    // EWMA mean, variance and lag-1 covariance (its noise, which on a
+    // shared machine is correlated from window to window).
+    double cusum = 0;
+    uint64_t x_epoch = 0;  // the placement the test runs at
+    bool has_x = false;
+    double last_x = 0;
+    double x_mean = 0;
+    double x_var = 0;
+    double x_cov = 0;
+    uint32_t x_samples = 0;       // windows the noise was learnt from
     uint64_t cooldown_until = 0;  // takes no new load before this decision
     uint32_t rollbacks = 0;       // rollbacks in a row that it received load in
     uint64_t last_probe = 0;      // decision of its last probe

@@ -179,11 +179,20 @@ Result<Balancer::Decision::Verdict> Balancer::Decision::evaluate() {
       fmt::format("measured round {} (predicted {}, before {}: {})", seconds_text(after),
                   seconds_text(pd.predicted_after_s), seconds_text(pd.measured_before_s),
                   change_text(pd.measured_before_s, after));
-  if (after <= (1 + options_.rollback_tolerance) * pd.measured_before_s) {
+  // Slower, with every receiver within its prediction: a server that gave
+  // load away got slower on its own (a straggler appearing as the step was
+  // planned, in psld sim's S2). Undoing the move would put the load back on
+  // it; the step stays and detection goes on. A probe is different: it is
+  // planned on a stale rate to find out whether the server recovered, so a
+  // slower round undoes it whatever its prediction said.
+  const bool worse = after > (1 + options_.rollback_tolerance) * pd.measured_before_s;
+  const bool source_slowed = worse && blamed.empty() && pd.kind != StepKind::kProbe;
+  if (!worse || source_slowed) {
     for (ServerId id : receivers)
       if (auto it = balancer_.servers_.find(id); it != balancer_.servers_.end())
         it->second.rollbacks = 0;
-    v.note = fmt::format("kept decision {}: {}", pd.decision, measured);
+    v.note = fmt::format("kept decision {}: {}{}", pd.decision, measured,
+                         source_slowed ? "; slower, but no receiver beyond its prediction" : "");
     // Predictions at the scale of the noise keep finding a few percent to
     // gain. Two steps in a row that did not gain settle_gain when measured
     // (one can be bad luck) end the rebalance until stragglers show again.

@@ -92,6 +92,9 @@ class Balancer::Decision {
   void measure_load();
   bool estimate_rates();
   void update_streaks();
+  // One window of the sequential test for `t` at `load` against the others'
+  // time per round: true while it is in alarm.
+  bool detect(Tracked& t, double load, double others) const;
   // The standard error of the EWMA: the spread of the samples times
   // sqrt(alpha / (2 - alpha)), the EWMA's variance reduction for
   // independent samples (0.42 for alpha = 0.3).

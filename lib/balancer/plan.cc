@@ -437,8 +437,21 @@ Result<std::optional<PlanStep>> Balancer::Decision::rebalance_step(std::string* 
   // never measured takes no more than a probe's worth: the prior (the
   // others' median) is a guess, and it may be the straggler.
   bool sure = true;
-  for (const Member& m : members_)
-    sure = sure && (!m.active() || confident(*m.tracked));
+  uint64_t fewest = UINT64_MAX;  // samples of the least measured active rate
+  for (const Member& m : members_) {
+    if (!m.active()) continue;
+    sure = sure && confident(*m.tracked);
+    if (m.tracked->rate_samples > 0) fewest = std::min(fewest, m.tracked->rate_samples);
+  }
+  // Too few samples yet to tell: a window or two more decides between one
+  // step all the way and the trust region, instead of a cautious step now and
+  // another soon after.
+  if (!sure && fewest < options_.confident_samples) {
+    *note = fmt::format("stragglers: {}; waiting for {} rate samples of each server",
+                        stragglers.empty() ? std::string("none now") : straggler_text(),
+                        options_.confident_samples);
+    return std::optional<PlanStep>();
+  }
   const double probe = options_.probe_fraction * active_load_ / std::max<size_t>(active_count_, 1);
   std::vector<Node> nodes = base_nodes();
   for (size_t i = 0; i < members_.size(); ++i) {
@@ -461,7 +474,16 @@ Result<std::optional<PlanStep>> Balancer::Decision::rebalance_step(std::string* 
   const double before = step.predicted_round_s_before;
   const double gain = before - step.predicted_round_s_after;
   const double cost = step.migration_cost_s / options_.horizon_rounds;
-  if (!(gain > cost) || gain < options_.settle_gain * before) {
+  // Going on, a gain within the prediction's own uncertainty (twice the
+  // largest relative standard error of an active rate) is noise, not
+  // imbalance. (A new straggler has passed the sequential test already.)
+  double uncertain = 0;
+  for (const Member& m : stragglers.empty() ? members_ : std::vector<Member>{}) {
+    const Tracked& t = *m.tracked;
+    if (m.active() && t.rate_samples > 0 && t.rate > 0)
+      uncertain = std::max(uncertain, 2 * rate_error(t) / t.rate);
+  }
+  if (!(gain > cost) || gain < std::max(options_.settle_gain, uncertain) * before) {
     balancer_.rebalancing_ = false;
     const std::string best = fmt::format(
         "the best step would gain {} per round ({}) against {} of migration per round",

@@ -21,6 +21,40 @@ constexpr double kShiftSpreads = 3;
 constexpr double kShiftFraction = 0.2;
 constexpr int kShiftWindows = 2;
 
+// The detection's noise: never taken below this (2% of the time ratio), so
+// that a noiseless cluster still needs a real gap; deviations are clipped at
+// this many spreads, so that one level change (or the move that follows it)
+// does not read as noise; correlation is taken at most this high.
+constexpr double kMinSpread = 0.02;
+// Until it has learnt the noise from its own windows, a server is assumed to
+// be as noisy as a shared machine: a prior spread of this much, worth this
+// many windows, blended with what it measures.
+constexpr double kPriorSpread = 0.15;
+constexpr double kPriorWindows = 2;
+constexpr double kClipSpreads = 3;
+constexpr double kSpreadAlpha = 0.1;
+constexpr double kMaxCorrelation = 0.8;
+
+// The threshold h (in spreads) of a one-sided CUSUM of unit-variance samples
+// with reference k (in spreads) whose mean run length without a change is
+// `windows`, by Siegmund's approximation ARL = (e^(2kb) - 2kb - 1) / (2k^2),
+// b = h + 1.166 (Siegmund 1985; Montgomery, "Statistical Quality Control").
+double cusum_threshold(double k, double windows) {
+  auto arl = [k](double h) {
+    const double a = 2 * k * (h + 1.166);
+    return (std::exp(std::min(a, 700.0)) - a - 1) / (2 * k * k);
+  };
+  double lo = 0, hi = 1;
+  while (arl(hi) < windows && hi < 1e6)
+    hi *= 2;
+  if (arl(lo) >= windows) return 0;
+  for (int i = 0; i < 60; ++i) {
+    const double mid = 0.5 * (lo + hi);
+    (arl(mid) < windows ? lo : hi) = mid;
+  }
+  return hi;
+}
+
 uint32_t add_windows(uint32_t streak, uint32_t windows) {
   return std::min(kMaxStreak, streak + std::min(windows, kMaxStreak));
 }
@@ -185,6 +219,62 @@ bool Balancer::Decision::estimate_rates() {
 
 // ---- Detect ---------------------------------------------------------------------
 
+bool Balancer::Decision::detect(Tracked& t, double load, double others) const {
+  if (!(t.last_rate > 0) || !(others > 0) || !(load > 0)) return t.cusum > 0 && t.has_x;
+  // This window's time per round (its newest rate sample, not the EWMA)
+  // over the others'.
+  // A window of an older epoch (the switch or its migration in it) says
+  // nothing about this placement; at a new one the test starts again from
+  // the level x has there (the noise it learnt is kept).
+  if (t.history.empty() || t.history.back().epoch != placement_.epoch()) return false;
+  if (t.x_epoch != placement_.epoch()) {
+    t.x_epoch = placement_.epoch();
+    t.cusum = 0;
+    t.has_x = false;
+  }
+  const double x = std::log(load / t.last_rate / others);
+  // x's noise: its variance (blended with a prior while few windows taught
+  // it), and the spread the CUSUM sees, that variance times
+  // (1 + rho) / (1 - rho) for a lag-1 correlation rho: the variance of a sum
+  // of correlated samples.
+  const double n = std::min<double>(t.x_samples, 1 / kSpreadAlpha);
+  const double sigma = std::max(
+      kMinSpread,
+      std::sqrt((kPriorWindows * kPriorSpread * kPriorSpread + n * t.x_var) / (kPriorWindows + n)));
+  const double rho = t.x_var > 0 ? std::clamp(t.x_cov / t.x_var, 0.0, kMaxCorrelation) : 0.0;
+  const double spread = sigma * std::sqrt((1 + rho) / (1 - rho));
+  const double k = 0.5 * std::log1p(options_.straggler_threshold);
+  // Winsorised: no window adds more than kClipSpreads spreads, so that one
+  // spike of a heavy-tailed noise cannot raise the alarm alone.
+  t.cusum = std::max(0.0, t.cusum + std::min(x - k, kClipSpreads * spread));
+  const bool alarm = t.cusum >= cusum_threshold(k / spread, options_.false_alarm_windows) * spread;
+  // The noise is learnt from windows near the level only: a window far from
+  // it (beyond kClipSpreads sigmas) is a spike or a change, which is what the
+  // test looks for, not noise.
+  if (!t.has_x) {
+    t.x_mean = x;
+  } else if (!alarm && std::fabs(x - t.x_mean) <= kClipSpreads * sigma) {
+    const double d = x - t.x_mean;
+    const double prev = t.last_x - t.x_mean;
+    t.x_mean += kSpreadAlpha * d;
+    t.x_var = (1 - kSpreadAlpha) * (t.x_var + kSpreadAlpha * d * d);
+    t.x_cov = (1 - kSpreadAlpha) * t.x_cov + kSpreadAlpha * d * prev;
+    t.x_samples = std::min(t.x_samples + 1, kMaxStreak);
+  }
+  t.last_x = x;
+  t.has_x = true;
+  unsigned dbg_id = 999;
+  for (auto& [id, tt] : balancer_.servers_)
+    if (&tt == &t) dbg_id = id;
+  if (getenv("PSLD_DBG"))
+    fprintf(stderr,
+            "dbg s%u d%lu load %.4g lr %.4g others %.4g x %.3f cusum %.3f spread %.3f h %.3f alarm "
+            "%d\n",
+            dbg_id, (unsigned long)balancer_.decision_, load, t.last_rate, others, x, t.cusum,
+            spread, cusum_threshold(k / spread, options_.false_alarm_windows) * spread, alarm);
+  return alarm;
+}
+
 void Balancer::Decision::update_streaks() {
   for (Member& m : members_) {
     Tracked& t = *m.tracked;
@@ -195,9 +285,11 @@ void Balancer::Decision::update_streaks() {
       continue;
     }
     // "The others": the time per round the rest would have if balanced among
-    // themselves. A server above it by the threshold slows the round.
+    // themselves. A server above it by the threshold slows the round, once
+    // the test says its level has changed.
     const double others = (active_load_ - m.load) / (active_rate_ - m.rate);
-    const bool straggling = m.time() > (1 + options_.straggler_threshold) * others;
+    const bool alarm = detect(t, m.load, others);
+    const bool straggling = alarm && m.time() > (1 + options_.straggler_threshold) * others;
     t.straggler_windows = straggling ? add_windows(t.straggler_windows, t.new_windows) : 0;
   }
 

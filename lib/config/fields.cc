@@ -349,7 +349,11 @@ const std::vector<Field>& fields() {
              "a server is a straggler when its predicted time per round exceeds the others' by "
              "this fraction (above 0) ..."),
       integer(PSLD_KEY(balancer.straggler_windows), 1, 1000000,
-              "... for this many statistics windows in a row"),
+              "... for this many statistics windows in a row, ..."),
+      number(PSLD_KEY(balancer.false_alarm_windows), 10, 1e12, false,
+             "... once a sequential test on its windows tells the change from noise: the test's "
+             "mean windows between false alarms per server (larger: calmer, slower to see a "
+             "small straggler)"),
       number(PSLD_KEY(balancer.horizon_rounds), 1, 1e9, false,
              "rounds over which a migration's cost is amortised: a move must gain more"),
       number(PSLD_KEY(balancer.max_step_fraction), 0, 1, false,

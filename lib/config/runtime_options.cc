@@ -84,6 +84,7 @@ RuntimeOptions runtime_options_from_config(const Config& c) {
   const BalancerConfig& b = c.balancer;
   o.balancer.straggler_threshold = b.straggler_threshold;
   o.balancer.straggler_windows = b.straggler_windows;
+  o.balancer.false_alarm_windows = b.false_alarm_windows;
   o.balancer.horizon_rounds = b.horizon_rounds;
   o.balancer.max_step_fraction = b.max_step_fraction;
   o.balancer.evaluation_windows = b.evaluation_windows;
