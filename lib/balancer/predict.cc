@@ -142,12 +142,10 @@ void Balancer::Decision::measure_load() {
     members_[m].weight = infos[m].weight;
     members_[m].tracked = &balancer_.servers_[infos[m].id];
   }
+  const MemberIndex index(infos);
   arc_member_.resize(n_arcs);
   for (size_t k = 0; k < n_arcs; ++k) {
-    const ServerId owner = placement_.arc(k).owner;
-    const auto it = std::lower_bound(infos.begin(), infos.end(), owner,
-                                     [](const ServerInfo& s, ServerId v) { return s.id < v; });
-    const auto m = static_cast<uint32_t>(it - infos.begin());
+    const uint32_t m = index.find(placement_.arc(k).owner);  // every owner is a member
     arc_member_[k] = m;
     members_[m].load += arc_load_[k];
     ++members_[m].arcs;

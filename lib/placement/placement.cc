@@ -590,21 +590,30 @@ double Placement::share_of(ServerId id) const {
   return static_cast<double>(hashes) / 18446744073709551616.0;
 }
 
+MemberIndex::MemberIndex(std::span<const ServerInfo> servers) : servers_(servers) {
+  if (servers.empty()) return;
+  const size_t bound = 4 * servers.size();
+  table_.assign(std::min<size_t>(size_t{servers.back().id} + 1, bound), kNotMember);
+  for (size_t i = 0; i < servers.size() && servers[i].id < table_.size(); ++i)
+    table_[servers[i].id] = static_cast<uint32_t>(i);
+}
+
+uint32_t MemberIndex::search(ServerId id) const {
+  auto it = std::lower_bound(servers_.begin(), servers_.end(), id,
+                             [](const ServerInfo& s, ServerId v) { return s.id < v; });
+  return it != servers_.end() && it->id == id ? static_cast<uint32_t>(it - servers_.begin())
+                                              : kNotMember;
+}
+
 Status Placement::check_owners() const {
-  // Arcs of one owner come in runs, so remembering the last owner checked
-  // makes this ~O(arcs).
-  ServerId checked = 0;
-  bool have_checked = false;
+  const MemberIndex members(servers_);
   for (size_t i = 0; i < owner_.size(); ++i) {
-    if (have_checked && owner_[i] == checked) continue;
-    if (find_server(owner_[i]) == nullptr) {
+    if (members.find(owner_[i]) == MemberIndex::kNotMember) {
       const Arc a = arc(i);
       return InvalidArgument(
           fmt::format("arc {} [{:#x}, {:#x}] is owned by server {}, which is not a member", i, a.lo,
                       a.hi, a.owner));
     }
-    checked = owner_[i];
-    have_checked = true;
   }
   return Status::Ok();
 }

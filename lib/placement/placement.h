@@ -48,6 +48,27 @@ struct ServerInfo {
   bool operator==(const ServerInfo&) const = default;
 };
 
+// Where each member sits in a placement's servers() (sorted by id), for code
+// that looks up the owner of every arc: a table for ids below four times the
+// member count (the coordinator numbers servers by rank from 0, standby ones
+// after them), a binary search above it. A placement of a million arcs asks
+// once per arc; a binary search per arc took most of a balancer decision.
+// The servers must outlive the index.
+class MemberIndex {
+ public:
+  static constexpr uint32_t kNotMember = UINT32_MAX;
+
+  explicit MemberIndex(std::span<const ServerInfo> servers);
+  // i with servers[i].id == id, or kNotMember.
+  uint32_t find(ServerId id) const { return id < table_.size() ? table_[id] : search(id); }
+
+ private:
+  uint32_t search(ServerId id) const;
+
+  std::span<const ServerInfo> servers_;
+  std::vector<uint32_t> table_;  // by id: its position, or kNotMember
+};
+
 // An inclusive range [lo, hi] of hash values and its owner.
 struct Arc {
   uint64_t lo = 0;
