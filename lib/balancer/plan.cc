@@ -3,6 +3,7 @@
 #include <cmath>
 #include <optional>
 #include <queue>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -227,6 +228,65 @@ std::optional<std::pair<Piece, Piece>> split_piece(const Piece& p, double want) 
   return std::make_pair(a, b);
 }
 
+// An arc of a source, with its load, while the source's arcs are ranked.
+struct Held {
+  double load = 0;
+  uint32_t arc = 0;
+};
+
+// Heaviest first, then by arc: a total order, so every sort gives the same.
+bool heavier_first(const Held& a, const Held& b) {
+  return a.load != b.load ? a.load > b.load : a.arc < b.arc;
+}
+
+// Sorts `list` by heavier_first in about linear time when its loads spread
+// over a range: a bucket per two arcs, by where the load falls between the
+// lightest and the heaviest (a map that never puts a heavier arc in a later
+// bucket), then each bucket sorted alone. std::sort of each source's ~1,000
+// arcs was half of a scale-out decision on 1,024 servers; this is a quarter
+// of that. Loads bunched in a few buckets cost what std::sort costs.
+void sort_heaviest_first(std::span<Held> list, std::vector<Held>& scratch,
+                         std::vector<size_t>& ends) {
+  constexpr size_t kArcsPerBucket = 2;
+  constexpr size_t kFewest = 64;  // below this, std::sort is as fast
+  double lightest = kInf;
+  double heaviest = -kInf;
+  bool finite = true;
+  for (const Held& h : list) {
+    finite = finite && std::isfinite(h.load);
+    lightest = std::min(lightest, h.load);
+    heaviest = std::max(heaviest, h.load);
+  }
+  const size_t buckets = list.size() / kArcsPerBucket;
+  const double scale = static_cast<double>(buckets) / (heaviest - lightest);
+  if (list.size() < kFewest || !finite || !(heaviest > lightest) || !std::isfinite(scale)) {
+    std::sort(list.begin(), list.end(), heavier_first);
+    return;
+  }
+  auto bucket = [&](double load) {  // 0 for the heaviest
+    const auto above = static_cast<size_t>((load - lightest) * scale);
+    return buckets - 1 - std::min(buckets - 1, above);
+  };
+  ends.assign(buckets, 0);
+  for (const Held& h : list)
+    ++ends[bucket(h.load)];
+  size_t end = 0;
+  for (size_t& e : ends) {
+    end += e;
+    e = end - e;  // the bucket's start, until it is filled
+  }
+  scratch.resize(list.size());
+  for (const Held& h : list)
+    scratch[ends[bucket(h.load)]++] = h;
+  size_t start = 0;
+  for (const size_t e : ends) {
+    std::sort(scratch.begin() + static_cast<ptrdiff_t>(start),
+              scratch.begin() + static_cast<ptrdiff_t>(e), heavier_first);
+    start = e;
+  }
+  std::copy(scratch.begin(), scratch.end(), list.begin());
+}
+
 }  // namespace
 
 // Turns the planned out / in amounts into hash ranges: whole arcs where they
@@ -236,42 +296,47 @@ Result<PlanStep> Balancer::Decision::realise(StepKind kind, std::vector<Node>& n
   std::vector<char> source(nodes.size(), 0);
   for (size_t i = 0; i < members_.size(); ++i)
     source[i] = nodes[i].must_empty ? members_[i].arcs > 0 : nodes[i].out > 0;
-  std::vector<std::vector<uint32_t>> arcs(nodes.size());
+  // Each source's arcs with their loads, side by side: ranking them by load
+  // then reads no other memory.
+  std::vector<std::vector<Held>> arcs(nodes.size());
+  for (size_t i = 0; i < members_.size(); ++i)
+    if (source[i]) arcs[i].reserve(members_[i].arcs);
   for (size_t k = 0; k < arc_member_.size(); ++k) {
-    if (source[arc_member_[k]]) arcs[arc_member_[k]].push_back(static_cast<uint32_t>(k));
+    const uint32_t m = arc_member_[k];
+    if (source[m]) arcs[m].push_back(Held{arc_load_[k], static_cast<uint32_t>(k)});
   }
 
   auto heavier = [](const Piece& a, const Piece& b) {
     return a.load != b.load ? a.load < b.load : a.lo > b.lo;
   };
   std::priority_queue<Piece, std::vector<Piece>, decltype(heavier)> pieces(heavier);
+  std::vector<Held> scratch;
+  std::vector<size_t> ends;
   auto arc_piece = [&](uint32_t k, size_t from, bool must) {
     const Arc a = placement_.arc(k);
     return Piece{a.lo, a.hi, arc_load_[k], from, must};
   };
   for (size_t i = 0; i < nodes.size(); ++i) {
     if (!source[i]) continue;
-    std::vector<uint32_t>& list = arcs[i];
+    std::vector<Held>& list = arcs[i];
     if (nodes[i].must_empty) {
-      for (uint32_t k : list)
-        pieces.push(arc_piece(k, i, true));
+      for (const Held& h : list)
+        pieces.push(arc_piece(h.arc, i, true));
       continue;
     }
     // Biggest arcs first while they fit; then a cut of the smallest arc that
     // did not fit, for what is left (unless that is dust).
-    std::sort(list.begin(), list.end(), [&](uint32_t a, uint32_t b) {
-      return arc_load_[a] != arc_load_[b] ? arc_load_[a] > arc_load_[b] : a < b;
-    });
+    sort_heaviest_first(list, scratch, ends);
     double want = nodes[i].out;
     const bool all = want >= nodes[i].load * (1 - kSlack);  // every arc that carries load
     std::optional<uint32_t> cut;
-    for (uint32_t k : list) {
-      if (!(arc_load_[k] > 0)) break;
-      if (all || arc_load_[k] <= want * (1 + kSlack)) {
-        pieces.push(arc_piece(k, i, all));
-        want -= arc_load_[k];
+    for (const Held& h : list) {
+      if (!(h.load > 0)) break;
+      if (all || h.load <= want * (1 + kSlack)) {
+        pieces.push(arc_piece(h.arc, i, all));
+        want -= h.load;
       } else {
-        cut = k;
+        cut = h.arc;
       }
     }
     if (cut && want > std::max(0.5 * min_move_, kSlack * nodes[i].out)) {
