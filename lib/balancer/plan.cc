@@ -445,25 +445,27 @@ Result<PlanStep> Balancer::Decision::finish(StepKind kind, std::vector<Move> mov
     }
   }
   PSLD_ASSIGN_OR_RETURN(Placement next, placement_.apply(delta));
+  const ServerIndex next_members(next.servers());
   for (const RangeAssignment& a : delta.assignments) {
-    const ServerInfo* s = next.find_server(a.owner);
-    if (s == nullptr || s->state != ServerState::kActive) {
+    const uint32_t s = next_members.find(a.owner);
+    if (s == ServerIndex::kNone || next.servers()[s].state != ServerState::kActive) {
       return Internal(
           fmt::format("the balancer planned a move to server {}, which is not active", a.owner));
     }
   }
 
-  auto node_of = [&](ServerId id) {
-    for (size_t i = members_.size(); i < nodes.size(); ++i)
-      if (nodes[i].id == id) return i;
-    return static_cast<size_t>(member(id) - members_.data());
-  };
+  // Every server of a move is a node (members, and the standby servers a
+  // scale-out adds, which are never members).
+  std::vector<ServerId> node_ids(nodes.size());
+  for (size_t i = 0; i < nodes.size(); ++i)
+    node_ids[i] = nodes[i].id;
+  const ServerIndex node_of(node_ids);
   for (Node& n : nodes)
     n.gave = n.got = 0;
   double moved = 0;
   for (const Move& m : merged) {
-    nodes[node_of(m.from)].gave += m.bytes_per_round;
-    nodes[node_of(m.to)].got += m.bytes_per_round;
+    nodes[node_of.find(m.from)].gave += m.bytes_per_round;
+    nodes[node_of.find(m.to)].got += m.bytes_per_round;
     moved += m.bytes_per_round;
   }
   double before = 0;

@@ -142,7 +142,7 @@ void Balancer::Decision::measure_load() {
     members_[m].weight = infos[m].weight;
     members_[m].tracked = &balancer_.servers_[infos[m].id];
   }
-  const MemberIndex index(infos);
+  const ServerIndex index(infos);
   arc_member_.resize(n_arcs);
   for (size_t k = 0; k < n_arcs; ++k) {
     const uint32_t m = index.find(placement_.arc(k).owner);  // every owner is a member

@@ -590,25 +590,42 @@ double Placement::share_of(ServerId id) const {
   return static_cast<double>(hashes) / 18446744073709551616.0;
 }
 
-MemberIndex::MemberIndex(std::span<const ServerInfo> servers) : servers_(servers) {
-  if (servers.empty()) return;
-  const size_t bound = 4 * servers.size();
-  table_.assign(std::min<size_t>(size_t{servers.back().id} + 1, bound), kNotMember);
-  for (size_t i = 0; i < servers.size() && servers[i].id < table_.size(); ++i)
-    table_[servers[i].id] = static_cast<uint32_t>(i);
+template <typename IdOf>
+void ServerIndex::build(size_t count, IdOf id_of) {
+  ServerId highest = 0;
+  for (size_t i = 0; i < count; ++i)
+    highest = std::max(highest, id_of(i));
+  table_.assign(count == 0 ? 0 : std::min<size_t>(size_t{highest} + 1, 4 * count), kNone);
+  for (size_t i = 0; i < count; ++i) {
+    const ServerId id = id_of(i);
+    if (id < table_.size()) {
+      table_[id] = static_cast<uint32_t>(i);
+    } else {
+      above_.emplace_back(id, static_cast<uint32_t>(i));
+    }
+  }
+  std::sort(above_.begin(), above_.end());
 }
 
-uint32_t MemberIndex::search(ServerId id) const {
-  auto it = std::lower_bound(servers_.begin(), servers_.end(), id,
-                             [](const ServerInfo& s, ServerId v) { return s.id < v; });
-  return it != servers_.end() && it->id == id ? static_cast<uint32_t>(it - servers_.begin())
-                                              : kNotMember;
+ServerIndex::ServerIndex(std::span<const ServerId> ids) {
+  build(ids.size(), [&](size_t i) { return ids[i]; });
+}
+
+ServerIndex::ServerIndex(std::span<const ServerInfo> servers) {
+  build(servers.size(), [&](size_t i) { return servers[i].id; });
+}
+
+uint32_t ServerIndex::search(ServerId id) const {
+  auto it = std::lower_bound(
+      above_.begin(), above_.end(), id,
+      [](const std::pair<ServerId, uint32_t>& e, ServerId v) { return e.first < v; });
+  return it != above_.end() && it->first == id ? it->second : kNone;
 }
 
 Status Placement::check_owners() const {
-  const MemberIndex members(servers_);
+  const ServerIndex members(servers_);
   for (size_t i = 0; i < owner_.size(); ++i) {
-    if (members.find(owner_[i]) == MemberIndex::kNotMember) {
+    if (members.find(owner_[i]) == ServerIndex::kNone) {
       const Arc a = arc(i);
       return InvalidArgument(
           fmt::format("arc {} [{:#x}, {:#x}] is owned by server {}, which is not a member", i, a.lo,
