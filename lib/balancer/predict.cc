@@ -115,25 +115,6 @@ void Balancer::Decision::ingest() {
 }
 
 void Balancer::Decision::measure_load() {
-  const size_t n_arcs = placement_.num_arcs();
-  arc_load_.assign(n_arcs, 0.0);
-  // A measured range spreads its load over the current arcs it overlaps, in
-  // proportion to the hashes they share: keys are hashed, so hashes are the
-  // best guess of where the bytes are.
-  size_t i = 0;
-  for (const RangeLoad& r : input_.ranges) {
-    if (r.bytes_per_round <= 0) continue;
-    i = std::max(i, placement_.arc_index_of_hash(r.lo));
-    const u128 width = hashes_in(r.lo, r.hi);
-    for (;; ++i) {
-      const Arc a = placement_.arc(i);
-      const uint64_t lo = std::max(a.lo, r.lo);
-      const uint64_t hi = std::min(a.hi, r.hi);
-      arc_load_[i] += r.bytes_per_round * fraction_of(hashes_in(lo, hi), width);
-      if (a.hi >= r.hi) break;  // the next range may start in this arc
-    }
-  }
-
   const std::vector<ServerInfo>& infos = placement_.servers();
   members_.resize(infos.size());
   for (size_t m = 0; m < infos.size(); ++m) {
@@ -143,13 +124,43 @@ void Balancer::Decision::measure_load() {
     members_[m].tracked = &balancer_.servers_[infos[m].id];
   }
   const ServerIndex index(infos);
-  arc_member_.resize(n_arcs);
-  for (size_t k = 0; k < n_arcs; ++k) {
-    const uint32_t m = index.find(placement_.arc(k).owner);  // every owner is a member
-    arc_member_[k] = m;
-    members_[m].load += arc_load_[k];
+
+  // One pass over the ranges and the arcs together (a million arcs make
+  // every pass over them count). An arc's load is final once the ranges have
+  // moved past it: then its owner adds it, arcs in hash order.
+  const size_t n_arcs = placement_.num_arcs();
+  arc_load_.clear();
+  arc_load_.reserve(n_arcs);
+  arc_member_.clear();
+  arc_member_.reserve(n_arcs);
+  double load = 0;  // of arc arc_load_.size(), so far
+  auto arc_done = [&]() {
+    const uint32_t m = index.find(placement_.arc(arc_load_.size()).owner);  // always a member
+    arc_load_.push_back(load);
+    arc_member_.push_back(m);
+    members_[m].load += load;
     ++members_[m].arcs;
+    load = 0;
+  };
+  // A measured range spreads its load over the current arcs it overlaps, in
+  // proportion to the hashes they share: keys are hashed, so hashes are the
+  // best guess of where the bytes are.
+  for (const RangeLoad& r : input_.ranges) {
+    if (r.bytes_per_round <= 0) continue;
+    while (placement_.arc(arc_load_.size()).hi < r.lo)
+      arc_done();
+    const u128 width = hashes_in(r.lo, r.hi);
+    for (;;) {
+      const Arc a = placement_.arc(arc_load_.size());
+      const uint64_t lo = std::max(a.lo, r.lo);
+      const uint64_t hi = std::min(a.hi, r.hi);
+      load += r.bytes_per_round * fraction_of(hashes_in(lo, hi), width);
+      if (a.hi >= r.hi) break;  // the next range may start in this arc
+      arc_done();
+    }
   }
+  while (arc_load_.size() < n_arcs)
+    arc_done();
 }
 
 bool Balancer::Decision::estimate_rates() {
