@@ -1,6 +1,7 @@
 // lib/balancer/plan.cc — exploit: water-filling, moves cut from arcs, the rebalance step.
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <optional>
 #include <queue>
 #include <span>
@@ -230,8 +231,8 @@ std::optional<std::pair<Piece, Piece>> split_piece(const Piece& p, double want) 
 
 // An arc of a source, with its load, while the source's arcs are ranked.
 struct Held {
-  double load = 0;
-  uint32_t arc = 0;
+  double load;
+  uint32_t arc;
 };
 
 // Heaviest first, then by arc: a total order, so every sort gives the same.
@@ -315,7 +316,7 @@ void sort_heaviest_first(std::vector<T>& items, Before before, std::vector<T>& s
 // over unsorted, the lightest arc (the last in the order) last. A scale-out
 // takes about a quarter of each source's arcs and passes over the rest.
 template <typename Take>
-std::optional<uint32_t> scan_heaviest_first(std::vector<Held>& list, double& want, Take take,
+std::optional<uint32_t> scan_heaviest_first(std::span<Held> list, double& want, Take take,
                                             std::vector<Held>& scratch, std::vector<size_t>& ends) {
   std::optional<uint32_t> cut;
   auto visit = [&](const Held& h) {
@@ -366,12 +367,14 @@ Result<PlanStep> Balancer::Decision::realise(StepKind kind, std::vector<Node>& n
     source[i] = nodes[i].must_empty ? members_[i].arcs > 0 : nodes[i].out > 0;
   // Each source's arcs with their loads, side by side: ranking them by load
   // then reads no other memory.
-  std::vector<std::vector<Held>> arcs(nodes.size());
-  for (size_t i = 0; i < members_.size(); ++i)
-    if (source[i]) arcs[i].reserve(members_[i].arcs);
+  std::vector<size_t> first(nodes.size() + 1, 0);  // source i's: [first[i], first[i + 1])
+  for (size_t i = 0; i < nodes.size(); ++i)
+    first[i + 1] = first[i] + (i < members_.size() && source[i] ? members_[i].arcs : 0);
+  const auto held = std::make_unique_for_overwrite<Held[]>(first.back());
+  std::vector<size_t> fill(first.begin(), first.end() - 1);
   for (size_t k = 0; k < arc_member_.size(); ++k) {
     const uint32_t m = arc_member_[k];
-    if (source[m]) arcs[m].push_back(Held{arc_load_[k], static_cast<uint32_t>(k)});
+    if (source[m]) held[fill[m]++] = Held{arc_load_[k], static_cast<uint32_t>(k)};
   }
 
   // Every piece on its way, in the order the receivers take them; pieces
@@ -385,7 +388,7 @@ Result<PlanStep> Balancer::Decision::realise(StepKind kind, std::vector<Node>& n
   };
   for (size_t i = 0; i < nodes.size(); ++i) {
     if (!source[i]) continue;
-    std::vector<Held>& list = arcs[i];
+    const std::span<Held> list(held.get() + first[i], held.get() + first[i + 1]);
     double want = nodes[i].out;
     const bool all = want >= nodes[i].load * (1 - kSlack);  // every arc that carries load
     if (nodes[i].must_empty || all) {
