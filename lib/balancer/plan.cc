@@ -316,15 +316,15 @@ void sort_heaviest_first(std::vector<T>& items, Before before, std::vector<T>& s
 // over unsorted, the lightest arc (the last in the order) last. A scale-out
 // takes about a quarter of each source's arcs and passes over the rest.
 template <typename Take>
-std::optional<uint32_t> scan_heaviest_first(std::span<Held> list, double& want, Take take,
-                                            std::vector<Held>& scratch, std::vector<size_t>& ends) {
-  std::optional<uint32_t> cut;
+std::optional<Held> scan_heaviest_first(std::span<Held> list, double& want, Take take,
+                                        std::vector<Held>& scratch, std::vector<size_t>& ends) {
+  std::optional<Held> cut;
   auto visit = [&](const Held& h) {
     if (h.load <= want * (1 + kSlack)) {
       take(h);
       want -= h.load;
     } else {
-      cut = h.arc;
+      cut = h;
     }
   };
   auto has_load = [](const Held& h) { return h.load > 0; };
@@ -346,7 +346,7 @@ std::optional<uint32_t> scan_heaviest_first(std::span<Held> list, double& want, 
   size_t start = 0;
   for (const size_t end : ends) {
     if (start == end) continue;
-    if (want * (1 + kSlack) < last.load) return last.arc;  // none of the rest fits
+    if (want * (1 + kSlack) < last.load) return last;  // none of the rest fits
     std::sort(scratch.begin() + static_cast<ptrdiff_t>(start),
               scratch.begin() + static_cast<ptrdiff_t>(end), heavier_first);
     for (size_t i = start; i < end; ++i)
@@ -382,9 +382,9 @@ Result<PlanStep> Balancer::Decision::realise(StepKind kind, std::vector<Node>& n
   std::vector<Piece> pieces;
   std::vector<Held> scratch;
   std::vector<size_t> ends;
-  auto arc_piece = [&](uint32_t k, size_t from, bool must) {
-    const Arc a = placement_.arc(k);
-    return Piece{a.lo, a.hi, arc_load_[k], from, must};
+  auto arc_piece = [&](const Held& h, size_t from, bool must) {
+    const Arc a = placement_.arc(h.arc);
+    return Piece{a.lo, a.hi, h.load, from, must};
   };
   for (size_t i = 0; i < nodes.size(); ++i) {
     if (!source[i]) continue;
@@ -393,13 +393,13 @@ Result<PlanStep> Balancer::Decision::realise(StepKind kind, std::vector<Node>& n
     const bool all = want >= nodes[i].load * (1 - kSlack);  // every arc that carries load
     if (nodes[i].must_empty || all) {
       for (const Held& h : list)
-        if (nodes[i].must_empty || h.load > 0) pieces.push_back(arc_piece(h.arc, i, true));
+        if (nodes[i].must_empty || h.load > 0) pieces.push_back(arc_piece(h, i, true));
       continue;
     }
     // Biggest arcs first while they fit; then a cut of the smallest arc that
     // did not fit, for what is left (unless that is dust).
-    const std::optional<uint32_t> cut = scan_heaviest_first(
-        list, want, [&](const Held& h) { pieces.push_back(arc_piece(h.arc, i, false)); }, scratch,
+    const std::optional<Held> cut = scan_heaviest_first(
+        list, want, [&](const Held& h) { pieces.push_back(arc_piece(h, i, false)); }, scratch,
         ends);
     if (cut && want > std::max(0.5 * min_move_, kSlack * nodes[i].out)) {
       if (auto parts = split_piece(arc_piece(*cut, i, false), want)) {
