@@ -2,20 +2,31 @@
 //
 // BM_balancer_decide/<case>: one Balancer::decide() on 512 servers and
 // 100,352 arcs (196 virtual nodes each), the input already built, the step's
-// next placement included. The target is 50 ms: the coordinator plans once a
+// next placement included. BM_balancer_decide_1m/<case>: the same on 1,024
+// servers and 1,000,448 arcs (977 virtual nodes each), the scale of issue 19's
+// control plane. The target is 50 ms for both: the coordinator plans once a
 // second (balancer.interval_ms), so a decision must stay a small part of it.
 //   hold       no straggler: predict, detect, nothing to move
 //   rebalance  one server at half speed for straggler_windows windows
-//   drain      one server draining: all its ~196 arcs leave
-//   scale_out  every server saturated, 256 standby: 128 join, all 512 give
-// BM_balancer_yardstick: their yardstick in the same run (psld bench run's
-// ratio): sorting the 100,352 arcs' loads once, the least a decision that
-// ranks arcs by load must do.
+//   drain      one server draining: all its arcs (196, 977) leave
+//   scale_out  every server saturated, twice max_step_fraction of them on
+//              standby: a quarter of the active count joins (128, 256) and
+//              every server gives
+// BM_balancer_yardstick, BM_balancer_yardstick_1m: their yardsticks in the
+// same run (psld bench run's ratio): sorting the arcs' loads once (100,352;
+// 1,000,448), the least a decision that ranks arcs by load must do.
+//
+// A case's cluster, and the balancer primed with the decisions before the
+// measured one, are built once per process: at 1,000,448 arcs that takes
+// longer than the decisions measured.
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include <benchmark/benchmark.h>
@@ -25,12 +36,20 @@
 namespace psld {
 namespace {
 
-constexpr uint32_t kServers = 512;
-constexpr uint32_t kVnodes = 196;      // 512 x 196 = 100,352 arcs
 constexpr double kRate = 2.5e9;        // bytes/s
 constexpr double kArcBytes = 1 << 20;  // per round, before the per-arc spread
 constexpr uint64_t kRounds = 10;
-constexpr uint32_t kStandby = 256;
+
+// A cluster's size: its servers, their virtual nodes, and the standby
+// servers a scale-out may add.
+struct Size {
+  uint32_t servers = 0;
+  uint32_t vnodes = 0;
+  uint32_t standby = 0;
+  size_t arcs() const { return size_t{servers} * vnodes; }
+};
+constexpr Size kToday{512, 196, 256};     // 100,352 arcs
+constexpr Size kMillion{1024, 977, 512};  // 1,000,448 arcs
 
 enum Case { kHold, kRebalance, kDrain, kScaleOut };
 
@@ -41,10 +60,11 @@ struct Scenario {
 };
 
 // One window per server at `seq`, and the load of every arc.
-BalancerInput make_input(const Placement& p, uint64_t seq, double slow_factor, double other_s,
-                         bool standby) {
+BalancerInput make_input(const Size& size, const Placement& p, uint64_t seq, double slow_factor,
+                         double other_s, bool standby) {
   BalancerInput in;
-  std::vector<double> loads(kServers + 1, 0.0);
+  in.ranges.reserve(p.num_arcs());
+  std::vector<double> loads(size.servers + 1, 0.0);
   for (size_t i = 0; i < p.num_arcs(); ++i) {
     const Arc a = p.arc(i);
     // A deterministic spread of 0.5x .. 1.5x per arc.
@@ -63,16 +83,16 @@ BalancerInput make_input(const Placement& p, uint64_t seq, double slow_factor, d
     in.servers.push_back(ServerHistory{
         s.id, {ServerWindow{seq, p.epoch(), kRounds, bytes, bytes / rate, other_s + slowest}}});
   }
-  for (uint32_t i = 1; standby && i <= kStandby; ++i)
-    in.standby.push_back(ServerSpec{kServers + i, 1.0});
+  for (uint32_t i = 1; standby && i <= size.standby; ++i)
+    in.standby.push_back(ServerSpec{size.servers + i, 1.0});
   return in;
 }
 
-std::optional<Scenario> make_scenario(Case c) {
+std::optional<Scenario> make_scenario(const Size& size, Case c) {
   std::vector<ServerSpec> specs;
-  for (uint32_t i = 1; i <= kServers; ++i)
+  for (uint32_t i = 1; i <= size.servers; ++i)
     specs.push_back(ServerSpec{i, 1.0});
-  auto initial = Placement::initial(specs, kVnodes);
+  auto initial = Placement::initial(specs, size.vnodes);
   if (!initial.ok()) return std::nullopt;
   Placement p = *initial;
   if (c == kDrain) {
@@ -90,17 +110,26 @@ std::optional<Scenario> make_scenario(Case c) {
   // Priming decisions see no draining arcs yet for kDrain: it drains at once.
   Scenario s{p, std::nullopt, {}};
   for (uint64_t seq = 1; seq < priming && c != kDrain; ++seq) {
-    auto plan = b->decide(p, make_input(p, seq, slow, other_s, c == kScaleOut));
+    auto plan = b->decide(p, make_input(size, p, seq, slow, other_s, c == kScaleOut));
     if (!plan.ok() || !plan->steps.empty()) return std::nullopt;
   }
   s.balancer = std::move(*b);
-  s.next = make_input(p, priming, slow, other_s, c == kScaleOut);
+  s.next = make_input(size, p, priming, slow, other_s, c == kScaleOut);
   return s;
 }
 
-void BM_balancer_decide(benchmark::State& state, Case c) {
-  std::optional<Scenario> s = make_scenario(c);
-  if (!s) {
+// Google Benchmark runs a case's function several times (to size its
+// iterations, and once per repetition); the scenario is built the first time.
+const Scenario* scenario(const Size& size, Case c) {
+  static std::map<std::pair<uint32_t, Case>, std::optional<Scenario>> built;
+  auto [it, fresh] = built.try_emplace({size.servers, c});
+  if (fresh) it->second = make_scenario(size, c);
+  return it->second ? &*it->second : nullptr;
+}
+
+void decide(benchmark::State& state, const Size& size, Case c) {
+  const Scenario* s = scenario(size, c);
+  if (s == nullptr) {
     state.SkipWithError("could not build the scenario");
     return;
   }
@@ -122,19 +151,15 @@ void BM_balancer_decide(benchmark::State& state, Case c) {
     moves = plan->steps.empty() ? 0 : plan->steps[0].moves.size();
     benchmark::DoNotOptimize(plan);
   }
-  state.counters["servers"] = kServers;
+  state.counters["servers"] = size.servers;
   state.counters["arcs"] = static_cast<double>(s->placement.num_arcs());
   state.counters["moves"] = static_cast<double>(moves);
 }
-BENCHMARK_CAPTURE(BM_balancer_decide, hold, kHold)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_balancer_decide, rebalance, kRebalance)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_balancer_decide, drain, kDrain)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_balancer_decide, scale_out, kScaleOut)->Unit(benchmark::kMillisecond);
 
-void BM_balancer_yardstick(benchmark::State& state) {
+void yardstick(benchmark::State& state, const Size& size) {
   std::mt19937_64 rng(11);
   std::uniform_real_distribution<double> spread(0.5 * kArcBytes, 1.5 * kArcBytes);
-  std::vector<double> loads(size_t{kServers} * kVnodes);
+  std::vector<double> loads(size.arcs());
   for (double& l : loads)
     l = spread(rng);
   std::vector<double> work;
@@ -147,9 +172,30 @@ void BM_balancer_yardstick(benchmark::State& state) {
   }
   state.counters["arcs"] = static_cast<double>(loads.size());
 }
-BENCHMARK(BM_balancer_yardstick)->Unit(benchmark::kMillisecond);
+
+// BM_balancer_decide<suffix>/<case> for every case, then
+// BM_balancer_yardstick<suffix>, in the order they run.
+void register_size(const std::string& suffix, const Size& size) {
+  const std::pair<const char*, Case> cases[] = {
+      {"hold", kHold}, {"rebalance", kRebalance}, {"drain", kDrain}, {"scale_out", kScaleOut}};
+  for (const auto& [name, c] : cases) {
+    benchmark::RegisterBenchmark(("BM_balancer_decide" + suffix + "/" + name).c_str(), decide, size,
+                                 c)
+        ->Unit(benchmark::kMillisecond);
+  }
+  benchmark::RegisterBenchmark(("BM_balancer_yardstick" + suffix).c_str(), yardstick, size)
+      ->Unit(benchmark::kMillisecond);
+}
 
 }  // namespace
 }  // namespace psld
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  psld::register_size("", psld::kToday);
+  psld::register_size("_1m", psld::kMillion);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -48,9 +48,13 @@ std::string placement_yardstick(const std::string& name) {
   if (name.rfind(prefix, 0) != 0) return "";
   return "BM_placement_yardstick/" + name.substr(prefix.size());
 }
-// BM_balancer_decide/<case> -> BM_balancer_yardstick.
+// BM_balancer_decide/<case> -> BM_balancer_yardstick, and each size's own:
+// BM_balancer_decide_1m/<case> -> BM_balancer_yardstick_1m.
 std::string balancer_yardstick(const std::string& name) {
-  return name.rfind("BM_balancer_decide/", 0) == 0 ? "BM_balancer_yardstick" : "";
+  const std::string prefix = "BM_balancer_decide";
+  const size_t slash = name.find('/');
+  if (name.rfind(prefix, 0) != 0 || slash == std::string::npos) return "";
+  return "BM_balancer_yardstick" + name.substr(prefix.size(), slash - prefix.size());
 }
 
 struct Suite {
@@ -118,7 +122,7 @@ const std::vector<Suite>& all_suites() {
        120},
       {"balancer",
        "balancer_bench",
-       "one decision on 512 servers vs sorting the 100,352 arcs' loads",
+       "one decision on 512 servers (full: also on 1,024) vs sorting the arcs' loads",
        {"--benchmark_filter=^BM_balancer_(decide/(hold|rebalance)|yardstick)$",
         "--benchmark_min_time=0.1"},
        {"--benchmark_min_time=0.2"},

@@ -167,6 +167,25 @@ TEST(PlacementBackup, IsTheNextMemberByIdWrappingAround) {
   EXPECT_EQ(backup_of(one, 5), std::nullopt);
 }
 
+TEST(PlacementServerIndex, FindsServersInTheTableAndAboveIt) {
+  // Five members: ids below 20 are looked up in the table, 1000 and
+  // 4,000,000,000 by the search above it.
+  const std::vector<ServerInfo> servers = {{0}, {2}, {3}, {1000}, {4'000'000'000u}};
+  const ServerIndex index(servers);
+  for (size_t i = 0; i < servers.size(); ++i)
+    EXPECT_EQ(index.find(servers[i].id), i) << servers[i].id;
+  for (ServerId stranger : {1u, 4u, 19u, 20u, 999u, 1001u, 4'000'000'001u, UINT32_MAX})
+    EXPECT_EQ(index.find(stranger), ServerIndex::kNone) << stranger;
+  EXPECT_EQ(ServerIndex(std::span<const ServerInfo>()).find(0), ServerIndex::kNone);
+  // Any list of distinct ids, in any order.
+  const std::vector<ServerId> ids = {7, 5000, 1, 6};
+  const ServerIndex of_ids(ids);
+  for (size_t i = 0; i < ids.size(); ++i)
+    EXPECT_EQ(of_ids.find(ids[i]), i) << ids[i];
+  EXPECT_EQ(of_ids.find(0), ServerIndex::kNone);
+  EXPECT_EQ(of_ids.find(5001), ServerIndex::kNone);
+}
+
 TEST(PlacementInitial, ServersAreInterleavedAroundTheRing) {
   // Equal arcs handed out in token-hash order, not in blocks: each server's
   // arcs are spread, so every quarter of the ring has arcs of every server.

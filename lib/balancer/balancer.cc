@@ -243,10 +243,16 @@ std::string Balancer::Decision::moves_text(const PlanStep& step) const {
   std::vector<const Move*> biggest;
   for (const Move& m : step.moves)
     biggest.push_back(&m);
-  std::stable_sort(biggest.begin(), biggest.end(), [](const Move* a, const Move* b) {
-    return a->bytes_per_round > b->bytes_per_round;
-  });
-  for (size_t i = 0; i < biggest.size() && i < kLoggedMoves; ++i) {
+  // The biggest first, ties in the plan's order: only the few logged are
+  // put in order (a scale-out on 1,024 servers plans 42,453 moves).
+  const size_t logged = std::min(biggest.size(), kLoggedMoves);
+  std::partial_sort(biggest.begin(), biggest.begin() + static_cast<ptrdiff_t>(logged),
+                    biggest.end(), [](const Move* a, const Move* b) {
+                      return a->bytes_per_round != b->bytes_per_round
+                                 ? a->bytes_per_round > b->bytes_per_round
+                                 : a < b;
+                    });
+  for (size_t i = 0; i < logged; ++i) {
     const Move& m = *biggest[i];
     out += fmt::format("{}[{:#x}, {:#x}] {}->{} {}", i == 0 ? ": " : ", ", m.lo, m.hi, m.from, m.to,
                        bytes_text(m.bytes_per_round));

@@ -149,25 +149,6 @@ void Balancer::Decision::ingest() {
 }
 
 void Balancer::Decision::measure_load() {
-  const size_t n_arcs = placement_.num_arcs();
-  arc_load_.assign(n_arcs, 0.0);
-  // A measured range spreads its load over the current arcs it overlaps, in
-  // proportion to the hashes they share: keys are hashed, so hashes are the
-  // best guess of where the bytes are.
-  size_t i = 0;
-  for (const RangeLoad& r : input_.ranges) {
-    if (r.bytes_per_round <= 0) continue;
-    i = std::max(i, placement_.arc_index_of_hash(r.lo));
-    const u128 width = hashes_in(r.lo, r.hi);
-    for (;; ++i) {
-      const Arc a = placement_.arc(i);
-      const uint64_t lo = std::max(a.lo, r.lo);
-      const uint64_t hi = std::min(a.hi, r.hi);
-      arc_load_[i] += r.bytes_per_round * fraction_of(hashes_in(lo, hi), width);
-      if (a.hi >= r.hi) break;  // the next range may start in this arc
-    }
-  }
-
   const std::vector<ServerInfo>& infos = placement_.servers();
   members_.resize(infos.size());
   for (size_t m = 0; m < infos.size(); ++m) {
@@ -176,15 +157,43 @@ void Balancer::Decision::measure_load() {
     members_[m].weight = infos[m].weight;
     members_[m].tracked = &balancer_.servers_[infos[m].id];
   }
-  arc_member_.resize(n_arcs);
+  const ServerIndex index(infos);
+
+  // One pass over the arcs and the ranges together: a million arcs make
+  // every pass over them count. The owners' sums are kept apart from the
+  // members, small enough to stay in the nearest cache.
+  const size_t n_arcs = placement_.num_arcs();
+  const std::vector<RangeLoad>& ranges = input_.ranges;
+  std::vector<double> owner_load(members_.size(), 0.0);
+  std::vector<size_t> owner_arcs(members_.size(), 0);
+  arc_load_.clear();
+  arc_load_.reserve(n_arcs);
+  arc_member_.clear();
+  arc_member_.reserve(n_arcs);
+  size_t r = 0;  // the first range that may reach the arc
   for (size_t k = 0; k < n_arcs; ++k) {
-    const ServerId owner = placement_.arc(k).owner;
-    const auto it = std::lower_bound(infos.begin(), infos.end(), owner,
-                                     [](const ServerInfo& s, ServerId v) { return s.id < v; });
-    const auto m = static_cast<uint32_t>(it - infos.begin());
-    arc_member_[k] = m;
-    members_[m].load += arc_load_[k];
-    ++members_[m].arcs;
+    const Arc a = placement_.arc(k);
+    // A measured range spreads its load over the current arcs it overlaps, in
+    // proportion to the hashes they share: keys are hashed, so hashes are the
+    // best guess of where the bytes are.
+    double load = 0;
+    for (; r < ranges.size() && ranges[r].lo <= a.hi; ++r) {
+      const RangeLoad& range = ranges[r];
+      if (range.bytes_per_round > 0) {
+        const u128 shared = hashes_in(std::max(a.lo, range.lo), std::min(a.hi, range.hi));
+        load += range.bytes_per_round * fraction_of(shared, hashes_in(range.lo, range.hi));
+      }
+      if (range.hi > a.hi) break;  // it goes on into the next arc
+    }
+    const uint32_t m = index.find(a.owner);  // every owner is a member
+    arc_load_.push_back(load);
+    arc_member_.push_back(m);
+    owner_load[m] += load;
+    ++owner_arcs[m];
+  }
+  for (size_t m = 0; m < members_.size(); ++m) {
+    members_[m].load = owner_load[m];
+    members_[m].arcs = owner_arcs[m];
   }
 }
 

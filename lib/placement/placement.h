@@ -18,6 +18,7 @@
 #include <set>
 #include <span>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "base/hash.h"
@@ -46,6 +47,30 @@ struct ServerInfo {
   double weight = 1.0;
   ServerState state = ServerState::kActive;
   bool operator==(const ServerInfo&) const = default;
+};
+
+// Where each server sits in a list of distinct ids (a placement's servers(),
+// a plan's servers), for code that looks up the owner of every arc: a table
+// for ids below four times the count (the coordinator numbers servers by rank
+// from 0, standby ones after them), a binary search above it. A placement of
+// a million arcs asks once per arc; a binary search per arc took most of a
+// balancer decision.
+class ServerIndex {
+ public:
+  static constexpr uint32_t kNone = UINT32_MAX;
+
+  explicit ServerIndex(std::span<const ServerId> ids);
+  explicit ServerIndex(std::span<const ServerInfo> servers);  // by their ids
+  // i with ids[i] == id, or kNone.
+  uint32_t find(ServerId id) const { return id < table_.size() ? table_[id] : search(id); }
+
+ private:
+  template <typename IdOf>
+  void build(size_t count, IdOf id_of);
+  uint32_t search(ServerId id) const;
+
+  std::vector<uint32_t> table_;                       // by id: its position, or kNone
+  std::vector<std::pair<ServerId, uint32_t>> above_;  // ids beyond the table, sorted
 };
 
 // An inclusive range [lo, hi] of hash values and its owner.
