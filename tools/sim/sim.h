@@ -60,9 +60,9 @@ struct SimOptions {
   // job's CPU, divided by the cores; a server's busy time counts its own
   // chunks' CPU. The defaults fit `psld bench stragglers` on 2 cores
   // (docs/sim.md).
-  double chunk_s = 45e-6;
+  double chunk_s = 10.5e-6;
   uint32_t cores = 2;
-  double other_s = 6e-3;  // the rest of a round: workers' own work, latency
+  double other_s = 4.7e-3;  // the rest of a round: workers' own work, latency
   // Noise of a shared machine: each server's time a round is multiplied by
   // 1 + noise x X, X >= 0 a correlated series of mean about 0.25 with spikes
   // of 1-3 (docs/sim.md); 0: none.

@@ -43,10 +43,10 @@ placement and load history deciding on simulated time, and prints the table
                     (1 + L x a correlated series of mean ~0.35 with spikes)
                     (default 0)
   --chunk-us US     CPU per chunk and worker, worker and server together
-                    (default 45)
+                    (default 10.5)
   --cores N         cores the whole job shares; 0: each server its own
                     (default 2: this machine)
-  --other-ms MS     the rest of a round: workers' own work (default 6)
+  --other-ms MS     the rest of a round: workers' own work (default 4.7)
   --stats-ms MS     servers' load windows (default 50)
   --interval-ms MS  the balancer's interval (default 250)
   --seed N          (default 1)
@@ -72,9 +72,9 @@ struct Options {
   std::optional<double> scale;
   double rate = 100e6;
   double noise = 0;
-  double chunk_s = 45e-6;
+  double chunk_s = 10.5e-6;
   uint32_t cores = 2;
-  double other_s = 6e-3;
+  double other_s = 4.7e-3;
   double stats_s = 0.05;
   double interval_s = 0.25;
   uint64_t seed = 1;
@@ -247,7 +247,7 @@ std::string describe(const Options& o, const bench::Scenario& sc,
   return fmt::format(
       "Simulated (psld sim, seed {}): {} at 1/{:.0f} scale: {} tensors, {:.2f} MB pushed and "
       "pulled by each worker a round; {} workers, {} servers{}; capacity {:.0f} MB/s ({}); "
-      "{:.0f} us a chunk on {} cores, {:.1f} ms a round besides; {} rounds; the balancer plans "
+      "{:.1f} us a chunk on {} cores, {:.1f} ms a round besides; {} rounds; the balancer plans "
       "every {:.0f} ms on {:.0f} ms windows{}",
       o.seed, sc.profile, 1 / sc.scale, tensors.size(), static_cast<double>(bytes) / 1e6, o.workers,
       sc.servers, sc.standby ? fmt::format(" + {} standby", sc.standby) : "", o.rate / 1e6,
