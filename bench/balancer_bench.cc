@@ -7,7 +7,7 @@
 // control plane. The target is 50 ms for both: the coordinator plans once a
 // second (balancer.interval_ms), so a decision must stay a small part of it.
 //   hold       no straggler: predict, detect, nothing to move
-//   rebalance  one server at half speed for straggler_windows windows
+//   rebalance  one server at half speed, until the straggler test's alarm
 //   drain      one server draining: all its arcs (196, 977) leave
 //   scale_out  every server saturated, twice max_step_fraction of them on
 //              standby: a quarter of the active count joins (128, 256) and
@@ -106,15 +106,27 @@ std::optional<Scenario> make_scenario(const Size& size, Case c) {
   if (!b.ok()) return std::nullopt;
   const double slow = c == kRebalance ? 0.5 : 1.0;
   const double other_s = c == kScaleOut ? 0.0 : 1.0;  // worker-bound unless scaling out
-  const uint32_t priming = c == kScaleOut ? o.scale_out_windows : o.straggler_windows;
-  // Priming decisions see no draining arcs yet for kDrain: it drains at once.
+  // The measured decision is the first that plans (rebalance: once the
+  // straggler test raises its alarm; scale-out: after scale_out_windows
+  // saturated windows); the ones before it are holds, taken here. A hold is
+  // measured after two windows; a drain at once (it needs no evidence).
   Scenario s{p, std::nullopt, {}};
-  for (uint64_t seq = 1; seq < priming && c != kDrain; ++seq) {
-    auto plan = b->decide(p, make_input(size, p, seq, slow, other_s, c == kScaleOut));
+  uint64_t seq = 1;
+  for (; c == kHold && seq < 3; ++seq) {
+    auto plan = b->decide(p, make_input(size, p, seq, slow, other_s, false));
     if (!plan.ok() || !plan->steps.empty()) return std::nullopt;
   }
+  for (; c == kRebalance || c == kScaleOut; ++seq) {
+    if (seq > 64) return std::nullopt;  // never planned
+    BalancerInput in = make_input(size, p, seq, slow, other_s, c == kScaleOut);
+    Balancer trial = *b;
+    auto plan = trial.decide(p, in);
+    if (!plan.ok()) return std::nullopt;
+    if (!plan->steps.empty()) break;
+    *b = std::move(trial);
+  }
   s.balancer = std::move(*b);
-  s.next = make_input(size, p, priming, slow, other_s, c == kScaleOut);
+  s.next = make_input(size, p, seq, slow, other_s, c == kScaleOut);
   return s;
 }
 
