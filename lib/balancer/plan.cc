@@ -619,10 +619,12 @@ Result<std::optional<PlanStep>> Balancer::Decision::rebalance_step(std::string* 
   // largest relative standard error of an active rate) is noise, not
   // imbalance. (A new straggler has passed the sequential test already.)
   double uncertain = 0;
-  for (const Member& m : stragglers.empty() ? members_ : std::vector<Member>{}) {
-    const Tracked& t = *m.tracked;
-    if (m.active() && t.rate_samples > 0 && t.rate > 0)
-      uncertain = std::max(uncertain, 2 * rate_error(t) / t.rate);
+  if (stragglers.empty()) {
+    for (const Member& m : members_) {
+      const Tracked& t = *m.tracked;
+      if (m.active() && t.rate_samples > 0 && t.rate > 0)
+        uncertain = std::max(uncertain, 2 * rate_error(t) / t.rate);
+    }
   }
   if (!(gain > cost) || gain < std::max(options_.settle_gain, uncertain) * before) {
     balancer_.rebalancing_ = false;

@@ -88,10 +88,12 @@ struct Window {
 
 // What the placement in force gives each server and arc, per round and worker.
 struct Loads {
-  std::vector<double> bytes;               // per server id: each way, per worker
-  std::vector<double> chunks;              // per server id
-  std::map<uint64_t, uint64_t> arc_bytes;  // per arc lo, per worker
-  std::vector<ServerId> owner;             // per key
+  std::vector<double> bytes;   // per server id: each way, per worker
+  std::vector<double> chunks;  // per server id
+  // Per arc (by its first hash) that holds keys: its owner and its bytes
+  // per worker.
+  std::map<uint64_t, std::pair<ServerId, uint64_t>> arcs;
+  std::vector<ServerId> owner;  // per key
 };
 
 Loads loads_of(const Placement& p, const std::vector<bench::ModelKey>& keys,
@@ -108,7 +110,9 @@ Loads loads_of(const Placement& p, const std::vector<bench::ModelKey>& keys,
       l.bytes[a.owner] += static_cast<double>(keys[k].bytes);
       l.chunks[a.owner] += 1;
     }
-    l.arc_bytes[a.lo] += keys[k].bytes;
+    auto& arc_load = l.arcs[a.lo];
+    arc_load.first = a.owner;
+    arc_load.second += keys[k].bytes;
   }
   return l;
 }
@@ -277,7 +281,7 @@ Result<SimResult> simulate(const SimOptions& o) {
   size_t event = 0;
 
   // Every server's window as a LoadReport into the coordinator's history.
-  auto report = [&](uint64_t round) {
+  auto report = [&] {
     for (size_t i = 0; i < ids; ++i) {
       Window& w = windows[i];
       protocol::LoadReport r;
@@ -298,7 +302,6 @@ Result<SimResult> simulate(const SimOptions& o) {
       w = Window{};
       w.seq = seq;
     }
-    (void)round;
   };
 
   for (uint64_t r = 1; r <= o.rounds; ++r) {
@@ -310,7 +313,7 @@ Result<SimResult> simulate(const SimOptions& o) {
     std::vector<double> extra_s(ids, 0.0);
     if (pending && pending->round == r) {
       // The switch: the moved keys' bytes leave one link and enter another.
-      report(r);  // windows do not straddle epochs
+      report();  // windows do not straddle epochs
       const Loads next = loads_of(pending->next, o.keys, hashes, ids);
       for (size_t k = 0; k < o.keys.size(); ++k) {
         const ServerId from = loads.owner[k], to = next.owner[k];
@@ -356,12 +359,12 @@ Result<SimResult> simulate(const SimOptions& o) {
       w.busy_s += busy[i];
       w.rounds += 1;
     }
-    for (const auto& [lo, bytes] : loads.arc_bytes) {
-      const ServerId owner = placement.owner_of_hash(lo);
+    for (const auto& [lo, arc] : loads.arcs) {
+      const auto& [owner, bytes] = arc;
       if (owner < ids) windows[owner].arcs[lo] += static_cast<uint64_t>(workers) * bytes;
     }
     if (now_s >= next_stats_s) {
-      report(r);
+      report();
       while (next_stats_s <= now_s)
         next_stats_s += o.stats_interval_s;
     }
