@@ -2,7 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -246,6 +249,13 @@ Result<std::vector<Policy>> parse_policies(const std::string& list) {
   }
   if (out.empty()) return InvalidArgument("nothing to run: give at least one policy");
   return out;
+}
+
+Status ScenarioReport::open() const {
+  if (!out_dir_.empty() && ::mkdir(out_dir_.c_str(), 0755) != 0 && errno != EEXIST) {
+    return Unavailable(fmt::format("cannot create {}", out_dir_));
+  }
+  return Status::Ok();
 }
 
 Status ScenarioReport::add(const Scenario& sc, const std::string& description,

@@ -68,6 +68,8 @@ class ScenarioReport {
   ScenarioReport(std::string program, std::string out_dir, std::string json)
       : program_(std::move(program)), out_dir_(std::move(out_dir)), json_(std::move(json)) {}
 
+  // Creates the output folder, if one was named and it does not exist.
+  Status open() const;
   // `description` is the line under the title; `extra` follows the table.
   Status add(const Scenario& sc, const std::string& description,
              const std::vector<RunResult>& results, const std::string& extra = "");

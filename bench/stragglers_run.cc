@@ -2,7 +2,6 @@
 // each policy, as an in-process job of real servers and workers behind
 // emulated links, one after the other in one run (docs/stragglers.md).
 #include <fmt/format.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -448,14 +447,14 @@ int run_stragglers(int argc, char** argv) {
       return 2;
     }
   }
-  if (!o.out_dir.empty() && ::mkdir(o.out_dir.c_str(), 0755) != 0 && errno != EEXIST) {
-    std::fprintf(stderr, "psld bench stragglers: cannot create %s\n", o.out_dir.c_str());
+  ScenarioReport out("psld bench stragglers", o.out_dir, o.json);
+  if (Status s = out.open(); !s.ok()) {
+    std::fprintf(stderr, "psld bench stragglers: %s\n", s.message().c_str());
     return 2;
   }
   Watchdog watchdog("psld bench stragglers");
   std::optional<Noise> noise;
   if (o.noise > 0) noise.emplace(o.noise, o.noise_duty);
-  ScenarioReport out("psld bench stragglers", o.out_dir, o.json);
   const auto t0 = Clock::now();
   for (const Scenario& sc : o.scenarios) {
     auto profile = load_profile(sc.profile);

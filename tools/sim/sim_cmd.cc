@@ -2,9 +2,7 @@
 // of your own) simulated under every placement policy, reported with the
 // same table as `psld bench stragglers`.
 #include <fmt/format.h>
-#include <sys/stat.h>
 
-#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -273,12 +271,12 @@ int run_sim(int argc, char** argv) {
     return 2;
   }
   const Options& o = *parsed;
-  if (!o.out_dir.empty() && ::mkdir(o.out_dir.c_str(), 0755) != 0 && errno != EEXIST) {
-    std::fprintf(stderr, "psld sim: cannot create %s\n", o.out_dir.c_str());
+  bench::ScenarioReport out("psld sim", o.out_dir, o.json);
+  if (Status s = out.open(); !s.ok()) {
+    std::fprintf(stderr, "psld sim: %s\n", s.message().c_str());
     return 2;
   }
   const auto t0 = std::chrono::steady_clock::now();
-  bench::ScenarioReport out("psld sim", o.out_dir, o.json);
   for (const bench::Scenario& sc : o.scenarios) {
     auto profile = bench::load_profile(sc.profile);
     if (!profile.ok()) {
