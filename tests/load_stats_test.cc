@@ -2,8 +2,11 @@
 // coordinator's bounded memory of it (LoadHistory).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <map>
 #include <set>
+#include <vector>
 
 #include "base/clock.h"
 #include "lib/stats/load_history.h"
@@ -138,8 +141,8 @@ LoadReport server_report(uint32_t rank, uint64_t window, std::vector<uint64_t> a
   return r;
 }
 
-TEST(LoadHistory, KeepsTheRecentWindowsOfEachServerAndArc) {
-  LoadHistory h(LoadHistory::Options{4, 2, 100});
+TEST(LoadHistory, KeepsTheRecentWindowsOfEachServerAndEachArcsLoad) {
+  LoadHistory h(LoadHistory::Options{4, 100});
   for (uint64_t w = 0; w < 10; ++w)
     h.ingest(server_report(1, w, {0x10, 0x20}));
   ASSERT_NE(h.server(1), nullptr);
@@ -147,21 +150,111 @@ TEST(LoadHistory, KeepsTheRecentWindowsOfEachServerAndArc) {
   EXPECT_EQ(h.server(1)->front().window, 6u);
   EXPECT_EQ(h.server(1)->back().window, 9u);
   EXPECT_EQ(h.server(0), nullptr);
-  ASSERT_EQ(h.arcs().size(), 2u);
-  EXPECT_EQ(h.arcs().at(0x10).size(), 2u);
-  EXPECT_EQ(h.arcs().at(0x10).back().server, 1u);
+  ASSERT_EQ(h.num_arcs(), 2u);
+  const ArcLoadRecord* a = h.arc(0x10);
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(a->server, 1u);
+  EXPECT_EQ(a->window, 9u);
+  EXPECT_EQ(a->windows, 10u);  // every window since the start: none taken yet
+  EXPECT_EQ(a->bytes_in, 10u);
+  EXPECT_EQ(a->bytes_out, 20u);
+  EXPECT_EQ(a->busy_ns, 30u);
+  EXPECT_EQ(a->requests, 40u);
+  EXPECT_EQ(h.arc(0x30), nullptr);
   // Part 1 of a window adds entries, not a second copy of the totals.
   LoadReport part = server_report(1, 10, {0x30});
   part.part = 1;
   part.parts = 2;
   h.ingest(part);
   EXPECT_EQ(h.server(1)->back().window, 9u);
-  EXPECT_EQ(h.arcs().count(0x30), 1u);
+  ASSERT_NE(h.arc(0x30), nullptr);
+  EXPECT_EQ(h.arc(0x30)->bytes_in, 1u);
+}
+
+TEST(LoadHistory, TakingAnArcsLoadClearsItAndANewEpochStartsItAgain) {
+  LoadHistory h;
+  LoadReport r = server_report(1, 0, {0x10, 0x20});
+  r.epoch = 3;
+  h.ingest(r);
+  r.window = 1;
+  h.ingest(r);
+  std::map<uint64_t, uint64_t> taken;
+  // Another epoch's take sees nothing, and clears.
+  h.take_arcs(2, [&](const ArcLoadRecord& a) { taken[a.lo] += a.bytes_in; });
+  EXPECT_TRUE(taken.empty());
+  h.ingest(r);
+  h.take_arcs(3, [&](const ArcLoadRecord& a) { taken[a.lo] += a.bytes_in; });
+  EXPECT_EQ(taken, (std::map<uint64_t, uint64_t>{{0x10, 1}, {0x20, 1}}));
+  taken.clear();
+  h.take_arcs(3, [&](const ArcLoadRecord& a) { taken[a.lo] += a.bytes_in; });
+  EXPECT_TRUE(taken.empty());  // nothing since the take
+  EXPECT_EQ(h.arc(0x10)->total_in, 3u);
+  // The arc moves to server 2 at epoch 4; a late part of epoch 3 from
+  // server 1 changes nothing.
+  LoadReport moved = server_report(2, 0, {0x10});
+  moved.epoch = 4;
+  h.ingest(moved);
+  h.ingest(r);
+  const ArcLoadRecord* a = h.arc(0x10);
+  EXPECT_EQ(a->server, 2u);
+  EXPECT_EQ(a->epoch, 4u);
+  EXPECT_EQ(a->total_in, 1u);
+  h.take_arcs(4, [&](const ArcLoadRecord& rec) { taken[rec.lo] += rec.bytes_in; });
+  EXPECT_EQ(taken, (std::map<uint64_t, uint64_t>{{0x10, 1}}));
+}
+
+TEST(LoadHistory, FindsEveryArcOfAMillion) {
+  LoadHistory h;
+  std::vector<uint64_t> los;
+  uint64_t x = 88172645463325252ull;
+  for (int i = 0; i < 1'000'000; ++i) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    los.push_back(x);
+  }
+  for (size_t i = 0; i < los.size(); i += 160) {
+    const size_t end = std::min(los.size(), i + 160);
+    h.ingest(server_report(static_cast<uint32_t>(i % 7), 0, {los.begin() + i, los.begin() + end}));
+  }
+  EXPECT_EQ(h.num_arcs(), los.size());
+  for (uint64_t lo : los) {
+    const ArcLoadRecord* a = h.arc(lo);
+    ASSERT_NE(a, nullptr);
+    ASSERT_EQ(a->lo, lo);
+  }
+  EXPECT_EQ(h.arc(12345), nullptr);
+  // A take gives them in the order of lo; arcs added later merge into it.
+  const auto take = [&] {
+    std::vector<uint64_t> order;
+    h.take_arcs(0, [&](const ArcLoadRecord& a) { order.push_back(a.lo); });
+    return order;
+  };
+  std::vector<uint64_t> order = take();
+  ASSERT_EQ(order.size(), los.size());
+  EXPECT_TRUE(std::is_sorted(order.begin(), order.end()));
+  EXPECT_TRUE(take().empty());
+  std::vector<uint64_t> more;
+  for (uint64_t i = 1; i <= 1000; ++i)
+    more.push_back(i * 0x0123456789ull);
+  h.ingest(server_report(1, 1, {more.begin(), more.begin() + 160}));
+  h.ingest(server_report(1, 1, {los.begin(), los.begin() + 10}));
+  for (size_t i = 160; i < more.size(); i += 160) {
+    h.ingest(
+        server_report(1, 1, {more.begin() + i, more.begin() + std::min(more.size(), i + 160)}));
+  }
+  order = take();
+  EXPECT_EQ(order.size(), more.size() + 10);
+  EXPECT_TRUE(std::is_sorted(order.begin(), order.end()));
+  for (uint64_t lo : more)
+    ASSERT_NE(h.arc(lo), nullptr);
+  ASSERT_NE(h.arc(los[5]), nullptr);
+  EXPECT_EQ(h.arc(los[5])->total_in, 2u);
 }
 
 TEST(LoadHistory, MemoryIsBoundedWhateverTheJobLength) {
-  constexpr size_t kServerWindows = 16, kArcWindows = 4, kMaxArcs = 1000;
-  LoadHistory h(LoadHistory::Options{kServerWindows, kArcWindows, kMaxArcs});
+  constexpr size_t kServerWindows = 16, kMaxArcs = 1000;
+  LoadHistory h(LoadHistory::Options{kServerWindows, kMaxArcs});
   size_t peak = 0;
   // 100,000 windows from 8 servers; the arcs change every window (as after
   // placement changes), and workers report on every server.
@@ -176,12 +269,14 @@ TEST(LoadHistory, MemoryIsBoundedWhateverTheJobLength) {
     h.ingest(worker);
     peak = std::max(peak, h.entries());
   }
-  EXPECT_LE(h.arcs().size(), kMaxArcs);
-  const size_t bound = 8 * kServerWindows + 8 * kServerWindows * 4 + kMaxArcs * kArcWindows;
+  EXPECT_LE(h.num_arcs(), kMaxArcs);
+  const size_t bound = 8 * kServerWindows + 8 * kServerWindows * 4 + kMaxArcs;
   EXPECT_LE(peak, bound);
-  // The newest arcs survived eviction.
-  EXPECT_EQ(h.arcs().count(99'999 * 3), 1u);
-  EXPECT_EQ(h.arcs().count(0), 0u);
+  // The newest arcs survived eviction, and the index still finds them.
+  EXPECT_NE(h.arc(99'999 * 3), nullptr);
+  EXPECT_NE(h.arc(99'999 * 3 + 2), nullptr);
+  EXPECT_EQ(h.arc(0), nullptr);
+  EXPECT_GT(h.num_arcs(), kMaxArcs / 2);
 }
 
 }  // namespace

@@ -306,10 +306,8 @@ TEST_P(Runtime, TheCoordinatorHearsEveryPushedByteInTheLoadReports) {
           answers += v.peer.answers;
       }
     }
-    for (const auto& [lo, ring] : h.arcs()) {
-      for (const auto& win : ring)
-        reported_arcs[win.server] += win.bytes_in;
-    }
+    for (const ArcLoadRecord& a : h.arcs())
+      reported_arcs[a.server] += a.total_in;
     return reported_in == pushed && answers == want_answers;
   };
   EXPECT_TRUE(eventually("the last windows", 5s, all_reported, 50ms));

@@ -1,10 +1,11 @@
 #include "lib/coordinator/balance_feed.h"
 
 #include <algorithm>
+#include <vector>
 
 namespace psld {
 
-std::optional<BalancerInput> BalanceFeed::next(const LoadHistory& load, const Placement& placement,
+std::optional<BalancerInput> BalanceFeed::next(LoadHistory& load, const Placement& placement,
                                                std::span<const uint32_t> server_ranks, uint64_t seq,
                                                const DecisionPoint& at) {
   const bool first = !started_;
@@ -44,18 +45,19 @@ std::optional<BalancerInput> BalanceFeed::next(const LoadHistory& load, const Pl
     }
     if (any) input.servers.push_back(ServerHistory{rank, {w}});
   }
-  for (const auto& [lo, ring] : load.arcs()) {
-    const Arc arc = placement.arc(placement.arc_index_of_hash(lo));
-    if (arc.lo != lo) continue;  // an arc of an older epoch, since cut
-    double bytes = 0;
-    for (const auto& win : ring) {
-      if (win.epoch != placement.epoch()) continue;
-      const auto seen = seen_.find(win.server);
-      if (seen != seen_.end() && win.window <= seen->second) continue;
-      bytes += static_cast<double>(win.bytes_in + win.bytes_out);
-    }
+  // Every arc's load since the previous decision, in the current epoch. The
+  // history gives them in the order of lo, the placement's order: one pass.
+  input.ranges.reserve(placement.num_arcs());
+  size_t i = 0;
+  load.take_arcs(placement.epoch(), [&](const ArcLoadRecord& a) {
+    while (i < placement.num_arcs() && placement.arc(i).hi < a.lo)
+      ++i;
+    if (i == placement.num_arcs()) return;
+    const Arc arc = placement.arc(i);
+    if (arc.lo != a.lo) return;  // not an arc of this epoch (a bad report)
+    const double bytes = static_cast<double>(a.bytes_in + a.bytes_out);
     if (bytes > 0) input.ranges.push_back({arc.lo, arc.hi, bytes / static_cast<double>(rounds)});
-  }
+  });
   seen_ = std::move(newest);
   for (uint32_t rank : server_ranks) {
     if (placement.find_server(rank) == nullptr) input.standby.push_back({rank, 1.0});

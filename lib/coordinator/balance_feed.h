@@ -35,8 +35,9 @@ class BalanceFeed {
   // load of every arc of the current epoch in those windows; and as standby
   // every rank outside the placement. nullopt on the first call (nothing to
   // compare against yet) and when no round passed; the call still starts
-  // the next window.
-  std::optional<BalancerInput> next(const LoadHistory& load, const Placement& placement,
+  // the next window. Takes the arcs' load from `load` (LoadHistory::take_arcs)
+  // when it returns an input.
+  std::optional<BalancerInput> next(LoadHistory& load, const Placement& placement,
                                     std::span<const uint32_t> server_ranks, uint64_t seq,
                                     const DecisionPoint& at);
 
