@@ -179,6 +179,7 @@ TEST(Config, EveryKeyCanBeSetFromEachSource) {
       {"liveness.heartbeat_timeout_ms", "1000"},
       {"liveness.connect_timeout_ms", "3000"},
       {"stats.interval_ms", "50"},
+      {"stats.worker_peers", "16"},
       {"balancer.enabled", "false"},
       {"balancer.interval_ms", "500"},
       {"balancer.straggler_threshold", "0.25"},
@@ -743,6 +744,8 @@ TEST(Config, EveryValidationRuleNamesItsKey) {
       {"connect 0", [](Config& c) { c.liveness.connect_timeout_ms = 0; },
        "liveness.connect_timeout_ms", "1..86400000"},
       {"stats 0", [](Config& c) { c.stats.interval_ms = 0; }, "stats.interval_ms", "1..3600000"},
+      {"worker peers", [](Config& c) { c.stats.worker_peers = -1; }, "stats.worker_peers",
+       "0..65536"},
       {"balancer 0", [](Config& c) { c.balancer.interval_ms = 0; }, "balancer.interval_ms",
        "1..86400000"},
       {"balancer<stats", [](Config& c) { c.balancer.interval_ms = 50; }, "balancer.interval_ms",
@@ -1174,6 +1177,7 @@ Config everything_changed() {
   c.liveness.heartbeat_timeout_ms = 21;
   c.liveness.connect_timeout_ms = 99;
   c.stats.interval_ms = 7;
+  c.stats.worker_peers = 3;
   c.balancer.enabled = false;
   c.balancer.interval_ms = 7;
   c.ucx.tls = "^ib";

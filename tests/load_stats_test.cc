@@ -130,6 +130,72 @@ TEST(LoadRecorder, WorkersReportEachServersAnswers) {
   EXPECT_EQ(r.peers[1].p99_ns, 99'000u);
 }
 
+TEST(WorkerPeers, EveryServerUntilTheJobIsLargeThenASampleOfFixedSize) {
+  EXPECT_EQ(worker_peer_limit(0, 4, 4), 0u);  // all
+  EXPECT_EQ(worker_peer_limit(0, 64, 1024), 0u);
+  EXPECT_EQ(worker_peer_limit(0, 10'000, 1024), 6u);
+  EXPECT_EQ(worker_peer_limit(0, 65'536, 1024), 4u);
+  EXPECT_EQ(worker_peer_limit(16, 4, 4), 16u);
+}
+
+TEST(WorkerPeers, TheSlowestAlwaysAndEveryServerCoveredEachWindow) {
+  constexpr uint32_t kServers = 1024, kWorkers = 10'000;
+  const size_t limit = worker_peer_limit(0, kWorkers, kServers);
+  std::vector<protocol::PeerLoad> all;
+  for (uint32_t s = 0; s < kServers; ++s)
+    all.push_back({s, 100, 1, 1000 + (s == 77 ? 5000u : s % 13), 2000});
+  for (uint64_t window : {0u, 1u, 9u}) {
+    std::vector<size_t> named(kServers, 0);
+    for (uint32_t w = 0; w < kWorkers; ++w) {
+      auto peers = all;
+      sample_peers(peers, limit, w, window);
+      ASSERT_LE(peers.size(), limit);
+      ASSERT_GE(peers.size(), limit - 1);
+      ASSERT_TRUE(std::is_sorted(peers.begin(), peers.end(),
+                                 [](const auto& a, const auto& b) { return a.server < b.server; }));
+      bool slowest = false;
+      for (const auto& p : peers) {
+        ++named[p.server];
+        slowest = slowest || p.server == 77;
+      }
+      ASSERT_TRUE(slowest) << "worker " << w;
+    }
+    // (limit - 1) x workers rotating entries over 1,024 servers: 48 or 49 each.
+    const size_t even = (limit - 1) * kWorkers / kServers;
+    for (uint32_t s = 0; s < kServers; ++s) {
+      if (s == 77) continue;
+      EXPECT_GE(named[s], even) << "server " << s;
+      EXPECT_LE(named[s], even + 1) << "server " << s;
+    }
+  }
+  // One worker names every server within ceil(1,023 / 5) windows.
+  std::set<uint32_t> seen;
+  for (uint64_t window = 0; window < (kServers + limit - 2) / (limit - 1); ++window) {
+    auto peers = all;
+    sample_peers(peers, limit, 3, window);
+    for (const auto& p : peers)
+      seen.insert(p.server);
+  }
+  EXPECT_EQ(seen.size(), kServers);
+}
+
+TEST(WorkerPeers, ARecorderWithALimitReportsThatMany) {
+  auto rec = *LoadRecorder::make(Role::kWorker);
+  rec->set_peer_limit(4);
+  for (uint64_t s = 0; s < 100; ++s) {
+    rec->record(s, LoadMetric::kPushedBytes, 10);
+    rec->record(s, LoadMetric::kAnswerNs, s == 42 ? 1e6 : 1e3);
+  }
+  auto reports = rec->close_window(1, 0, 100'000'000);
+  ASSERT_EQ(reports.size(), 1u);
+  EXPECT_EQ(reports[0].bytes_out, 1000u);  // the totals count every server
+  ASSERT_EQ(reports[0].peers.size(), 4u);
+  bool slowest = false;
+  for (const auto& p : reports[0].peers)
+    slowest = slowest || p.server == 42;
+  EXPECT_TRUE(slowest);
+}
+
 LoadReport server_report(uint32_t rank, uint64_t window, std::vector<uint64_t> arcs) {
   LoadReport r;
   r.role = Role::kServer;

@@ -181,6 +181,10 @@ struct LivenessConfig {
 // [stats]
 struct StatsConfig {
   int64_t interval_ms = 100;  // how often servers and workers report load
+  // Servers a worker's report names each window (its per-server answer
+  // times); 0: every server while num_workers x servers <= 65,536, else
+  // 65,536 / num_workers (at least 4). docs/scale.md.
+  int64_t worker_peers = 0;
 
   bool operator==(const StatsConfig&) const = default;
 };

@@ -341,6 +341,10 @@ const std::vector<Field>& fields() {
 
       integer(PSLD_KEY(stats.interval_ms), 1, 3600000,
               "how often servers and workers report load to the coordinator"),
+      integer(PSLD_KEY(stats.worker_peers), 0, 65536,
+              "servers a worker's load report names each window: its slowest and a rotating "
+              "sample; 0: every server while num_workers x servers <= 65536, else 65536 / "
+              "num_workers (at least 4)"),
 
       plain(PSLD_KEY(balancer.enabled), "move key ranges and scale servers while training runs"),
       integer(PSLD_KEY(balancer.interval_ms), 1, 86400000,

@@ -79,6 +79,7 @@ RuntimeOptions runtime_options_from_config(const Config& c) {
   o.heartbeat_timeout = std::chrono::milliseconds(c.liveness.heartbeat_timeout_ms);
   o.connect_timeout = std::chrono::milliseconds(c.liveness.connect_timeout_ms);
   o.stats_interval = std::chrono::milliseconds(c.stats.interval_ms);
+  o.worker_peers = static_cast<uint32_t>(c.stats.worker_peers);
   o.balancer_enabled = c.balancer.enabled;
   o.balancer_interval = std::chrono::milliseconds(c.balancer.interval_ms);
   const BalancerConfig& b = c.balancer;

@@ -69,6 +69,9 @@ struct RuntimeOptions {
   std::chrono::milliseconds connect_timeout{LivenessConfig{}.connect_timeout_ms};
   // How often servers and workers send a LoadReport; 0: never.
   std::chrono::milliseconds stats_interval{StatsConfig{}.interval_ms};
+  // Servers a worker's LoadReport names each window (stats.worker_peers;
+  // 0: auto, worker_peer_limit()).
+  uint32_t worker_peers = 0;
   // The coordinator's balancer (lib/balancer/balancer.h): plans every interval.
   bool balancer_enabled = BalancerConfig{}.enabled;
   std::chrono::milliseconds balancer_interval{BalancerConfig{}.interval_ms};

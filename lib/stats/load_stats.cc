@@ -1,5 +1,6 @@
 #include "lib/stats/load_stats.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 
@@ -10,6 +11,33 @@ uint64_t as_u64(double v) {
   return v <= 0 ? 0 : static_cast<uint64_t>(std::llround(v));
 }
 }  // namespace
+
+size_t worker_peer_limit(size_t configured, size_t workers, size_t servers) {
+  if (configured > 0) return configured;
+  if (workers == 0 || workers * servers <= kPeerEntriesPerWindow) return 0;  // all
+  return std::max<size_t>(4, kPeerEntriesPerWindow / workers);
+}
+
+void sample_peers(std::vector<protocol::PeerLoad>& peers, size_t limit, uint32_t rank,
+                  uint64_t window) {
+  const size_t n = peers.size();
+  if (limit == 0 || n <= limit) return;
+  size_t slowest = 0;
+  for (size_t i = 1; i < n; ++i) {
+    if (peers[i].mean_ns > peers[slowest].mean_ns) slowest = i;
+  }
+  std::vector<protocol::PeerLoad> kept{peers[slowest]};
+  const size_t turn = limit - 1;
+  const auto from = static_cast<size_t>(((uint64_t{rank} + window) * turn) % n);
+  for (size_t i = 0; i < turn; ++i) {
+    const size_t at = (from + i) % n;
+    if (at != slowest) kept.push_back(peers[at]);
+  }
+  std::sort(kept.begin(), kept.end(), [](const protocol::PeerLoad& a, const protocol::PeerLoad& b) {
+    return a.server < b.server;
+  });
+  peers = std::move(kept);
+}
 
 Result<std::unique_ptr<LoadRecorder>> LoadRecorder::make(Role role, size_t capacity,
                                                          TimeSource time) {
@@ -114,6 +142,7 @@ std::vector<protocol::LoadReport> LoadRecorder::close_window(uint32_t rank, uint
     }
     peer_list.push_back(p);
   }
+  if (peer_limit_ > 0) sample_peers(peer_list, peer_limit_, rank, total.window);
   const size_t entries = arc_list.size() + peer_list.size();
   const size_t parts =
       std::max<size_t>(1, (entries + protocol::kMaxLoadEntries - 1) / protocol::kMaxLoadEntries);

@@ -41,6 +41,22 @@ struct StatSample {
   double value = 0;
 };
 
+// What a worker's report says about servers, at any job size (docs/scale.md):
+// every server it answered from while the job's workers x servers stay
+// within kPeerEntriesPerWindow entries a window at the coordinator, else
+// kPeerEntriesPerWindow / workers servers each (at least 4); `configured`
+// (stats.worker_peers) when not 0.
+inline constexpr size_t kPeerEntriesPerWindow = 65536;
+size_t worker_peer_limit(size_t configured, size_t workers, size_t servers);
+
+// Cuts a worker's window of peers (sorted by server) to at most `limit`
+// entries: the one with the longest mean answer time, and the limit - 1
+// from position ((rank + window) x (limit - 1)) mod size on. In each window the
+// job's workers then name every server about equally often, and each
+// worker names every server in turn. Sorted by server again.
+void sample_peers(std::vector<protocol::PeerLoad>& peers, size_t limit, uint32_t rank,
+                  uint64_t window);
+
 class LoadRecorder {
  public:
   // 65,536 samples (1.5 MiB): several windows of traffic at full speed.
@@ -70,6 +86,10 @@ class LoadRecorder {
 
   uint64_t windows() const { return window_; }
 
+  // Workers: at most this many peers a report (sample_peers); 0: all. Before
+  // the first close_window().
+  void set_peer_limit(size_t limit) { peer_limit_ = limit; }
+
  private:
   LoadRecorder(Role role, std::unique_ptr<LoadRing<StatSample>> ring, TimeSource time);
 
@@ -81,6 +101,7 @@ class LoadRecorder {
   std::chrono::steady_clock::time_point busy_since_ GUARDED_BY(busy_mu_);
   uint64_t busy_ns_ GUARDED_BY(busy_mu_) = 0;
   uint64_t window_ = 0;
+  size_t peer_limit_ = 0;
   uint64_t lost_seen_ = 0;
   WindowStats queue_;
   // Per server (workers): answer latencies of the window. Bounded by the

@@ -48,8 +48,6 @@ Status RequestState::status() const {
 
 // ---- WorkerService
 
-// ---- WorkerService
-
 Result<std::unique_ptr<WorkerService>> WorkerService::start(const RuntimeOptions& options) {
   std::unique_ptr<WorkerService> w(new WorkerService(options));
   PSLD_ASSIGN_OR_RETURN(w->load_, LoadRecorder::make(Role::kWorker));
@@ -83,6 +81,11 @@ Result<std::unique_ptr<WorkerService>> WorkerService::start(const RuntimeOptions
         w->free_batch_buffers_.push_back(i - 1);
     }
     PSLD_RETURN_IF_ERROR(w->grant_answer_slots());
+  }
+  {
+    MutexLock lock(w->mu_);
+    w->load_->set_peer_limit(
+        worker_peer_limit(options.worker_peers, w->num_workers(), w->servers_.size()));
   }
   Status reports =
       w->session_.start_reports(options.stats_interval, [wk = w.get()](uint64_t window_ns) {
