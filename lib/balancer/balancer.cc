@@ -24,6 +24,9 @@ namespace {
 
 // The log names at most this many moves; Plan::steps holds all of them.
 constexpr size_t kLoggedMoves = 6;
+// Stragglers a decision's reason names, the slowest first (at 1,024 servers
+// a skewed placement has hundreds; the reason stays one line).
+constexpr size_t kLoggedStragglers = 4;
 
 bool finite_nonneg(double x) {
   return std::isfinite(x) && x >= 0;
@@ -271,15 +274,27 @@ std::string Balancer::Decision::cost_text(const PlanStep& step) const {
 }
 
 std::string Balancer::Decision::straggler_text() const {
-  std::string out;
+  std::vector<const Member*> stragglers;
   for (const Member& m : members_) {
-    if (!m.active() || m.tracked->straggler_windows < options_.straggler_windows) continue;
-    const double others = (active_load_ - m.load) / (active_rate_ - m.rate);
-    out += fmt::format("{}server {} at {} vs {} for the others ({} windows)",
-                       out.empty() ? "" : ", ", m.id, seconds_text(m.time()), seconds_text(others),
-                       m.tracked->straggler_windows);
+    if (m.active() && m.tracked->straggler_windows >= options_.straggler_windows)
+      stragglers.push_back(&m);
   }
-  return out.empty() ? "none" : out;
+  if (stragglers.empty()) return "none";
+  std::stable_sort(stragglers.begin(), stragglers.end(),
+                   [](const Member* a, const Member* b) { return a->time() > b->time(); });
+  std::string out;
+  const size_t logged = std::min(stragglers.size(), kLoggedStragglers);
+  for (size_t i = 0; i < logged; ++i) {
+    const Member& m = *stragglers[i];
+    const double others = (active_load_ - m.load) / (active_rate_ - m.rate);
+    out +=
+        fmt::format("{}server {} at {} vs {} for the others ({} windows)", i == 0 ? "" : ", ", m.id,
+                    seconds_text(m.time()), seconds_text(others), m.tracked->straggler_windows);
+  }
+  if (stragglers.size() > logged) {
+    out += fmt::format(" and {} more ({} in all)", stragglers.size() - logged, stragglers.size());
+  }
+  return out;
 }
 
 Result<Plan> Balancer::Decision::finish_plan(const std::string& prefix,
