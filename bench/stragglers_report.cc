@@ -21,6 +21,9 @@ uint64_t chunk_bytes_for(Policy policy, double scale) {
 
 namespace {
 
+// Servers whose shares a table row lists one by one; beyond, their spread.
+constexpr size_t kListedShares = 16;
+
 struct TableRow {
   Policy policy;
   double rounds_per_s = 0;
@@ -55,6 +58,16 @@ TableRow summarise(const Scenario& sc, const RunResult& r) {
                                                    static_cast<double>(during.size()),
                                                during.size());
   row.switches = r.switches;
+  if (r.final_shares.size() > kListedShares) {
+    // Too many servers to list: the spread, in % of the model.
+    std::vector<double> s = r.final_shares;
+    std::sort(s.begin(), s.end());
+    const size_t empty = static_cast<size_t>(std::count(s.begin(), s.end(), 0.0));
+    row.shares =
+        fmt::format("{} servers: max {:.2f}, median {:.2f}, min {:.2f}; {} hold nothing", s.size(),
+                    100 * s.back(), 100 * s[s.size() / 2], 100 * s.front(), empty);
+    return row;
+  }
   for (size_t s = 0; s < r.final_shares.size(); ++s) {
     if (!row.shares.empty()) row.shares += " ";
     row.shares += fmt::format("{:.0f}", 100 * r.final_shares[s]);
