@@ -40,8 +40,8 @@ using Wire = std::vector<std::vector<uint8_t>>;
 Wire encode_parts(protocol::LoadReport total, std::vector<protocol::ArcLoad> arcs,
                   std::vector<protocol::PeerLoad> peers) {
   const size_t entries = arcs.size() + peers.size();
-  const size_t parts = std::max<size_t>(
-      1, (entries + protocol::kMaxLoadEntries - 1) / protocol::kMaxLoadEntries);
+  const size_t parts =
+      std::max<size_t>(1, (entries + protocol::kMaxLoadEntries - 1) / protocol::kMaxLoadEntries);
   Wire wire;
   size_t next = 0;
   for (size_t i = 0; i < parts; ++i) {

@@ -190,6 +190,44 @@ TEST(Sim, StandbyServersReportButHoldNothingUntilAdded) {
   EXPECT_EQ(r->final_placement->find_server(3), nullptr);
 }
 
+// Workers' reports cut to a sample (stats.worker_peers, here automatic: 2,000
+// workers x 64 servers is past 65,536 entries a window) leave every decision
+// as it is with every worker naming every server: the balancer reads the
+// servers' windows and the workers' rounds, which every report carries.
+TEST(Sim, SampledWorkerReportsMakeTheDecisionsOfFullOnes) {
+  SimOptions o;
+  o.workers = 2000;
+  o.servers = 64;
+  o.rounds = 300;
+  o.capacity = 12.5e9;
+  o.cores = 0;
+  o.chunk_s = 1e-6;
+  o.noise = 0.5;
+  o.keys = bench::model_keys(resnet(1.0 / 4), 64 << 10);
+  o.events = {CapacityEvent{0, 3, 0.25}, CapacityEvent{150, 17, 0.5}};
+  o.balance = true;
+  o.stats_interval_s = 0.1;
+  o.balancer_interval_s = 1.0;
+  SimOptions full = o;
+  full.worker_peers = 65536;
+  auto sampled = simulate(o);
+  auto every = simulate(full);
+  ASSERT_TRUE(sampled.ok()) << sampled.status().to_string();
+  ASSERT_TRUE(every.ok()) << every.status().to_string();
+  EXPECT_EQ(sampled->worker_reports, every->worker_reports);
+  EXPECT_GT(sampled->worker_reports, 0u);
+  // 32 servers (65,536 / 2,000) a report instead of every server pushed to.
+  EXPECT_LE(sampled->peer_entries, sampled->worker_reports * 32);
+  EXPECT_GT(every->peer_entries, sampled->peer_entries * 3 / 2);
+  ASSERT_GE(sampled->steps.size(), 1u);  // the balancer acted: the comparison says something
+  ASSERT_EQ(sampled->steps.size(), every->steps.size());
+  for (size_t i = 0; i < sampled->steps.size(); ++i) {
+    EXPECT_EQ(sampled->steps[i].round, every->steps[i].round);
+    EXPECT_EQ(sampled->steps[i].reason, every->steps[i].reason);
+  }
+  EXPECT_EQ(sampled->run.round_ms, every->run.round_ms);
+}
+
 // ---- Properties of the real balancer over many random simulated clusters.
 
 struct ClusterCase {

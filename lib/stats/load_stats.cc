@@ -18,6 +18,24 @@ size_t worker_peer_limit(size_t configured, size_t workers, size_t servers) {
   return std::max<size_t>(4, kPeerEntriesPerWindow / workers);
 }
 
+void sampled_positions(size_t n, size_t limit, uint32_t rank, uint64_t window, size_t slowest,
+                       std::vector<size_t>& out) {
+  out.clear();
+  if (limit == 0 || n <= limit) {
+    for (size_t i = 0; i < n; ++i)
+      out.push_back(i);
+    return;
+  }
+  out.push_back(slowest);
+  const size_t turn = limit - 1;
+  const auto from = static_cast<size_t>(((uint64_t{rank} + window) * turn) % n);
+  for (size_t i = 0; i < turn; ++i) {
+    const size_t at = (from + i) % n;
+    if (at != slowest) out.push_back(at);
+  }
+  std::sort(out.begin(), out.end());
+}
+
 void sample_peers(std::vector<protocol::PeerLoad>& peers, size_t limit, uint32_t rank,
                   uint64_t window) {
   const size_t n = peers.size();
@@ -26,16 +44,12 @@ void sample_peers(std::vector<protocol::PeerLoad>& peers, size_t limit, uint32_t
   for (size_t i = 1; i < n; ++i) {
     if (peers[i].mean_ns > peers[slowest].mean_ns) slowest = i;
   }
-  std::vector<protocol::PeerLoad> kept{peers[slowest]};
-  const size_t turn = limit - 1;
-  const auto from = static_cast<size_t>(((uint64_t{rank} + window) * turn) % n);
-  for (size_t i = 0; i < turn; ++i) {
-    const size_t at = (from + i) % n;
-    if (at != slowest) kept.push_back(peers[at]);
-  }
-  std::sort(kept.begin(), kept.end(), [](const protocol::PeerLoad& a, const protocol::PeerLoad& b) {
-    return a.server < b.server;
-  });
+  std::vector<size_t> keep;
+  sampled_positions(n, limit, rank, window, slowest, keep);
+  std::vector<protocol::PeerLoad> kept;
+  kept.reserve(keep.size());
+  for (size_t i : keep)
+    kept.push_back(peers[i]);
   peers = std::move(kept);
 }
 

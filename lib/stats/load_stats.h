@@ -56,6 +56,10 @@ size_t worker_peer_limit(size_t configured, size_t workers, size_t servers);
 // worker names every server in turn. Sorted by server again.
 void sample_peers(std::vector<protocol::PeerLoad>& peers, size_t limit, uint32_t rank,
                   uint64_t window);
+// The positions, ascending, that sample_peers keeps of `n` peers whose
+// slowest is at `slowest` (all of them when n <= limit or limit is 0).
+void sampled_positions(size_t n, size_t limit, uint32_t rank, uint64_t window, size_t slowest,
+                       std::vector<size_t>& out);
 
 class LoadRecorder {
  public:

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <fstream>
 #include <limits>
@@ -13,6 +14,7 @@
 #include "base/hash.h"
 #include "lib/coordinator/balance_feed.h"
 #include "lib/stats/load_history.h"
+#include "lib/stats/load_stats.h"
 
 namespace psld::sim {
 
@@ -280,6 +282,57 @@ Result<SimResult> simulate(const SimOptions& o) {
   std::optional<Pending> pending;
   size_t event = 0;
 
+  using CpuClock = std::chrono::steady_clock;
+  const auto ingest = [&](const protocol::LoadReport& r) {
+    const auto t0 = CpuClock::now();
+    history.ingest(r);
+    result.ingest_s += std::chrono::duration<double>(CpuClock::now() - t0).count();
+    ++result.reports;
+  };
+  // Every worker's window: its round and, for the servers its sample names,
+  // what it saw (chunks answered, each server's time a round).
+  const size_t peer_limit = worker_peer_limit(o.worker_peers, o.workers, ids);
+  uint64_t max_round = 0;  // the highest round a worker reported
+  uint64_t worker_window = 0;
+  uint64_t window_first_round = 1;
+  std::vector<size_t> pushed_to, positions;
+  protocol::LoadReport wr;
+  auto report_workers = [&](uint64_t round) {
+    const uint64_t rounds = round + 1 - window_first_round;
+    window_first_round = round + 1;
+    pushed_to.clear();
+    size_t slowest = 0;
+    for (size_t i = 0; i < ids; ++i) {
+      if (loads.chunks[i] == 0 || windows[i].rounds == 0) continue;
+      const auto per_round = [&](size_t s) { return windows[s].busy_s / windows[s].rounds; };
+      if (!pushed_to.empty() && per_round(i) > per_round(pushed_to[slowest]))
+        slowest = pushed_to.size();
+      pushed_to.push_back(i);
+    }
+    wr.role = Role::kWorker;
+    wr.window = worker_window++;
+    wr.window_ns = static_cast<uint64_t>(o.stats_interval_s * 1e9);
+    wr.rounds = round;
+    wr.bytes_out = static_cast<uint64_t>(model_bytes) * rounds;
+    for (uint32_t w = 0; w < o.workers; ++w) {
+      wr.rank = w;
+      wr.peers.clear();
+      sampled_positions(pushed_to.size(), peer_limit, w, wr.window, slowest, positions);
+      for (size_t at : positions) {
+        const size_t i = pushed_to[at];
+        const double per_round_s = windows[i].busy_s / static_cast<double>(windows[i].rounds);
+        wr.peers.push_back(protocol::PeerLoad{
+            static_cast<uint32_t>(i), static_cast<uint64_t>(loads.bytes[i]) * rounds,
+            static_cast<uint32_t>(loads.chunks[i] * static_cast<double>(rounds)),
+            static_cast<uint64_t>(per_round_s * 1e9), static_cast<uint64_t>(per_round_s * 1e9)});
+      }
+      result.peer_entries += wr.peers.size();
+      ingest(wr);
+      ++result.worker_reports;
+      max_round = std::max(max_round, wr.rounds);  // CoordinatorService::handle_load_report
+    }
+  };
+
   // Every server's window as a LoadReport into the coordinator's history.
   auto report = [&] {
     for (size_t i = 0; i < ids; ++i) {
@@ -296,8 +349,8 @@ Result<SimResult> simulate(const SimOptions& o) {
       r.rounds = w.rounds;
       for (const auto& [lo, bytes] : w.arcs)
         r.arcs.push_back(protocol::ArcLoad{lo, bytes, bytes, 0, 0});
-      history.ingest(r);
-      ++result.reports;
+      result.arc_entries += r.arcs.size();
+      ingest(r);
       const uint64_t seq = w.seq;
       w = Window{};
       w.seq = seq;
@@ -364,16 +417,22 @@ Result<SimResult> simulate(const SimOptions& o) {
       if (owner < ids) windows[owner].arcs[lo] += static_cast<uint64_t>(workers) * bytes;
     }
     if (now_s >= next_stats_s) {
+      if (o.worker_reports) report_workers(r);
       report();
       while (next_stats_s <= now_s)
         next_stats_s += o.stats_interval_s;
     }
     if (balancer && !pending && now_s >= next_decision_s) {
       next_decision_s = now_s + o.balancer_interval_s;
+      const uint64_t job_round = o.worker_reports ? max_round : r;
+      const auto t0 = CpuClock::now();
       auto input = feed.next(history, placement, ranks, balancer->decisions() + 1,
-                             DecisionPoint{now_s, r, r > last_switch_round});
-      if (input) {
-        PSLD_ASSIGN_OR_RETURN(Plan plan, balancer->decide(placement, *input));
+                             DecisionPoint{now_s, job_round, job_round > last_switch_round});
+      std::optional<Result<Plan>> decided;
+      if (input) decided.emplace(balancer->decide(placement, *input));
+      result.coordinator_s += std::chrono::duration<double>(CpuClock::now() - t0).count();
+      if (decided) {
+        PSLD_ASSIGN_OR_RETURN(Plan plan, std::move(*decided));
         ++result.decisions;
         if (!plan.steps.empty()) {
           const PlanStep& step = plan.steps.front();
@@ -384,6 +443,7 @@ Result<SimResult> simulate(const SimOptions& o) {
     }
     if (o.on_round) o.on_round(r, placement);
   }
+  result.coordinator_s += result.ingest_s;
   result.run.seconds = now_s;
   result.run.switches = placement.epoch();
   result.run.final_shares.assign(ids, 0.0);

@@ -6,14 +6,18 @@
 // (each way) or with a reduce of a rate, following a trace. A server's time
 // in a round is its bytes over that capacity; the round is the slowest
 // server's time, plus the CPU of every chunk on the cores the job shares,
-// plus the workers' own time. Every stats interval (simulated) each server reports its window as a
-// protocol::LoadReport into the coordinator's real LoadHistory; every
+// plus the workers' own time. Every stats interval (simulated) each server
+// reports its window, and each worker what it saw of the servers (cut to
+// stats.worker_peers by the workers' own sampling code), as a
+// protocol::LoadReport into the coordinator's real LoadHistory; the highest
+// round the workers report is the job's round, as at the coordinator; every
 // balancer interval the real BalanceFeed cuts the balancer's input from it
 // and the real Balancer decides; a step switches the placement `margin`
 // rounds later, as the coordinator's epoch switch does, and its migration
 // costs its bytes on both servers' links in the switch round.
 //
-// Nothing here reads a clock or the environment: one seed, one result.
+// Nothing here reads the environment, and the clock only to measure the
+// coordinator's own CPU (SimResult::coordinator_s): one seed, one result.
 #pragma once
 
 #include <cstdint>
@@ -72,6 +76,11 @@ struct SimOptions {
   bool balance = false;
   BalancerOptions balancer;
   double stats_interval_s = 0.05;
+  // Workers report too (their rounds, and their view of the servers): the
+  // balancer's round count comes from them, as at the coordinator. Off: the
+  // simulated round itself.
+  bool worker_reports = true;
+  uint32_t worker_peers = 0;  // stats.worker_peers: 0 auto, 65536 every server
   double balancer_interval_s = 0.25;
   uint32_t switch_margin = 4;  // rounds from a decision to its switch
   // Bytes a migration ships per parameter byte moved (1: sum mode's
@@ -95,6 +104,13 @@ struct SimResult {
   uint64_t decisions = 0;
   double migrated_bytes = 0;  // shipped by all switches
   uint64_t reports = 0;       // LoadReports the coordinator took
+  uint64_t worker_reports = 0;
+  uint64_t peer_entries = 0;  // in the workers' reports
+  uint64_t arc_entries = 0;   // in the servers'
+  // Measured, not simulated: CPU the coordinator's code took (ingesting the
+  // reports, BalanceFeed and the Balancer's decisions), in seconds.
+  double coordinator_s = 0;
+  double ingest_s = 0;  // of which ingesting
   std::optional<Placement> final_placement;
 };
 

@@ -37,6 +37,8 @@ placement and load history deciding on simulated time, and prints the table
                     for S4 (default 100)
   --scale F         model scale, 0 < F <= 1, as a fraction or 1/N (default:
                     the scenario's; 1/32 with --trace)
+  --chunk-kb KB     with --trace: every policy's chunk size (default: the
+                    policy's own, as in the benchmark)
   --noise L         a shared machine's noise: each server's time a round x
                     (1 + L x a correlated series of mean ~0.35 with spikes)
                     (default 0)
@@ -45,8 +47,10 @@ placement and load history deciding on simulated time, and prints the table
   --cores N         cores the whole job shares; 0: each server its own
                     (default 2: this machine)
   --other-ms MS     the rest of a round: workers' own work (default 4.7)
-  --stats-ms MS     servers' load windows (default 50)
+  --stats-ms MS     servers' and workers' load windows (default 50)
   --interval-ms MS  the balancer's interval (default 250)
+  --worker-peers N  servers a worker's report names, as stats.worker_peers:
+                    0 auto, 'all' every server (default 0)
   --seed N          (default 1)
   --steps           print every balancer step with its reason
   --out DIR         also write DIR/results.md, DIR/<scenario>.tsv and, with
@@ -75,6 +79,8 @@ struct Options {
   double other_s = 4.7e-3;
   double stats_s = 0.05;
   double interval_s = 0.25;
+  uint32_t worker_peers = 0;
+  uint64_t chunk_bytes = 0;  // 0: the policy's
   uint64_t seed = 1;
   bool steps = false;
   std::string out_dir;
@@ -154,6 +160,16 @@ Result<Options> parse_args(int argc, char** argv) {
       PSLD_ASSIGN_OR_RETURN(double v,
                             parse_number(arg, value, arg == "--other-ms" ? 0 : 0.001, 1e7));
       (arg == "--other-ms" ? o.other_s : arg == "--stats-ms" ? o.stats_s : o.interval_s) = v / 1e3;
+    } else if (arg == "--worker-peers") {
+      if (value == "all") {
+        o.worker_peers = 65536;
+      } else {
+        PSLD_ASSIGN_OR_RETURN(uint64_t v, whole(0, 65536));
+        o.worker_peers = static_cast<uint32_t>(v);
+      }
+    } else if (arg == "--chunk-kb") {
+      PSLD_ASSIGN_OR_RETURN(double v, parse_number(arg, value, 0.004, 1e6));
+      o.chunk_bytes = std::max<uint64_t>(4, static_cast<uint64_t>(v * 1024 / 4) * 4);
     } else if (arg == "--out") {
       o.out_dir = value;
     } else if (arg == "--json") {
@@ -165,6 +181,9 @@ Result<Options> parse_args(int argc, char** argv) {
   }
   if (!o.traces.empty() && !scenarios.empty()) {
     return InvalidArgument("--scenario and --trace are alternatives: give one");
+  }
+  if (o.chunk_bytes > 0 && o.traces.empty()) {
+    return InvalidArgument("--chunk-kb goes with --trace (a scenario has the benchmark's chunks)");
   }
   if (o.traces.empty()) {
     PSLD_ASSIGN_OR_RETURN(o.scenarios, bench::parse_scenarios(scenarios.empty() ? "all" : scenarios,
@@ -199,7 +218,8 @@ Result<SimResult> run_policy(const Options& o, const bench::Scenario& sc, bench:
   s.servers = oracle ? sc.servers + sc.standby : sc.servers;
   s.standby = oracle ? 0 : sc.standby;
   s.rounds = sc.rounds;
-  s.keys = bench::model_keys(tensors, bench::chunk_bytes_for(policy, sc.scale));
+  s.keys = bench::model_keys(
+      tensors, o.chunk_bytes > 0 ? o.chunk_bytes : bench::chunk_bytes_for(policy, sc.scale));
   s.resource = sc.resource;
   s.capacity = o.rate;
   s.events = sc.events;
@@ -211,6 +231,7 @@ Result<SimResult> run_policy(const Options& o, const bench::Scenario& sc, bench:
   s.balance = policy == bench::Policy::kPsld;
   s.stats_interval_s = o.stats_s;
   s.balancer_interval_s = o.interval_s;
+  s.worker_peers = o.worker_peers;
   std::vector<ServerId> owners;
   switch (policy) {
     case bench::Policy::kMxnet:
@@ -303,6 +324,12 @@ int run_sim(int argc, char** argv) {
         extra =
             fmt::format("psld: {} decisions, {} steps, {:.2f} MB migrated, {} load reports taken",
                         r->decisions, r->steps.size(), r->migrated_bytes / 1e6, r->reports);
+        extra += fmt::format(
+            "\ncoordinator: {} worker reports naming {} servers in all, {} arc entries from "
+            "servers; its code took {:.2f} s of CPU (ingest {:.2f} s) over {:.1f} s simulated: "
+            "{:.1f}% of a core",
+            r->worker_reports, r->peer_entries, r->arc_entries, r->coordinator_s, r->ingest_s,
+            r->run.seconds, 100 * r->coordinator_s / std::max(r->run.seconds, 1e-9));
         if (o.steps) {
           for (const SimStep& st : r->steps)
             extra += fmt::format("\n- round {}: {}: {}", st.round, st.kind, st.reason);
