@@ -148,7 +148,7 @@ void BM_ingest_worker(benchmark::State& state) {
   state.SetItemsProcessed(static_cast<int64_t>(state.iterations()) * peers);
   state.counters["parts"] = static_cast<double>(wires[0].size());
 }
-BENCHMARK(BM_ingest_worker)->Arg(1024)->Arg(16)->Arg(8);
+BENCHMARK(BM_ingest_worker)->Arg(1024)->Arg(6);
 
 void BM_decode_worker(benchmark::State& state) {
   const auto peers = static_cast<uint32_t>(state.range(0));
@@ -159,7 +159,7 @@ void BM_decode_worker(benchmark::State& state) {
   }
   state.SetItemsProcessed(static_cast<int64_t>(state.iterations()) * peers);
 }
-BENCHMARK(BM_decode_worker)->Arg(1024)->Arg(16)->Arg(8);
+BENCHMARK(BM_decode_worker)->Arg(1024)->Arg(6);
 
 void BM_ingest_server(benchmark::State& state) {
   Cluster* c = cluster();
@@ -227,6 +227,7 @@ void BM_feed_1m(benchmark::State& state) {
     benchmark::DoNotOptimize(in);
   }
   state.counters["ranges"] = static_cast<double>(ranges);
+  state.counters["arc_MB"] = static_cast<double>(c->history.arc_bytes()) / 1e6;
 }
 BENCHMARK(BM_feed_1m)->Unit(benchmark::kMillisecond);
 
