@@ -37,7 +37,7 @@ constexpr uint32_t kVnodes = 977;  // 1,000,448 arcs
 using Wire = std::vector<std::vector<uint8_t>>;
 
 // The parts of one report, as LoadRecorder::close_window() cuts them.
-Wire encode_parts(protocol::LoadReport total, std::vector<protocol::ArcLoad> arcs,
+Wire encode_parts(const protocol::LoadReport& total, std::vector<protocol::ArcLoad> arcs,
                   std::vector<protocol::PeerLoad> peers) {
   const size_t entries = arcs.size() + peers.size();
   const size_t parts =

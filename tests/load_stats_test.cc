@@ -196,7 +196,7 @@ TEST(WorkerPeers, ARecorderWithALimitReportsThatMany) {
   EXPECT_TRUE(slowest);
 }
 
-LoadReport server_report(uint32_t rank, uint64_t window, std::vector<uint64_t> arcs) {
+LoadReport server_report(uint32_t rank, uint64_t window, const std::vector<uint64_t>& arcs) {
   LoadReport r;
   r.role = Role::kServer;
   r.rank = rank;
