@@ -340,15 +340,22 @@ void Balancer::Decision::update_streaks() {
   }
   bool drainable = false;
   if (candidate != nullptr) {
-    std::vector<double> rates;
-    for (const Member& m : members_)
-      if (m.active()) rates.push_back(m.rate);
+    std::vector<double> rates, times;
+    for (const Member& m : members_) {
+      if (!m.active()) continue;
+      rates.push_back(m.rate);
+      times.push_back(m.time());
+    }
     const double without = total_load_ / (active_rate_ - candidate->rate);
     const bool fits =
         other_s_ + without <= (1 + options_.scale_in_max_slowdown) * (other_s_ + balanced);
     const bool idle =
         period_s_ > 0 && without <= options_.scale_in_utilisation * (other_s_ + without);
-    const bool slow = candidate->rate < options_.slow_rate_fraction * median(rates);
+    // Slow, and busy enough for it to matter: a server holding a small
+    // tensor or two reads as slow in bytes/s when a fixed cost per chunk is
+    // most of its time (docs/scale.md), yet it slows no round.
+    const bool slow = candidate->rate < options_.slow_rate_fraction * median(rates) &&
+                      candidate->time() >= 0.5 * median(times);
     drainable = fits && (idle || slow);
     if (drainable) {
       scale_in_why_ =
