@@ -1019,6 +1019,33 @@ TEST(RuntimeLoopback, UnreachableCoordinatorIsAClearErrorAtStart) {
   EXPECT_NE(w.status().message().find("coordinator"), std::string::npos);
 }
 
+// Landing slots are granted as workers connect: a job too large for them is
+// refused when the server starts, naming the settings, not worker by worker
+// once it runs.
+TEST(RuntimeLoopback, AServerRefusesLandingSlotsBeyondTheMachinesMemory) {
+  RuntimeOptions o;
+  o.num_workers = 10'000;
+  o.slots_per_worker = 16;
+  o.chunk_bytes = uint64_t{4} << 20;
+  const Status st = check_landing_memory(o, uint64_t{24} << 30);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("10000 workers would take 625.0 GiB"), std::string::npos)
+      << st.to_string();
+  EXPECT_NE(st.message().find("lower data.chunk_bytes or data.slots_per_worker"),
+            std::string::npos);
+  EXPECT_TRUE(check_landing_memory(o, 0).ok());  // memory unknown: no check
+  o.num_workers = 64;                            // 4 GiB
+  EXPECT_TRUE(check_landing_memory(o, uint64_t{24} << 30).ok());
+  // start() checks against this machine before it listens or joins.
+  Cluster c(1, 1, [](RuntimeOptions& r) { r.connect_timeout = 300ms; });
+  c.base.num_workers = 65'536;
+  c.base.chunk_bytes = uint64_t{1} << 30;  // 1 PiB of slots
+  auto s = ServerService::start(c.base);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument) << s.status().to_string();
+  EXPECT_NE(s.status().message().find("landing slots"), std::string::npos);
+}
+
 TEST_P(Runtime, WrongSecretIsRefused) {
   Cluster c(
       1, 1, [](RuntimeOptions& o) { o.secret = "right"; }, GetParam());

@@ -2,6 +2,8 @@
 // receives, and where each key belongs in its epochs (docs/runtime.md).
 #include <fmt/format.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
 #include <set>
@@ -16,6 +18,27 @@ namespace psld {
 
 using transport::ConnectionPtr;
 
+uint64_t physical_memory_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page = sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) : 0;
+}
+
+Status check_landing_memory(const RuntimeOptions& options, uint64_t memory_bytes) {
+  // Every worker gets its landing slots when it connects: a job too large
+  // for them would fail worker after worker, long after it started.
+  const unsigned __int128 landing = static_cast<unsigned __int128>(options.num_workers) *
+                                    options.slots_per_worker * options.chunk_bytes;
+  if (memory_bytes == 0 || landing <= memory_bytes) return Status::Ok();
+  const auto gib = [](unsigned __int128 b) { return static_cast<double>(b) / (1u << 30); };
+  return InvalidArgument(fmt::format(
+      "a server's landing slots for {} workers would take {:.1f} GiB (job.num_workers x "
+      "data.slots_per_worker {} x data.chunk_bytes {}), more than this machine's {:.1f} GiB of "
+      "memory: lower data.chunk_bytes or data.slots_per_worker (docs/scale.md)",
+      options.num_workers, gib(landing), options.slots_per_worker, options.chunk_bytes,
+      gib(memory_bytes)));
+}
+
 Result<std::unique_ptr<ServerService>> ServerService::start(const RuntimeOptions& options) {
   if (options.net.options.common.listen_address.empty()) {
     return InvalidArgument("a server needs a listen address");
@@ -23,6 +46,7 @@ Result<std::unique_ptr<ServerService>> ServerService::start(const RuntimeOptions
   if (options.server_threads == 0 || options.server_threads > 256) {
     return InvalidArgument("server_threads must be in [1, 256]");
   }
+  PSLD_RETURN_IF_ERROR(check_landing_memory(options, physical_memory_bytes()));
   std::unique_ptr<ServerService> s(new ServerService(options));
   if (options.server_device == ServerDeviceKind::kCuda) {
     auto device = options.server_device_factory

@@ -63,6 +63,14 @@ struct ServerStats {
   uint64_t runs_freed = 0;
 };
 
+// This machine's memory, in bytes (0: unknown).
+uint64_t physical_memory_bytes();
+// InvalidArgument, saying which settings to lower, when the landing slots of
+// every worker (num_workers x slots_per_worker x chunk_bytes, granted as
+// workers connect) would not fit in `memory_bytes` (0: no check). A server
+// checks before it joins (docs/scale.md).
+Status check_landing_memory(const RuntimeOptions& options, uint64_t memory_bytes);
+
 class ServerService final : public ProcessRuntime {
  public:
   // Starts listening, joins the job and waits for its start (connect_timeout).
