@@ -9,8 +9,11 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
+#include <future>
 #include <string>
 #include <thread>
 #include <vector>
@@ -129,6 +132,9 @@ JobView sample_view() {
   s0.in_bytes_per_s = 1.5e6;
   s0.predicted_rate = 2e6;
   s0.straggler = true;
+  s0.answer_mean_s = 0.001;
+  s0.answer_p99_s = 0.002;
+  s0.answer_workers = 1;
   JobView::Server s1;
   s1.rank = 1;
   s1.state = "lost";
@@ -175,6 +181,10 @@ TEST(JobView, PrometheusTextParsesAndSaysWhatTheViewHolds) {
   EXPECT_EQ(*scrape.value("psld_worker_round_seconds_count", {{"worker", "0"}}), 140);
   EXPECT_EQ(*scrape.value("psld_worker_answer_p99_seconds", {{"worker", "0"}, {"server", "0"}}),
             0.002);
+  EXPECT_EQ(*scrape.value("psld_server_answer_seconds", {{"server", "0"}, {"stat", "p99"}}), 0.002);
+  EXPECT_EQ(*scrape.value("psld_server_answer_workers", {{"server", "0"}}), 1);
+  EXPECT_EQ(*scrape.value("psld_server_answer_workers", {{"server", "1"}}), 0);
+  EXPECT_FALSE(scrape.value("psld_server_answer_seconds", {{"server", "1"}, {"stat", "mean"}}));
   EXPECT_EQ(scrape.types["psld_worker_round_seconds"], "histogram");
   EXPECT_EQ(scrape.types["psld_server_bytes_total"], "counter");
 }
@@ -329,22 +339,43 @@ TEST(CoordinatorMetrics, AJobShowsItsMembersTrafficAndPace) {
   const std::vector<std::vector<uint32_t>>& handles = *registered;
   // The same rounds on both workers (BSP: one that stopped early would
   // leave the other waiting), then until the coordinator has heard of them.
+  // At least kRounds, and on (both workers the same rounds: BSP) until the
+  // coordinator has summarised per server what both workers saw of it: a
+  // newest window with answers needs rounds running.
   constexpr int kRounds = 300;
-  Status st = on_all(c, [&](size_t w) -> Status {
-    for (int r = 0; r < kRounds; ++r) {
-      PSLD_ASSIGN_OR_RETURN(auto reqs,
-                            c.workers[w]->submit_many(handles[w], RequestKind::kPushPull));
-      for (auto& req : reqs)
-        PSLD_RETURN_IF_ERROR(req->wait(10s));
-    }
-    return Status::Ok();
+  std::atomic<int> stop_at{20 * kRounds};
+  std::array<std::atomic<int>, 2> done{};
+  auto job = std::async(std::launch::async, [&] {
+    return on_all(c, [&](size_t w) -> Status {
+      for (int r = 0; r < stop_at; ++r) {
+        PSLD_ASSIGN_OR_RETURN(auto reqs,
+                              c.workers[w]->submit_many(handles[w], RequestKind::kPushPull));
+        for (auto& req : reqs)
+          PSLD_RETURN_IF_ERROR(req->wait(10s));
+        done[w] = r + 1;
+      }
+      return Status::Ok();
+    });
   });
+  EXPECT_TRUE(eventually("every server summarised from both workers' reports", 20s, [&] {
+    JobView v = c.coordinator->view();
+    bool all = v.servers.size() == 2;
+    for (const auto& s : v.servers)
+      all =
+          all && s.answer_workers == 2 && s.answer_mean_s > 0 && s.answer_p99_s >= s.answer_mean_s;
+    return all;
+  }));
+  // A round both workers are still before (they are within one of each
+  // other), and at least kRounds.
+  stop_at = std::max(kRounds, std::max(done[0].load(), done[1].load()) + 4);
+  const int rounds = stop_at;
+  Status st = job.get();
   ASSERT_TRUE(st.ok()) << st.to_string();
   ASSERT_TRUE(eventually("both workers' last rounds in the coordinator's view", 10s, [&] {
     JobView v = c.coordinator->view();
     bool paced = v.workers.size() == 2;
     for (const auto& wk : v.workers)
-      paced = paced && wk.round == kRounds && wk.rounds >= 20;
+      paced = paced && wk.round == static_cast<uint64_t>(rounds) && wk.rounds >= 20;
     return paced;
   }));
 

@@ -82,6 +82,18 @@ std::string to_prometheus(const JobView& v) {
     w.sample({{"server", str(s.rank)}, {"quantile", "0.5"}}, s.queue_p50_s);
     w.sample({{"server", str(s.rank)}, {"quantile", "0.99"}}, s.queue_p99_s);
   }
+  w.family("psld_server_answer_seconds", Type::kGauge,
+           "from a worker issuing a chunk to a server to its answer, as the workers' newest "
+           "reports saw it: their mean, weighted by answers, and their worst p99");
+  for (const auto& s : v.servers) {
+    if (s.answer_workers == 0) continue;
+    w.sample({{"server", str(s.rank)}, {"stat", "mean"}}, s.answer_mean_s);
+    w.sample({{"server", str(s.rank)}, {"stat", "p99"}}, s.answer_p99_s);
+  }
+  w.family("psld_server_answer_workers", Type::kGauge,
+           "workers whose newest report named the server (a sample in large jobs)");
+  for (const auto& s : v.servers)
+    w.sample({{"server", str(s.rank)}}, s.answer_workers);
   w.family("psld_server_share", Type::kGauge,
            "fraction of the registered model's bytes a server owns in the committed placement");
   for (const auto& s : v.servers)
@@ -154,7 +166,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(JobView::Member, role, rank, host, pid, state
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(JobView::Server, rank, state, share, owned_bytes, bytes_in,
                                    bytes_out, reports, in_bytes_per_s, out_bytes_per_s, busy,
                                    queue_p50_s, queue_p99_s, predicted_rate, predicted_round_s,
-                                   straggler)
+                                   straggler, answer_mean_s, answer_p99_s, answer_workers)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(JobView::Answers, server, answers, mean_s, p99_s)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(JobView::Worker, rank, round, round_s, buckets, rounds,
                                    rounds_sum_s, answers)

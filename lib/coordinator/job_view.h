@@ -53,6 +53,13 @@ struct JobView {
     double predicted_rate = 0;  // bytes/s
     double predicted_round_s = 0;
     bool straggler = false;  // a straggler for balancer.straggler_windows windows in a row
+    // What the workers' newest reports say of it: the mean answer time
+    // (weighted by answers), the worst p99, and how many workers named it
+    // (all of them in a small job; a rotating sample in a large one,
+    // stats.worker_peers).
+    double answer_mean_s = 0;
+    double answer_p99_s = 0;
+    uint32_t answer_workers = 0;
   };
   struct Answers {
     uint32_t server = 0;

@@ -178,6 +178,25 @@ JobView CoordinatorService::view() const {
     v.members.push_back(std::move(e));
   }
 
+  // What the workers' newest reports say of each server: one summary per
+  // server, whatever the number of workers.
+  struct Seen {
+    double weighted_s = 0;  // mean x answers, summed
+    uint64_t answers = 0;
+    double p99_s = 0;
+    uint32_t workers = 0;
+  };
+  std::map<uint32_t, Seen> seen;
+  for (const auto& [rank, p] : pace_) {
+    for (const auto& a : p.answers) {
+      Seen& s = seen[a.server];
+      s.weighted_s += a.mean_s * static_cast<double>(a.answers);
+      s.answers += a.answers;
+      s.p99_s = std::max(s.p99_s, a.p99_s);
+      ++s.workers;
+    }
+  }
+
   const auto& owned = owned_bytes();
   const uint32_t all_servers = options_.num_servers + options_.num_standby;
   for (uint32_t rank = 0; rank < all_servers; ++rank) {
@@ -213,6 +232,13 @@ JobView CoordinatorService::view() const {
       }
       s.queue_p50_s = seconds(w.queue_p50_ns);
       s.queue_p99_s = seconds(w.queue_p99_ns);
+    }
+    if (auto it = seen.find(rank); it != seen.end()) {
+      s.answer_mean_s = it->second.answers > 0
+                            ? it->second.weighted_s / static_cast<double>(it->second.answers)
+                            : 0;
+      s.answer_p99_s = it->second.p99_s;
+      s.answer_workers = it->second.workers;
     }
     // Plan::servers is sorted by id: a lookup, not a scan per server, under
     // the lock the control path needs.
