@@ -9,6 +9,11 @@
 //                                receiver's notifications arrive; bytes/s is
 //                                measured to the receiver's on_write, so it
 //                                is what an application sees.
+//   ucx_<medium>_messages/<bytes> control messages (send(), what load
+//                                reports and heartbeats are) of <bytes>,
+//                                16 in flight, counted at the receiver's
+//                                on_message: messages/s one receiving core
+//                                takes at least (docs/scale.md)
 //   ucx_<medium>_latency/<bytes> ping-pong: a write with notification one
 //                                way, the receiver's handler writes back on
 //                                notification; the `one_way` counter is half
@@ -81,10 +86,13 @@ class alignas(128) CountingHandler : public Handler {
     }
     writes.fetch_add(1, std::memory_order_release);
   }
-  void on_message(const ConnectionPtr&, std::span<const uint8_t>) override {}
+  void on_message(const ConnectionPtr&, std::span<const uint8_t>) override {
+    messages.fetch_add(1, std::memory_order_release);
+  }
   void on_disconnect(const ConnectionPtr&, const Status&) override {}
 
   alignas(128) std::atomic<uint64_t> writes{0};
+  alignas(128) std::atomic<uint64_t> messages{0};
   std::atomic<uint64_t> failures{0};
   std::atomic<bool> accepted{false};
   ConnectionPtr accepted_conn;
@@ -240,6 +248,39 @@ void BM_write(benchmark::State& state, const Medium& m) {
   state.SetLabel(p->path());
 }
 
+// Control messages: `window()` in flight, the next sent as the receiver
+// counts one; timed to the receiver's count.
+void BM_messages(benchmark::State& state, const Medium& m) {
+  Pair* p = pair_for(m, state);
+  if (p == nullptr) return;
+  const auto size = static_cast<size_t>(state.range(0));
+  const std::vector<uint8_t> message(size, 0x5a);
+  auto& received = p->receiver_handler().messages;
+  constexpr uint64_t kPerIteration = 1024;
+  for (auto _ : state) {
+    const uint64_t base = received.load(std::memory_order_acquire);
+    const auto t0 = Clock::now();
+    uint64_t sent = 0;
+    while (received.load(std::memory_order_acquire) < base + kPerIteration) {
+      while (sent < kPerIteration &&
+             sent < received.load(std::memory_order_acquire) - base + window()) {
+        Status s = p->conn().send(message, nullptr);
+        if (!s.ok()) {
+          state.SkipWithError(s.to_string().c_str());
+          return;
+        }
+        ++sent;
+      }
+      p->sender().progress();
+    }
+    state.SetIterationTime(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  state.counters["messages_per_s"] = benchmark::Counter(
+      static_cast<double>(state.iterations() * kPerIteration), benchmark::Counter::kIsRate);
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * kPerIteration * size));
+  state.SetLabel(p->path());
+}
+
 // Round trips per benchmark iteration: the clock is read once per batch, as
 // ucx_perftest reads it once per run (two steady_clock reads per round trip
 // were ~20 ns of a ~150 ns one-way figure).
@@ -284,6 +325,12 @@ void register_all() {
     for (int64_t bytes = 4096; bytes <= kMaxBytes; bytes *= 4)
       bw->Arg(bytes);
     bw->UseManualTime()->Unit(benchmark::kMicrosecond);
+    benchmark::RegisterBenchmark(("ucx_" + m.label + "_messages").c_str(),
+                                 [m](benchmark::State& s) { BM_messages(s, m); })
+        ->Arg(320)
+        ->Arg(6144)
+        ->UseManualTime()
+        ->Unit(benchmark::kMicrosecond);
     benchmark::RegisterBenchmark(("ucx_" + m.label + "_latency").c_str(),
                                  [m](benchmark::State& s) { BM_latency(s, m); })
         ->Arg(8)
