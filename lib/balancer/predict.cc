@@ -26,14 +26,14 @@ constexpr int kShiftWindows = 2;
 // this many spreads, so that one level change (or the move that follows it)
 // does not read as noise; correlation is taken at most this high.
 constexpr double kMinSpread = 0.02;
+constexpr double kClipSpreads = 3;
+constexpr double kMaxCorrelation = 0.8;
 // Until it has learnt the noise from its own windows, a server is assumed to
 // be as noisy as a shared machine: a prior spread of this much, worth this
-// many windows, blended with what it measures.
+// many windows, blended with what it measures (an EWMA of this weight).
 constexpr double kPriorSpread = 0.15;
 constexpr double kPriorWindows = 2;
-constexpr double kClipSpreads = 3;
 constexpr double kSpreadAlpha = 0.1;
-constexpr double kMaxCorrelation = 0.8;
 
 // The threshold h (in spreads) of a one-sided CUSUM of unit-variance samples
 // with reference k (in spreads) whose mean run length without a change is
@@ -230,8 +230,6 @@ bool Balancer::Decision::estimate_rates() {
 
 bool Balancer::Decision::detect(Tracked& t, double load, double others) const {
   if (!(t.last_rate > 0) || !(others > 0) || !(load > 0)) return t.cusum > 0 && t.has_x;
-  // This window's time per round (its newest rate sample, not the EWMA)
-  // over the others'.
   // A window of an older epoch (the switch or its migration in it) says
   // nothing about this placement; at a new one the test starts again from
   // the level x has there (the noise it learnt is kept).
@@ -241,6 +239,8 @@ bool Balancer::Decision::detect(Tracked& t, double load, double others) const {
     t.cusum = 0;
     t.has_x = false;
   }
+  // This window's time per round (its newest rate sample, not the EWMA)
+  // over the others'.
   const double x = std::log(load / t.last_rate / others);
   // x's noise: its variance (blended with a prior while few windows taught
   // it), and the spread the CUSUM sees, that variance times
@@ -256,7 +256,7 @@ bool Balancer::Decision::detect(Tracked& t, double load, double others) const {
   // Winsorised: no window adds more than kClipSpreads spreads, so that one
   // spike of a heavy-tailed noise cannot raise the alarm alone.
   t.cusum = std::max(0.0, t.cusum + std::min(x - k, kClipSpreads * spread));
-  // (The threshold's bisection runs only for a statistic above 0: in a
+  // (The threshold is solved for only when the statistic is above 0: in a
   // balanced cluster most are 0, and a decision on 1,024 servers is timed.)
   const bool alarm =
       t.cusum > 0 && t.cusum >= cusum_threshold(k / spread, options_.false_alarm_windows) * spread;
@@ -275,15 +275,6 @@ bool Balancer::Decision::detect(Tracked& t, double load, double others) const {
   }
   t.last_x = x;
   t.has_x = true;
-  unsigned dbg_id = 999;
-  for (auto& [id, tt] : balancer_.servers_)
-    if (&tt == &t) dbg_id = id;
-  if (getenv("PSLD_DBG"))
-    fprintf(stderr,
-            "dbg s%u d%lu load %.4g lr %.4g others %.4g x %.3f cusum %.3f spread %.3f h %.3f alarm "
-            "%d\n",
-            dbg_id, (unsigned long)balancer_.decision_, load, t.last_rate, others, x, t.cusum,
-            spread, cusum_threshold(k / spread, options_.false_alarm_windows) * spread, alarm);
   return alarm;
 }
 
