@@ -297,6 +297,10 @@ Result<SimResult> simulate(const SimOptions& o) {
   uint64_t window_first_round = 1;
   std::vector<size_t> pushed_to, positions;
   protocol::LoadReport wr;
+  // A server's time a round in its current window (rounds > 0).
+  const auto per_round_s = [&](size_t s) {
+    return windows[s].busy_s / static_cast<double>(windows[s].rounds);
+  };
   auto report_workers = [&](uint64_t round) {
     const uint64_t rounds = round + 1 - window_first_round;
     window_first_round = round + 1;
@@ -304,8 +308,7 @@ Result<SimResult> simulate(const SimOptions& o) {
     size_t slowest = 0;
     for (size_t i = 0; i < ids; ++i) {
       if (loads.chunks[i] == 0 || windows[i].rounds == 0) continue;
-      const auto per_round = [&](size_t s) { return windows[s].busy_s / windows[s].rounds; };
-      if (!pushed_to.empty() && per_round(i) > per_round(pushed_to[slowest]))
+      if (!pushed_to.empty() && per_round_s(i) > per_round_s(pushed_to[slowest]))
         slowest = pushed_to.size();
       pushed_to.push_back(i);
     }
@@ -320,11 +323,11 @@ Result<SimResult> simulate(const SimOptions& o) {
       sampled_positions(pushed_to.size(), peer_limit, w, wr.window, slowest, positions);
       for (size_t at : positions) {
         const size_t i = pushed_to[at];
-        const double per_round_s = windows[i].busy_s / static_cast<double>(windows[i].rounds);
+        const auto answer_ns = static_cast<uint64_t>(per_round_s(i) * 1e9);
         wr.peers.push_back(protocol::PeerLoad{
             static_cast<uint32_t>(i), static_cast<uint64_t>(loads.bytes[i]) * rounds,
-            static_cast<uint32_t>(loads.chunks[i] * static_cast<double>(rounds)),
-            static_cast<uint64_t>(per_round_s * 1e9), static_cast<uint64_t>(per_round_s * 1e9)});
+            static_cast<uint32_t>(loads.chunks[i] * static_cast<double>(rounds)), answer_ns,
+            answer_ns});
       }
       result.peer_entries += wr.peers.size();
       ingest(wr);
