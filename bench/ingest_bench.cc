@@ -27,6 +27,7 @@
 #include "lib/coordinator/balance_feed.h"
 #include "lib/protocol/protocol.h"
 #include "lib/stats/load_history.h"
+#include "lib/stats/load_stats.h"
 
 namespace psld {
 namespace {
@@ -37,26 +38,11 @@ constexpr uint32_t kVnodes = 977;  // 1,000,448 arcs
 using Wire = std::vector<std::vector<uint8_t>>;
 
 // The parts of one report, as LoadRecorder::close_window() cuts them.
-Wire encode_parts(const protocol::LoadReport& total, std::vector<protocol::ArcLoad> arcs,
-                  std::vector<protocol::PeerLoad> peers) {
-  const size_t entries = arcs.size() + peers.size();
-  const size_t parts =
-      std::max<size_t>(1, (entries + protocol::kMaxLoadEntries - 1) / protocol::kMaxLoadEntries);
+Wire encode_parts(const protocol::LoadReport& total, const std::vector<protocol::ArcLoad>& arcs,
+                  const std::vector<protocol::PeerLoad>& peers) {
   Wire wire;
-  size_t next = 0;
-  for (size_t i = 0; i < parts; ++i) {
-    protocol::LoadReport r = total;
-    r.part = static_cast<uint32_t>(i);
-    r.parts = static_cast<uint32_t>(parts);
-    for (size_t n = 0; n < protocol::kMaxLoadEntries && next < entries; ++n, ++next) {
-      if (next < arcs.size()) {
-        r.arcs.push_back(arcs[next]);
-      } else {
-        r.peers.push_back(peers[next - arcs.size()]);
-      }
-    }
-    wire.push_back(protocol::encode(protocol::Message{std::move(r)}));
-  }
+  for (auto& part : split_report(total, arcs, peers))
+    wire.push_back(protocol::encode(protocol::Message{std::move(part)}));
   return wire;
 }
 
@@ -73,7 +59,7 @@ Wire worker_window(uint32_t rank, uint64_t window, uint32_t peers) {
     const uint32_t server = (rank * peers + i) % kServers;
     list.push_back(protocol::PeerLoad{server, 1 << 20, 4, 250'000 + server, 400'000 + server});
   }
-  return encode_parts(r, {}, std::move(list));
+  return encode_parts(r, {}, list);
 }
 
 Wire server_window(const Placement& p, uint32_t server, uint64_t window) {
@@ -92,7 +78,7 @@ Wire server_window(const Placement& p, uint32_t server, uint64_t window) {
     r.bytes_in += 1 << 16;
     r.bytes_out += 1 << 16;
   }
-  return encode_parts(r, std::move(arcs), {});
+  return encode_parts(r, arcs, {});
 }
 
 // What handle_load_report() does with a message: decode, check, ingest.

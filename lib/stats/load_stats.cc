@@ -157,7 +157,13 @@ std::vector<protocol::LoadReport> LoadRecorder::close_window(uint32_t rank, uint
     peer_list.push_back(p);
   }
   if (peer_limit_ > 0) sample_peers(peer_list, peer_limit_, rank, total.window);
-  const size_t entries = arc_list.size() + peer_list.size();
+  return split_report(total, arc_list, peer_list);
+}
+
+std::vector<protocol::LoadReport> split_report(const protocol::LoadReport& total,
+                                               std::span<const protocol::ArcLoad> arcs,
+                                               std::span<const protocol::PeerLoad> peers) {
+  const size_t entries = arcs.size() + peers.size();
   const size_t parts =
       std::max<size_t>(1, (entries + protocol::kMaxLoadEntries - 1) / protocol::kMaxLoadEntries);
   std::vector<protocol::LoadReport> out(parts, total);
@@ -166,10 +172,10 @@ std::vector<protocol::LoadReport> LoadRecorder::close_window(uint32_t rank, uint
     out[i].part = static_cast<uint32_t>(i);
     out[i].parts = static_cast<uint32_t>(parts);
     for (size_t n = 0; n < protocol::kMaxLoadEntries && next < entries; ++n, ++next) {
-      if (next < arc_list.size()) {
-        out[i].arcs.push_back(arc_list[next]);
+      if (next < arcs.size()) {
+        out[i].arcs.push_back(arcs[next]);
       } else {
-        out[i].peers.push_back(peer_list[next - arc_list.size()]);
+        out[i].peers.push_back(peers[next - arcs.size()]);
       }
     }
   }

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "base/clock.h"
@@ -60,6 +61,13 @@ void sample_peers(std::vector<protocol::PeerLoad>& peers, size_t limit, uint32_t
 // slowest is at `slowest` (all of them when n <= limit or limit is 0).
 void sampled_positions(size_t n, size_t limit, uint32_t rank, uint64_t window, size_t slowest,
                        std::vector<size_t>& out);
+
+// A window's report cut into parts of at most protocol::kMaxLoadEntries
+// entries, arcs first, then peers; the totals (and `total`'s own entries,
+// which should be empty) are in every part.
+std::vector<protocol::LoadReport> split_report(const protocol::LoadReport& total,
+                                               std::span<const protocol::ArcLoad> arcs,
+                                               std::span<const protocol::PeerLoad> peers);
 
 class LoadRecorder {
  public:
