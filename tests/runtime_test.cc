@@ -449,6 +449,30 @@ TEST_P(Runtime, AWorkerThatDiesFailsTheJobForEveryone) {
   EXPECT_EQ(job.code(), StatusCode::kAborted) << job.to_string();
 }
 
+// An idle job's members send the coordinator a heartbeat per interval and a
+// load report per stats interval, nothing more. Each message from the
+// coordinator (the echo of a heartbeat among them) wakes the member's
+// session; a heartbeat loop that sent on every wake played ping-pong with the
+// coordinator as fast as the two could go, thousands of messages a second,
+// and took the worker's lock each time.
+TEST_P(Runtime, HeartbeatsKeepTheirIntervalWhateverTheCoordinatorSends) {
+  Cluster c(2, 1, nullptr, GetParam());
+  ASSERT_TRUE(c.start().ok());
+  const uint64_t members = 3;
+  const auto window = 1s;
+  const uint64_t before = c.coordinator->messages_received();
+  std::this_thread::sleep_for(window);
+  const uint64_t got = c.coordinator->messages_received() - before;
+  const uint64_t heartbeats = members * (window / c.base.heartbeat_interval + 2);
+  const uint64_t reports = members * (window / c.base.stats_interval + 2);
+  // Twice that for whatever else a member says (a report in parts, progress);
+  // the ping-pong was over 20 times it.
+  EXPECT_LE(got, 2 * (heartbeats + reports))
+      << "heartbeat interval " << c.base.heartbeat_interval.count() << " ms, stats interval "
+      << c.base.stats_interval.count() << " ms";
+  EXPECT_GE(got, members * (window / c.base.heartbeat_interval) / 2) << "heartbeats stopped";
+}
+
 // Bounded staleness, s = 2: pushes are applied on arrival and a pull of round
 // r waits until every worker's pushes up to round r - s are in. Each worker
 // pushes a one-hot vector (1 at its own rank) every round, so after a pull

@@ -460,21 +460,29 @@ void MemberSession::on_tick(TickFn fn) {
 
 void MemberSession::heartbeat_loop() {
   uint64_t seq = 0;
+  bool failure_ticked = false;
   UniqueLock lock(mu_);
-  auto woke = Clock::now();
+  auto due = Clock::now() + options_.heartbeat_interval;
   while (!goodbye_) {
-    cv_.wait_for(lock.native(), options_.heartbeat_interval);
+    // Every message from the coordinator notifies cv_, the echo of our own
+    // heartbeat included: only the due time, a goodbye or a failure (which
+    // the tick passes on at once) end the wait. Waking on each notification
+    // sent a heartbeat per echo, a ping-pong with the coordinator as fast as
+    // the two could go.
+    cv_.wait_until(lock.native(), due,
+                   [&]() REQUIRES(mu_) { return goodbye_ || (!health_.ok() && !failure_ticked); });
     if (goodbye_) break;
     // This process itself did not run for a while (stopped, or starved):
     // the coordinator's silence then says nothing about the coordinator, so
     // it gets a fresh timeout from now.
     const auto now = Clock::now();
-    if (now - woke > options_.heartbeat_timeout / 2) last_heard_ = now;
-    woke = now;
+    if (now - due > options_.heartbeat_timeout / 2) last_heard_ = now;
+    due = now + options_.heartbeat_interval;
     if (health_.ok() && !shutdown_ && now - last_heard_ > options_.heartbeat_timeout) {
       fail(fmt::format("the coordinator at {} sent nothing for {} ms", options_.coordinator_address,
                        options_.heartbeat_timeout.count()));
     }
+    failure_ticked = !health_.ok();
     ConnectionPtr conn = coordinator_;
     lock.unlock();
     if (conn && conn->is_open()) (void)runtime_.send(conn, protocol::Heartbeat{++seq});

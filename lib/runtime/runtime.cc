@@ -45,6 +45,7 @@ void ProcessRuntime::on_message(const transport::ConnectionPtr& conn,
     on_malformed(conn, m.status());
     return;
   }
+  received_.fetch_add(1, std::memory_order_relaxed);
   on_control(conn, std::move(m).value());
 }
 

@@ -47,6 +47,8 @@ class ProcessRuntime : public transport::Handler {
 
   // Messages that failed to decode (each is also logged once).
   uint64_t malformed_messages() const { return malformed_.load(); }
+  // Control messages received and decoded.
+  uint64_t messages_received() const { return received_.load(std::memory_order_relaxed); }
 
  protected:
   // A decoded control message.
@@ -61,6 +63,7 @@ class ProcessRuntime : public transport::Handler {
   std::unique_ptr<transport::Transport> transport_;
   std::unique_ptr<transport::ProgressThread> progress_;
   std::atomic<uint64_t> malformed_{0};
+  std::atomic<uint64_t> received_{0};
 };
 
 // Connects to `address` (a transport address blob in text form).
