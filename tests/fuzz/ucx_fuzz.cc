@@ -125,6 +125,8 @@ std::vector<Seed> seeds() {
   HelloFields hello;
   hello.instance = 0x1111'2222'3333'4444;
   hello.conn = 3;
+  hello.process_namespace = 0x5555'6666'7777'8889;
+  hello.pid = 4242;
   hello.listen = "127.0.0.1:41234";
   HelloFields ring_hello = hello;
   ring_hello.ring_slots = 256;

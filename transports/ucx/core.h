@@ -269,12 +269,18 @@ std::vector<uint8_t> encode_remote_key(const RemoteKeyFields& key);
 Result<RemoteKeyFields> decode_remote_key(std::span<const uint8_t> key);
 
 // The hello and its answer (one layout): magic, version, the sender's
-// instance and connection id, the address it listens at, and its
+// instance and connection id, its process (namespace key and pid), the
+// address it listens at, and its
 // notification ring offer: slot count (0: none), where the ring is in the
 // offering process, and UCX's packed key for it (wireup.cc).
 struct HelloFields {
   uint64_t instance = 0;
   uint64_t conn = 0;
+  // The sender's process: its namespace key (process_namespace_key, 0 if
+  // unknown) and pid, so that the key of a peer on this host that ended is
+  // refused before UCX tries to attach its memory (UcxCore::unpack_rkey).
+  uint64_t process_namespace = 0;
+  uint32_t pid = 0;
   std::string listen;
   uint32_t ring_slots = 0;
   uint64_t ring_base = 0;
@@ -394,6 +400,13 @@ std::string socket_address_string(const sockaddr_storage& sa);
 LaneSummary summarize_lanes(const std::string& info);
 std::string endpoint_info(ucp_ep_h ep);
 bool tls_may_use_shared_memory(const std::string& option);
+// Which host and process namespace this process runs in: a hash of the
+// kernel's boot id and the pid namespace, equal for two processes exactly
+// when one's pids are the other's; 0 where /proc does not say.
+uint64_t process_namespace_key();
+// Whether process `pid` of this namespace has ended (gone from /proc, or a
+// zombie, whose memory is already released). False when /proc cannot tell.
+bool process_ended(uint32_t pid);
 // Whether ucx.tls (else UCX_TLS) names only TCP and this host's transports,
 // so that no RDMA device is left out when UCX is held to one interface.
 bool tls_without_network_rdma(const std::string& option);
@@ -883,6 +896,11 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   void release_rkey(UcxRemoteRegion* remote);
   // Unpacks a key imported before the connection had an endpoint (mu_ held).
   Status unpack_late(UcxConnection& conn, UcxRemoteRegion& remote) REQUIRES(mu_);
+  // ucp_ep_rkey_unpack of the key of `owner`'s memory, unless `owner` said
+  // hello from this host and its process has ended: UCX 1.13 would try to
+  // attach the shared memory that went with it, fail, and crash releasing
+  // the half-unpacked key. Unavailable then, a DataLoss if UCX refuses.
+  Status unpack_rkey(ucp_ep_h ep, uint64_t owner, const uint8_t* packed, ucp_rkey_h* rkey);
 
   // UCX callbacks: mu_ is held (UCX calls back only from inside a ucp_* call
   // made under it), which each says to the analysis with mu_.assert_held().
@@ -1097,6 +1115,7 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   Handler* const handler_;
   const WritePath forced_;
   const uint64_t instance_ = random_u64() | 1;  // never 0, which means "not known yet"
+  const uint64_t namespace_key_ = process_namespace_key();
   const size_t am_eager_max_ = std::getenv("UCX_RNDV_THRESH") != nullptr ? 0 : kAmEagerMax;
 
   std::shared_ptr<UcxContext> context_;
@@ -1209,6 +1228,10 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   // shutdown unmaps it; never held while taking mu_.
   SharedMutex mapping_mu_;
   Mutex rkey_mu_ ACQUIRED_AFTER(mu_);
+  // The process behind each peer instance that said hello from this host
+  // and pid namespace: its pid (unpack_rkey). Taken after mu_ and rkey_mu_.
+  Mutex procs_mu_ ACQUIRED_AFTER(rkey_mu_);
+  std::unordered_map<uint64_t, uint32_t> peer_pids_ GUARDED_BY(procs_mu_);
   std::set<UcxRemoteRegion*> live_remotes_ GUARDED_BY(rkey_mu_);
   std::vector<ucp_rkey_h> graveyard_ GUARDED_BY(rkey_mu_);
   std::atomic<bool> graveyard_nonempty_{false};

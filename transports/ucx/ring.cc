@@ -64,8 +64,9 @@ void UcxCore::map_peer_ring(UcxConnection& conn, uint32_t slots, uint64_t base,
   std::vector<uint8_t> padded(packed.size() + kRkeyPad, 0);
   std::memcpy(padded.data(), packed.data(), packed.size());
   ucp_rkey_h rkey = nullptr;
-  if (ucp_ep_rkey_unpack(conn.ep_, padded.data(), &rkey) != UCS_OK) {
-    return note("not mapped (UCX could not unpack its key)");
+  if (Status st = unpack_rkey(conn.ep_, conn.peer_instance_.load(), padded.data(), &rkey);
+      !st.ok()) {
+    return note(fmt::format("not mapped ({})", st.message()));
   }
   void* mapped = nullptr;
   if (ucp_rkey_ptr(rkey, base, &mapped) != UCS_OK || mapped == nullptr) {

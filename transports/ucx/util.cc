@@ -2,16 +2,21 @@
 #include "transports/ucx/core.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <netdb.h>
 #include <netinet/in.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <set>
 #include <sstream>
+#include <string_view>
 
 namespace psld::transport {
 
@@ -189,6 +194,37 @@ bool tls_may_use_shared_memory(const std::string& option) {
     }
   }
   return false;
+}
+
+uint64_t process_namespace_key() {
+  char boot_id[64];
+  const int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  const ssize_t got = read(fd, boot_id, sizeof(boot_id));
+  close(fd);
+  if (got <= 0) return 0;
+  char ns[128];
+  const ssize_t n = readlink("/proc/self/ns/pid", ns, sizeof(ns));
+  if (n <= 0) return 0;
+  const std::string text =
+      std::string(boot_id, static_cast<size_t>(got)) + std::string(ns, static_cast<size_t>(n));
+  return fnv1a64({reinterpret_cast<const uint8_t*>(text.data()), text.size()}) | 1;
+}
+
+bool process_ended(uint32_t pid) {
+  const std::string path = fmt::format("/proc/{}/stat", pid);
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return errno == ENOENT || errno == ESRCH;
+  char buf[512];
+  const ssize_t n = read(fd, buf, sizeof(buf) - 1);
+  close(fd);
+  if (n <= 0) return n < 0 && errno == ESRCH;  // it ended while being read
+  const std::string_view stat(buf, static_cast<size_t>(n));
+  // "pid (comm) state ...": comm may hold spaces and parentheses.
+  const size_t paren = stat.rfind(')');
+  if (paren == std::string_view::npos || paren + 2 >= stat.size()) return false;
+  const char state = stat[paren + 2];
+  return state == 'Z' || state == 'X';
 }
 
 bool tls_without_network_rdma(const std::string& option) {

@@ -3,8 +3,11 @@
 
 #include <fmt/format.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include "base/log.h"
 
@@ -19,6 +22,8 @@ std::vector<uint8_t> ucx_detail::encode_hello(const HelloFields& h) {
   w.u8(kWireVersion);
   w.u64(h.instance);
   w.u64(h.conn);
+  w.u64(h.process_namespace);
+  w.u32(h.pid);
   w.str(h.listen);
   w.u32(h.ring_slots);
   w.u64(h.ring_base);
@@ -31,9 +36,9 @@ bool ucx_detail::decode_hello(std::span<const uint8_t> payload, HelloFields* h) 
   uint32_t magic = 0;
   uint8_t version = 0;
   return r.u32(&magic) && magic == kHelloMagic && r.u8(&version) && version == kWireVersion &&
-         r.u64(&h->instance) && r.u64(&h->conn) && r.str(&h->listen, kMaxAddressString) &&
-         r.u32(&h->ring_slots) && r.u64(&h->ring_base) && r.blob(&h->ring_key, kMaxPackedRkey) &&
-         r.done();
+         r.u64(&h->instance) && r.u64(&h->conn) && r.u64(&h->process_namespace) && r.u32(&h->pid) &&
+         r.str(&h->listen, kMaxAddressString) && r.u32(&h->ring_slots) && r.u64(&h->ring_base) &&
+         r.blob(&h->ring_key, kMaxPackedRkey) && r.done();
 }
 
 std::vector<uint8_t> ucx_detail::encode_remote_key(const RemoteKeyFields& k) {
@@ -127,6 +132,8 @@ std::vector<uint8_t> UcxCore::hello_payload(const UcxConnection& conn) const {
   HelloFields h;
   h.instance = instance_;
   h.conn = conn.id();
+  h.process_namespace = namespace_key_;
+  h.pid = static_cast<uint32_t>(getpid());
   h.listen = listen_text_;
   if (const RxRing* ring = conn.rx_ring_.get()) {
     h.ring_slots = ring->slots();
@@ -149,6 +156,10 @@ bool UcxCore::accept_peer_hello(const ConnPtr& conn, std::span<const uint8_t> pa
     return false;
   }
   conn->peer_instance_ = h.instance;
+  if (namespace_key_ != 0 && h.process_namespace == namespace_key_ && h.pid != 0) {
+    MutexLock plock(procs_mu_);
+    peer_pids_[h.instance] = h.pid;
+  }
   map_peer_ring(*conn, h.ring_slots, h.ring_base, h.ring_key);
   connection_ready(*conn);
   return true;
@@ -271,13 +282,7 @@ Result<std::shared_ptr<RemoteRegion>> UcxCore::import_region(UcxConnection& conn
     if (auto it = peer_eps_.find(k.owner); it != peer_eps_.end()) ep = it->second;
   }
   ucp_rkey_h rkey = nullptr;
-  if (ep != nullptr) {
-    ucs_status_t st = ucp_ep_rkey_unpack(ep, padded.data(), &rkey);
-    if (st != UCS_OK) {
-      return DataLoss(
-          fmt::format("UCX could not unpack the remote key: {}", ucs_status_string(st)));
-    }
-  }
+  if (ep != nullptr) PSLD_RETURN_IF_ERROR(unpack_rkey(ep, k.owner, padded.data(), &rkey));
   // Shared memory the peer allocated (UCP_MEM_MAP_ALLOCATE) is attached by
   // the unpack; ucp_rkey_ptr says where.
   // Device memory is never mapped for the CPU.
@@ -301,12 +306,30 @@ Status UcxCore::unpack_late(UcxConnection& conn, UcxRemoteRegion& remote) {
   if (remote.unpack_later_.empty() || conn.ep_ == nullptr) {
     return Unavailable("connection to " + conn.peer() + " is closed");
   }
-  ucs_status_t st = ucp_ep_rkey_unpack(conn.ep_, remote.unpack_later_.data(), &remote.rkey_);
-  if (st != UCS_OK) {
+  Status st = unpack_rkey(conn.ep_, remote.owner(), remote.unpack_later_.data(), &remote.rkey_);
+  if (!st.ok()) {
     remote.rkey_ = nullptr;
-    return DataLoss(fmt::format("UCX could not unpack the remote key: {}", ucs_status_string(st)));
+    return st;
   }
   remote.unpack_later_.clear();
+  return Status::Ok();
+}
+
+Status UcxCore::unpack_rkey(ucp_ep_h ep, uint64_t owner, const uint8_t* packed, ucp_rkey_h* rkey) {
+  std::optional<uint32_t> pid;
+  {
+    MutexLock lock(procs_mu_);
+    if (auto it = peer_pids_.find(owner); it != peer_pids_.end()) pid = it->second;
+  }
+  if (pid && process_ended(*pid)) {
+    return Unavailable(fmt::format(
+        "the peer's process (pid {}) ended: the memory behind its key went with it", *pid));
+  }
+  const ucs_status_t st = ucp_ep_rkey_unpack(ep, packed, rkey);
+  if (st != UCS_OK) {
+    *rkey = nullptr;
+    return DataLoss(fmt::format("UCX could not unpack the remote key: {}", ucs_status_string(st)));
+  }
   return Status::Ok();
 }
 
