@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <vector>
 
 #include "base/log.h"
 #include "lib/server/key_state.h"
@@ -265,6 +267,23 @@ void ServerService::handle(Shard& shard, const TakeOver& w) {
   PSLD_LOG_DEBUG("server {}: key {:#x} of lost server {} taken over as of round {}", rank(), c.key,
                  c.primary, w.version);
   replicate(shard, k);
+  // Pushes that came between this server's learning the epoch and the copy's
+  // arrival here found a fresh state at round 0 and were parked as later
+  // rounds. Now that the round is known, the one the copy holds is answered
+  // (sent again after the failover) and the next is reduced; left parked,
+  // the worker whose push it was waited forever, and the round after it
+  // with it.
+  std::map<uint64_t, std::vector<PushWork>> parked;
+  parked.swap(k.parked);
+  for (auto& [round, pushes] : parked) {
+    if (round > k.agg.version() + 1) {
+      auto& later = k.parked[round];
+      later.insert(later.end(), pushes.begin(), pushes.end());
+      continue;
+    }
+    for (auto& p : pushes)
+      process_push(shard, p);
+  }
 }
 
 void ServerService::on_failover(const protocol::EpochChange& change) {
