@@ -73,8 +73,9 @@ constexpr uint32_t kHelloMagic = 0x48585350;  // "PSXH"
 // 2: notifications and messages carry a sequence number, and the handshake
 // offers a notification ring. 3: connections start with psld's own bootstrap
 // (bootstrap.cc), and every active message names its connection by the
-// receiver's token.
-constexpr uint8_t kWireVersion = 3;
+// receiver's token. 4: the hello names the sender's process (pid and
+// namespace key).
+constexpr uint8_t kWireVersion = 4;
 // UCX 1.13 packs 9..40 bytes of remote key per region; anything near this
 // bound is not a key.
 constexpr size_t kMaxPackedRkey = 4096;
