@@ -6,7 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
-#include <map>
+#include <iterator>
 #include <vector>
 
 #include "base/log.h"
@@ -269,21 +269,19 @@ void ServerService::handle(Shard& shard, const TakeOver& w) {
   replicate(shard, k);
   // Pushes that came between this server's learning the epoch and the copy's
   // arrival here found a fresh state at round 0 and were parked as later
-  // rounds. Now that the round is known, the one the copy holds is answered
-  // (sent again after the failover) and the next is reduced; left parked,
-  // the worker whose push it was waited forever, and the round after it
-  // with it.
-  std::map<uint64_t, std::vector<PushWork>> parked;
-  parked.swap(k.parked);
-  for (auto& [round, pushes] : parked) {
-    if (round > k.agg.version() + 1) {
-      auto& later = k.parked[round];
-      later.insert(later.end(), pushes.begin(), pushes.end());
-      continue;
-    }
-    for (auto& p : pushes)
-      process_push(shard, p);
+  // rounds. Now that the round is known, those of the round the copy holds
+  // (sent again after the failover) are answered and the next round's are
+  // reduced, as any parked push once its key gets there; left parked, the
+  // worker whose push it was waited forever, and the round after it with it.
+  std::vector<PushWork> again;
+  while (!k.parked.empty() && k.parked.begin()->first <= k.agg.version()) {
+    auto& pushes = k.parked.begin()->second;
+    std::move(pushes.begin(), pushes.end(), std::back_inserter(again));
+    k.parked.erase(k.parked.begin());
   }
+  for (auto& p : again)
+    process_push(shard, p);
+  release_parked(shard, k);
 }
 
 void ServerService::on_failover(const protocol::EpochChange& change) {
