@@ -23,10 +23,9 @@ namespace psld::transport {
 namespace ucx_detail {
 
 Status ucs_to_status(ucs_status_t st, std::string_view what) {
+  if (st == UCS_OK) return Status::Ok();  // every completion passes here: no message to format
   std::string msg = fmt::format("{}: {}", what, ucs_status_string(st));
   switch (st) {
-    case UCS_OK:
-      return Status::Ok();
     case UCS_ERR_CANCELED:
       return Aborted(std::move(msg));
     case UCS_ERR_NO_MEMORY:
