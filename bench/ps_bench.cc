@@ -51,6 +51,9 @@
 // table of their goodputs; rows of factor 2 are BM_ps_<mode>_r2/....
 // Every wait has a timeout and a watchdog ends the process with a message
 // if a phase overruns, so the benchmark never hangs.
+// Under valgrind --tool=callgrind each timed span's instructions are dumped
+// on their own with its count of operations: tools/chunk-cost prints the
+// instructions per raw write and per push_pull chunk.
 
 #include <fmt/format.h>
 #include <strings.h>
@@ -77,6 +80,13 @@
 #include <thread>
 #include <tuple>
 #include <vector>
+
+#if __has_include(<valgrind/callgrind.h>)
+#include <valgrind/callgrind.h>
+#define PSLD_HAVE_CALLGRIND 1
+#else
+#define PSLD_HAVE_CALLGRIND 0
+#endif
 
 #include "bench/bench_util.h"
 #include "bench/profiles.h"
@@ -441,6 +451,25 @@ struct Rate {
   double cores = 0;
 };
 
+// Under valgrind --tool=callgrind (tools/chunk-cost), the instructions of each
+// timed span are dumped on their own, its description naming the point and
+// how many operations (raw writes, push_pull chunks) it did; tools/chunk-cost
+// divides one by the other. Without valgrind these cost a few instructions.
+void count_instructions_from_here() {
+#if PSLD_HAVE_CALLGRIND
+  CALLGRIND_ZERO_STATS;
+#endif
+}
+
+void dump_instructions(std::string_view tag, std::string_view what, uint64_t ops) {
+#if PSLD_HAVE_CALLGRIND
+  const std::string desc = fmt::format("ps_bench {} {} ops={}", tag, what, ops);
+  CALLGRIND_DUMP_STATS_AT(desc.c_str());
+#else
+  (void)tag, (void)what, (void)ops;
+#endif
+}
+
 // ---- the yardstick: the transport alone
 
 // W sender and S receiver transports, W x S connections, progressed by one
@@ -533,7 +562,7 @@ class RawRig {
 
   // Aggregate bytes/s landed at the receivers while every connection keeps
   // window_ writes of `chunk` bytes in flight.
-  Result<Rate> measure(uint64_t chunk, double seconds) {
+  Result<Rate> measure(uint64_t chunk, double seconds, std::string_view tag) {
     if (chunk > max_chunk_) return InvalidArgument("chunk larger than the rig's slots");
     chunk_ = chunk;
     failures_ = 0;
@@ -545,11 +574,13 @@ class RawRig {
     }
     const double warm = std::min(0.25, seconds / 2);
     std::this_thread::sleep_for(std::chrono::duration<double>(warm));
+    count_instructions_from_here();
     const uint64_t b0 = landed_bytes();
     const double c0 = cpu_seconds();
     const auto t0 = Clock::now();
     std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
     const uint64_t b1 = landed_bytes();
+    dump_instructions(tag, fmt::format("raw {}", human_size(chunk)), (b1 - b0) / chunk);
     const double c1 = cpu_seconds();
     const auto t1 = Clock::now();
     running_ = false;
@@ -862,7 +893,7 @@ class Cluster {
   }
 
   // Goodput in bytes/s of `mode` on the tensors of `size`.
-  Result<Rate> measure(uint64_t size, Mode mode, double seconds) {
+  Result<Rate> measure(uint64_t size, Mode mode, double seconds, std::string_view tag) {
     TensorSet& set = sets_.at(size);
     const RequestKind kind = mode == Mode::kPushPull ? RequestKind::kPushPull
                              : mode == Mode::kPush   ? RequestKind::kPush
@@ -882,6 +913,7 @@ class Cluster {
         std::clamp<uint64_t>(static_cast<uint64_t>(seconds / per_round + 0.5), 3, 1000000);
     std::vector<Clock::time_point> begin(num_workers()), end(num_workers());
     std::latch go(num_workers());
+    count_instructions_from_here();
     const double c0 = cpu_seconds();
     const auto t0 = Clock::now();
     PSLD_RETURN_IF_ERROR(on_threads(num_workers(), [&](uint32_t w) -> Status {
@@ -892,6 +924,10 @@ class Cluster {
       end[w] = Clock::now();
       return Status::Ok();
     }));
+    dump_instructions(
+        tag,
+        fmt::format("{} {}", mode_name(mode), size == kProfilePoint ? "profile" : human_size(size)),
+        rounds * set.chunks_per_round * num_workers());
     const double cores = (cpu_seconds() - c0) / since(t0, Clock::now());
     const double wall = since(*std::min_element(begin.begin(), begin.end()),
                               *std::max_element(end.begin(), end.end()));
@@ -939,8 +975,10 @@ class Cluster {
   Status round(uint32_t w, const TensorSet& set, RequestKind kind) {
     WorkerService& worker = *workers_[w];
     PSLD_ASSIGN_OR_RETURN(auto reqs, worker.submit_many(set.handles[w], kind));
-    for (auto& r : reqs)
-      PSLD_RETURN_IF_ERROR(r->wait(30s).with_context(fmt::format("worker {}", w)));
+    for (auto& r : reqs) {
+      // The context is formatted only on failure, not once a tensor a round.
+      if (Status st = r->wait(30s); !st.ok()) return st.with_context(fmt::format("worker {}", w));
+    }
     return Status::Ok();
   }
 
@@ -1102,10 +1140,10 @@ Status run(const Options& o, Watchdog& watchdog, std::vector<Row>& rows) {
         // which raw writes move the same bytes in the same chunk sizes (the
         // time of each class at its own rate, summed).
         auto measure_raw = [&]() -> Result<Rate> {
-          if (size != kProfilePoint) return (*rig)->measure(chunk, o.seconds);
+          if (size != kProfilePoint) return (*rig)->measure(chunk, o.seconds, where);
           double seconds = 0, bytes = 0, cores = 0;
           for (const auto& [c, b] : classes) {
-            PSLD_ASSIGN_OR_RETURN(Rate r, (*rig)->measure(c, o.seconds));
+            PSLD_ASSIGN_OR_RETURN(Rate r, (*rig)->measure(c, o.seconds, where));
             if (r.bytes_per_s <= 0) return Internal(fmt::format("no raw writes of {} landed", c));
             seconds += static_cast<double>(b) / r.bytes_per_s;
             bytes += static_cast<double>(b);
@@ -1125,7 +1163,8 @@ Status run(const Options& o, Watchdog& watchdog, std::vector<Row>& rows) {
           for (size_t ci = 0; ci < clusters.size(); ++ci) {
             const uint32_t f = o.replication[ci];
             for (Mode mode : o.modes) {
-              auto g = clusters[ci]->measure(size, mode, o.seconds);
+              auto g = clusters[ci]->measure(size, mode, o.seconds,
+                                             fmt::format("{} r={}", where, o.replication[ci]));
               if (!g.ok()) {
                 return g.status().with_context(fmt::format("{} of {} (replication.factor {}), {}",
                                                            mode_name(mode), point, f, where));
