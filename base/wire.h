@@ -45,9 +45,9 @@ class WireWriter {
   // `reserve`: the encoding's size, where the caller knows it.
   explicit WireWriter(size_t reserve = 0) { out_.reserve(reserve); }
   void u8(uint8_t v) { out_.push_back(v); }
-  void u16(uint16_t v) { le(v, 2); }
-  void u32(uint32_t v) { le(v, 4); }
-  void u64(uint64_t v) { le(v, 8); }
+  void u16(uint16_t v) { le(v); }
+  void u32(uint32_t v) { le(v); }
+  void u64(uint64_t v) { le(v); }
   // As its IEEE-754 bits.
   void f64(double v) { u64(std::bit_cast<uint64_t>(v)); }
   void bytes(std::span<const uint8_t> b) { out_.insert(out_.end(), b.begin(), b.end()); }
@@ -63,10 +63,12 @@ class WireWriter {
   const std::vector<uint8_t>& data() const { return out_; }
 
  private:
-  void le(uint64_t v, size_t n) {
-    const size_t at = out_.size();
-    out_.resize(at + n);
-    store_le(out_.data() + at, v, n);
+  // Sized by the type, so that the store is a move, not a call to memcpy.
+  template <typename T>
+  void le(T v) {
+    uint8_t b[sizeof(T)];
+    store_le(b, v, sizeof(T));
+    out_.insert(out_.end(), b, b + sizeof(T));
   }
   std::vector<uint8_t> out_;
 };
@@ -74,10 +76,10 @@ class WireWriter {
 class WireReader {
  public:
   explicit WireReader(std::span<const uint8_t> in) : in_(in) {}
-  bool u8(uint8_t* v) { return le(v, 1); }
-  bool u16(uint16_t* v) { return le(v, 2); }
-  bool u32(uint32_t* v) { return le(v, 4); }
-  bool u64(uint64_t* v) { return le(v, 8); }
+  bool u8(uint8_t* v) { return le(v); }
+  bool u16(uint16_t* v) { return le(v); }
+  bool u32(uint32_t* v) { return le(v); }
+  bool u64(uint64_t* v) { return le(v); }
   bool f64(double* v) {
     uint64_t bits = 0;
     if (!u64(&bits)) return false;
@@ -87,10 +89,10 @@ class WireReader {
   // For a decoder that checked the buffer's length against its counts before
   // reading (the placement's): the value, and 0 past the end rather than
   // trusting that check.
-  uint8_t u8() { return value<uint8_t>(1); }
-  uint16_t u16() { return value<uint16_t>(2); }
-  uint32_t u32() { return value<uint32_t>(4); }
-  uint64_t u64() { return value<uint64_t>(8); }
+  uint8_t u8() { return value<uint8_t>(); }
+  uint16_t u16() { return value<uint16_t>(); }
+  uint32_t u32() { return value<uint32_t>(); }
+  uint64_t u64() { return value<uint64_t>(); }
   double f64() { return std::bit_cast<double>(u64()); }
   // A u32 length (at most max_len), then that many bytes, viewed in place.
   bool blob(std::span<const uint8_t>* b, size_t max_len) {
@@ -110,17 +112,18 @@ class WireReader {
   bool done() const { return pos_ == in_.size(); }
 
  private:
+  // Sized by the type, so that the load is a move, not a call to memcpy.
   template <typename T>
-  bool le(T* v, size_t n) {
-    if (remaining() < n) return false;
-    *v = static_cast<T>(load_le(in_.data() + pos_, n));
-    pos_ += n;
+  bool le(T* v) {
+    if (remaining() < sizeof(T)) return false;
+    *v = static_cast<T>(load_le(in_.data() + pos_, sizeof(T)));
+    pos_ += sizeof(T);
     return true;
   }
   template <typename T>
-  T value(size_t n) {
+  T value() {
     T v = 0;
-    le(&v, n);
+    le(&v);
     return v;
   }
   std::span<const uint8_t> in_;

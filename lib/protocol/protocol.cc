@@ -792,7 +792,9 @@ uint64_t round_of(std::span<const TensorRounds> ranges, uint32_t tensors, Tensor
 }
 
 std::vector<uint8_t> encode(const Message& message) {
-  WireWriter w;
+  // Room for the messages of every chunk (a PushMeta, a Credit, a batch of a
+  // few entries) without growing.
+  WireWriter w(256);
   w.u16(static_cast<uint16_t>(kTypes[message.index()]));
   w.u16(kVersion);
   std::visit([&](const auto& m) { put(w, m); }, message);
