@@ -37,10 +37,9 @@ void WorkerService::route(ChunkOp op, std::optional<Clock::time_point> deadline)
 }
 
 void WorkerService::on_moved(ServerConn& s, const protocol::Moved& m) {
-  auto it = pending_.find(m.tag);
-  if (it == pending_.end()) return;
-  Pending p = std::move(it->second);
-  pending_.erase(it);
+  std::optional<Pending> taken = pending_.take(m.tag);
+  if (!taken) return;
+  Pending p = std::move(*taken);
   if (p.other_tag != 0) pending_.erase(p.other_tag);  // a push_pull's pull: never answered
   const uint64_t known = epochs_->latest().epoch();
   PSLD_LOG_DEBUG("worker {}: server {} says key {:#x} round {} moved (its epoch {}, ours {})",
@@ -54,7 +53,7 @@ void WorkerService::on_moved(ServerConn& s, const protocol::Moved& m) {
   const Tensor& t = tensors_[p.op.tensor];
   const uint64_t round = p.op.kind == RequestKind::kInit ? 0 : p.op.round;
   if (epochs_->owner(make_key(t.id, p.op.chunk), round) == s.rank) {
-    p.request->complete_part(Moved(fmt::format(
+    p.op.request->complete_part(Moved(fmt::format(
         "key {:#x} is not on server {} in epoch {}, though this worker's epoch {} puts it there",
         m.key, s.rank, m.epoch, known)));
     return;
@@ -159,11 +158,12 @@ protocol::PushMeta WorkerService::start_push(ServerConn& s, const ChunkOp& op, u
     pull_tag = new_tag();
     flags |= protocol::kPushThenPull;
     if (op.kind == RequestKind::kInit) flags |= protocol::kPushInit;
-    pending_[pull_tag] = Pending{op.request, push_tag, s.rank, Clock::now(), op, /*lands=*/true};
-    pending_[push_tag] = Pending{op.request, pull_tag, s.rank, Clock::now(), op};
+    const auto now = Clock::now();
+    pending_.put(push_tag, Pending{pull_tag, s.rank, now, op});
+    pending_.put(pull_tag, Pending{push_tag, s.rank, now, op, /*lands=*/true});
   } else {
     // A plain push completes when the server says it took it (Credit).
-    pending_[push_tag] = Pending{op.request, 0, s.rank, Clock::now(), op};
+    pending_.put(push_tag, Pending{0, s.rank, Clock::now(), op});
   }
   loads_[s.rank].bytes_pushed += span.bytes;
   load_->record(s.rank, LoadMetric::kPushedBytes, static_cast<double>(span.bytes));
@@ -304,7 +304,7 @@ void WorkerService::issue(ServerConn& s, const ChunkOp& op, uint32_t slot) {
   ConnectionPtr conn = s.conn;
   if (op.kind == RequestKind::kPull) {
     const uint32_t pull_tag = new_tag();
-    pending_[pull_tag] = Pending{op.request, 0, s.rank, Clock::now(), op, /*lands=*/true};
+    pending_.put(pull_tag, Pending{0, s.rank, Clock::now(), op, /*lands=*/true});
     protocol::PullRequest pr{pull_tag, t.dtype,  span.bytes,
                              span.key, op.round, epochs_->latest().epoch()};
     outbox_.push_back([this, conn, pr, rank = s.rank] {
@@ -360,8 +360,9 @@ protocol::WorkerProgress WorkerService::progress() {
     uint64_t& r = low[tensors_[op.tensor].id - 1];
     r = std::min(r, op.round);
   };
-  for (const auto& [tag, p] : pending_)
-    at(p.op);
+  for (uint32_t tag : pending_.tags()) {
+    if (const Pending* p = pending_.find(tag)) at(p->op);
+  }
   for (const auto& [r, s] : servers_) {
     for (const auto& op : s.backlog)
       at(op);

@@ -22,7 +22,8 @@ void RequestState::complete_part(const Status& status) {
     MutexLock lock(mu_);
     if (done_) return;
     if (!status.ok() && status_.ok()) status_ = status;
-    if (--remaining_ == 0 || !status.ok()) done_ = true;
+    if (--remaining_ != 0 && status.ok()) return;  // waiters wait for done_ only: no wake-up
+    done_ = true;
   }
   cv_.notify_all();
 }
@@ -244,7 +245,7 @@ void WorkerService::on_control(const ConnectionPtr& conn, protocol::Message&& me
     } else if (auto* e = std::get_if<protocol::Error>(&message)) {
       Status st(static_cast<StatusCode>(e->code),
                 fmt::format("server {}: {}", s->rank, e->message));
-      if (e->tag != 0 && pending_.count(e->tag)) {
+      if (e->tag != 0 && pending_.contains(e->tag)) {
         finish_tag(e->tag, st);
       } else {
         PSLD_LOG_ERROR("{}", st.to_string());
@@ -323,14 +324,14 @@ void WorkerService::take_answers(ServerConn& s, uint32_t slot, uint64_t length) 
   for (uint32_t i = 0; i < header.count; ++i) {
     protocol::AnswerEntry e;
     std::memcpy(&e, base + sizeof(header) + i * sizeof(e), sizeof(e));
-    auto it = pending_.find(e.tag);
-    if (it == pending_.end()) continue;  // failed meanwhile (or sent elsewhere), as on_write
-    if (!it->second.lands || it->second.server != s.rank) {
+    const Pending* pending = pending_.find(e.tag);
+    if (pending == nullptr) continue;  // failed meanwhile (or sent elsewhere), as on_write
+    if (!pending->lands || pending->server != s.rank) {
       malformed(fmt::format("tag {} is no pull of this server's", e.tag));
       continue;
     }
-    const Tensor& t = tensors_[it->second.op.tensor];
-    const ChunkSpan span = t.layout->chunk(it->second.op.chunk);
+    const Tensor& t = tensors_[pending->op.tensor];
+    const ChunkSpan span = t.layout->chunk(pending->op.chunk);
     if (e.bytes != span.bytes || e.offset < protocol::kAnswerDataOffset || e.offset > length ||
         e.bytes > length - e.offset || t.region->kind() != MemoryKind::kHost) {
       malformed(fmt::format("the answer to tag {} does not fit its chunk or the write", e.tag));
@@ -394,15 +395,12 @@ void WorkerService::server_lost(ServerConn& s, const Status& why) {
   // push completes only once accepted, a push_pull once its pull landed,
   // and a server gaining keys accepts and answers nothing of them before
   // the transfer is final.
-  std::vector<uint32_t> tags;
-  for (const auto& [tag, p] : pending_) {
-    if (p.server == s.rank) tags.push_back(tag);
-  }
-  for (uint32_t tag : tags) {
-    auto it = pending_.find(tag);
-    if (it == pending_.end()) continue;  // the other half of a push_pull
-    Pending p = std::move(it->second);
-    pending_.erase(it);
+  // In tag order, the order they were issued in: each key's rounds stay in
+  // order on their way to the new owner.
+  for (uint32_t tag : pending_.tags()) {
+    const Pending* found = pending_.find(tag);
+    if (found == nullptr || found->server != s.rank) continue;  // gone: a push_pull's other half
+    Pending p = std::move(*pending_.take(tag));
     if (p.other_tag != 0) pending_.erase(p.other_tag);
     orphans_.push_back({std::move(p.op), s.rank, deadline, why});
   }
@@ -436,10 +434,9 @@ void WorkerService::op_failed(uint32_t rank, const ConnectionPtr& conn, uint32_t
       code != StatusCode::kAborted) {
     return finish_tag(tag, why);
   }
-  auto p = pending_.find(tag);
-  if (p == pending_.end()) return;
-  Pending op = std::move(p->second);
-  pending_.erase(p);
+  std::optional<Pending> taken = pending_.take(tag);
+  if (!taken) return;
+  Pending op = std::move(*taken);
   if (op.other_tag != 0) pending_.erase(op.other_tag);
   orphans_.push_back({std::move(op.op), rank, Clock::now() + orphan_grace(),
                       Unavailable(fmt::format("server {}: {}", rank, why.message()))});
@@ -476,10 +473,8 @@ void WorkerService::on_tick() {
 
 void WorkerService::fail_everything(const Status& why) {
   Status st = why.ok() ? Aborted("the worker stopped") : why;
-  auto pending = std::move(pending_);
-  pending_.clear();
-  for (auto& [tag, p] : pending)
-    p.request->complete_part(st);
+  for (auto& [tag, p] : pending_.take_all())
+    p.op.request->complete_part(st);
   for (auto& [rank, s] : servers_) {
     for (auto& op : s.backlog)
       op.request->complete_part(st);
@@ -494,21 +489,20 @@ void WorkerService::fail_everything(const Status& why) {
 }
 
 void WorkerService::finish_tag(uint32_t tag, const Status& status) {
-  auto it = pending_.find(tag);
-  if (it == pending_.end()) return;
-  Pending p = std::move(it->second);
-  pending_.erase(it);
+  std::optional<Pending> taken = pending_.take(tag);
+  if (!taken) return;
+  Pending p = std::move(*taken);
   if (p.other_tag != 0) pending_.erase(p.other_tag);
+  const auto answered = Clock::now();
   if (status.ok()) {
     ServerLoadStats& load = loads_[p.server];
     const auto ns = static_cast<uint64_t>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - p.issued).count());
+        std::chrono::duration_cast<std::chrono::nanoseconds>(answered - p.issued).count());
     ++load.answers;
     load.answer_latency_ns += ns;
     load_->record(p.server, LoadMetric::kAnswerNs, static_cast<double>(ns));
   }
   const Tensor& t = tensors_[p.op.tensor];
-  const auto answered = Clock::now();
   if (status.ok() && p.lands && t.shadow) {
     // The chunk is in the shadow; the request completes once it is on the GPU.
     const ChunkSpan span = t.layout->chunk(p.op.chunk);
@@ -520,7 +514,7 @@ void WorkerService::finish_tag(uint32_t tag, const Status& status) {
           // Recorded before the completion: a later round that the
           // completion lets start may write the file.
           if (trace) trace_chunk(*trace, p, name, bytes, answered, Clock::now(), s);
-          p.request->complete_part(
+          p.op.request->complete_part(
               s.ok() ? s : s.with_context(fmt::format("tensor '{}' chunk {}", name, p.op.chunk)));
         });
     return;
@@ -529,7 +523,7 @@ void WorkerService::finish_tag(uint32_t tag, const Status& status) {
     trace_chunk(*trace_, p, t.name, t.layout->chunk(p.op.chunk).bytes, answered, Clock::now(),
                 status);
   }
-  p.request->complete_part(status);
+  p.op.request->complete_part(status);
 }
 
 void WorkerService::trace_chunk(TraceRecorder& trace, const Pending& p, const std::string& tensor,
@@ -876,9 +870,11 @@ std::string WorkerService::describe_in_flight() {
     out += fmt::format(" server {}: {} free slots, {} waiting for credit;", r, s.free_slots.size(),
                        s.backlog.size());
   }
-  for (const auto& [tag, p] : pending_) {
-    out += fmt::format(" tag {} -> server {} (tensor {} chunk {} round {});", tag, p.server,
-                       p.op.tensor, p.op.chunk, p.op.round);
+  for (uint32_t tag : pending_.tags()) {
+    if (const Pending* p = pending_.find(tag)) {
+      out += fmt::format(" tag {} -> server {} (tensor {} chunk {} round {});", tag, p->server,
+                         p->op.tensor, p->op.chunk, p->op.round);
+    }
   }
   uint64_t staging = 0;
   for (const auto& [tensor_round, n] : staging_)
@@ -894,8 +890,9 @@ size_t WorkerService::operations_in_flight() {
   size_t n = moved_.size() + orphans_.size();
   for (const auto& [tensor_round, chunks] : staging_)
     n += chunks;
-  for (const auto& [tag, p] : pending_)
+  pending_.for_each([&](uint32_t tag, const Pending& p) {
     n += p.other_tag == 0 || tag < p.other_tag;  // a push_pull's two tags are one operation
+  });
   for (const auto& [r, s] : servers_)
     n += s.backlog.size();
   return n;

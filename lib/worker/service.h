@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "base/mutex.h"
+#include "base/tag_map.h"
 #include "lib/placement/epoch_log.h"
 #include "lib/runtime/member.h"
 #include "lib/stats/load_stats.h"
@@ -157,11 +158,10 @@ class WorkerService final : public ProcessRuntime {
   };
   // An operation waiting for its notification or error, by tag.
   struct Pending {
-    std::shared_ptr<RequestState> request;
     uint32_t other_tag = 0;  // push_pull: the push's tag for the pull's and vice versa
     uint32_t server = 0;
     transport::Clock::time_point issued;
-    ChunkOp op;          // to send it again where the server answers Moved
+    ChunkOp op;          // its request, and to send it again where the server answers Moved
     bool lands = false;  // its notification: the chunk landed in the tensor (a pull)
   };
   // An operation a server answered Moved, waiting for an epoch it does not
@@ -275,7 +275,9 @@ class WorkerService final : public ProcessRuntime {
                           transport::Clock::time_point done, const Status& status);
   std::vector<Tensor> tensors_ GUARDED_BY(mu_);
   std::map<std::string, uint32_t> tensor_by_name_ GUARDED_BY(mu_);
-  std::map<uint32_t, Pending> pending_ GUARDED_BY(mu_);
+  // By tag; two come and go per push_pull chunk (base/tag_map.h: no
+  // allocation, one probe).
+  TagMap<Pending> pending_ GUARDED_BY(mu_);
   std::map<uint64_t, std::set<uint32_t>> acks_wanted_
       GUARDED_BY(mu_);                                       // TensorKey request -> servers to ack
   std::map<uint64_t, TensorId> ack_tensor_ GUARDED_BY(mu_);  // TensorKey request -> its tensor
