@@ -7,9 +7,30 @@
 namespace psld {
 
 namespace {
+// Rounded to nearest (half up). Samples are byte counts and nanoseconds,
+// whole numbers nearly always: a truncation and a compare, instead of a
+// call to llround for each of the several samples of every chunk.
 uint64_t as_u64(double v) {
-  return v <= 0 ? 0 : static_cast<uint64_t>(std::llround(v));
+  if (!(v > 0)) return 0;
+  if (v >= 0x1p64) return UINT64_MAX;
+  const auto whole = static_cast<uint64_t>(v);
+  return v - static_cast<double>(whole) >= 0.5 ? whole + 1 : whole;
 }
+
+// The entry of a window's map that the previous sample of its kind used.
+template <typename T>
+struct LastEntry {
+  uint64_t subject = 0;
+  T* entry = nullptr;
+  template <typename Find>
+  T& get(uint64_t s, Find&& find) {
+    if (entry == nullptr || subject != s) {
+      subject = s;
+      entry = &find();
+    }
+    return *entry;
+  }
+};
 }  // namespace
 
 size_t worker_peer_limit(size_t configured, size_t workers, size_t servers) {
@@ -62,9 +83,11 @@ Result<std::unique_ptr<LoadRecorder>> LoadRecorder::make(Role role, size_t capac
 LoadRecorder::LoadRecorder(Role role, std::unique_ptr<LoadRing<StatSample>> ring, TimeSource time)
     : role_(role), time_(time), ring_(std::move(ring)), queue_(*WindowStats::make()) {}
 
-void LoadRecorder::begin_service() {
+void LoadRecorder::begin_service(uint64_t n) {
+  if (n == 0) return;
   MutexLock lock(busy_mu_);
-  if (in_service_++ == 0) busy_since_ = time_.now();
+  if (in_service_ == 0) busy_since_ = time_.now();
+  in_service_ += n;
 }
 
 void LoadRecorder::end_service() {
@@ -86,38 +109,55 @@ std::vector<protocol::LoadReport> LoadRecorder::close_window(uint32_t rank, uint
   total.window_ns = window_ns;
   std::map<uint64_t, protocol::ArcLoad> arcs;
   std::map<uint64_t, protocol::PeerLoad> peers;
+  // A chunk leaves several samples of one subject, mostly one after another
+  // (a server's push: its bytes, its queueing, its reduce; a worker's batch
+  // to one server): each map is looked up again only when the subject
+  // changes (map entries stay where they are).
+  LastEntry<protocol::ArcLoad> last_arc;
+  LastEntry<protocol::PeerLoad> last_peer;
+  LastEntry<WindowStats> last_answers;
+  auto arc = [&](uint64_t subject) -> protocol::ArcLoad& {
+    return last_arc.get(subject, [&]() -> protocol::ArcLoad& { return arcs[subject]; });
+  };
+  auto peer = [&](uint64_t subject) -> protocol::PeerLoad& {
+    return last_peer.get(subject, [&]() -> protocol::PeerLoad& { return peers[subject]; });
+  };
+  auto answers = [&](uint64_t subject) -> WindowStats& {
+    return last_answers.get(subject, [&]() -> WindowStats& {
+      auto it = answers_.find(subject);
+      if (it == answers_.end()) it = answers_.emplace(subject, *WindowStats::make()).first;
+      return it->second;
+    });
+  };
   ring_->drain([&](const StatSample& s) {
     const auto metric = static_cast<LoadMetric>(s.metric);
     switch (metric) {
       case LoadMetric::kBytesIn:
-        arcs[s.subject].bytes_in += as_u64(s.value);
+        arc(s.subject).bytes_in += as_u64(s.value);
         total.bytes_in += as_u64(s.value);
         break;
       case LoadMetric::kBytesOut:
-        arcs[s.subject].bytes_out += as_u64(s.value);
+        arc(s.subject).bytes_out += as_u64(s.value);
         total.bytes_out += as_u64(s.value);
         break;
       case LoadMetric::kBusyNs:
-        arcs[s.subject].busy_ns += as_u64(s.value);
+        arc(s.subject).busy_ns += as_u64(s.value);
         break;
       case LoadMetric::kQueueNs:
-        ++arcs[s.subject].requests;
+        ++arc(s.subject).requests;
         queue_.add(s.value);
         break;
       case LoadMetric::kRound:
         ++total.rounds;
         break;
       case LoadMetric::kPushedBytes:
-        peers[s.subject].bytes += as_u64(s.value);
+        peer(s.subject).bytes += as_u64(s.value);
         total.bytes_out += as_u64(s.value);
         break;
-      case LoadMetric::kAnswerNs: {
-        ++peers[s.subject].answers;
-        auto it = answers_.find(s.subject);
-        if (it == answers_.end()) it = answers_.emplace(s.subject, *WindowStats::make()).first;
-        it->second.add(s.value);
+      case LoadMetric::kAnswerNs:
+        ++peer(s.subject).answers;
+        answers(s.subject).add(s.value);
         break;
-      }
     }
   });
   {

@@ -88,7 +88,8 @@ class LoadRecorder {
   // a pull from its write until the write completed). A server waiting for
   // slower workers is not occupied; a server behind a slow link or a busy CPU
   // is. bytes / occupied time is the rate the balancer predicts from.
-  void begin_service();
+  // `n` requests begin at once (a batch's pushes).
+  void begin_service(uint64_t n = 1);
   void end_service();
 
   // One consumer. Drains the ring and returns the window's reports: at least
