@@ -17,15 +17,18 @@ namespace psld {
 using transport::ConnectionPtr;
 
 void ServerService::serve_ready_pulls(Shard& shard, KeyState& k) {
-  std::vector<PullWork> still;
-  for (auto& p : k.waiting) {
-    if (pull_ready(k, p.req)) {
-      serve_pull(shard, k, p);
+  // In place, in order: a vector a round per key cost an allocation and a
+  // copy of every pull still waiting. serve_pull does not touch k.waiting.
+  size_t kept = 0;
+  for (size_t i = 0; i < k.waiting.size(); ++i) {
+    if (pull_ready(k, k.waiting[i].req)) {
+      serve_pull(shard, k, k.waiting[i]);
     } else {
-      still.push_back(p);
+      if (kept != i) k.waiting[kept] = k.waiting[i];
+      ++kept;
     }
   }
-  k.waiting.swap(still);
+  k.waiting.resize(kept);
 }
 
 void ServerService::release_parked(Shard& shard, KeyState& k) {

@@ -360,11 +360,8 @@ void ServerService::take_batch(const ConnectionPtr& conn, WorkerConn& w,
       for (const auto& work : works)
         stats_.bytes_in += work.meta.bytes;
     }
-    for (auto& work : works) {
-      load_->begin_service();
-      const Key key = work.meta.key;
-      dispatch(key, std::move(work));
-    }
+    load_->begin_service(works.size());
+    dispatch_pushes(works);
     return;
   }
   std::optional<uint64_t> early;
@@ -385,8 +382,7 @@ void ServerService::take_batch(const ConnectionPtr& conn, WorkerConn& w,
       slot_region = w.slots;
       auto it = w.early.find(batch.tag);
       if (it == w.early.end()) {
-        for (size_t i = 0; i < n; ++i)
-          load_->begin_service();  // the pushes are arriving; their data follows
+        load_->begin_service(n);  // the pushes are arriving; their data follows
         w.batches[batch.tag] = std::move(batch);
         return;
       }
@@ -410,8 +406,7 @@ void ServerService::take_batch(const ConnectionPtr& conn, WorkerConn& w,
     return;
   }
   // The write came first (and counted one arrival).
-  for (size_t i = 1; i < n; ++i)
-    load_->begin_service();
+  if (n > 1) load_->begin_service(n - 1);
   if (*early != batch_extent(batch)) {
     refuse_batch(conn->id(), batch, DataLoss("a batch's write length differs from its entries"),
                  /*counted=*/true);
@@ -428,13 +423,14 @@ void ServerService::dispatch_batch(uint64_t conn, uint32_t worker,
                                    const std::shared_ptr<transport::MemoryRegion>& slots,
                                    const uint8_t* base, const protocol::PushBatch& batch) {
   const auto now = transport::Clock::now();
+  std::vector<PushWork> works;
+  works.reserve(batch.entries.size());
   for (size_t i = 0; i < batch.entries.size(); ++i) {
-    PushWork work{
-        conn, protocol::entry_meta(batch, i), base + batch.entries[i].offset, nullptr, worker, now};
-    work.slots = slots;
-    const Key key = work.meta.key;
-    dispatch(key, std::move(work));
+    works.push_back(PushWork{conn, protocol::entry_meta(batch, i), base + batch.entries[i].offset,
+                             nullptr, worker, now});
+    works.back().slots = slots;
   }
+  dispatch_pushes(works);
 }
 
 void ServerService::refuse_batch(uint64_t conn, const protocol::PushBatch& batch, const Status& why,
@@ -529,6 +525,22 @@ void ServerService::dispatch(Key key, Work work) {
     shard.queue.push_back(std::move(work));
   }
   shard.cv.notify_one();
+}
+
+void ServerService::dispatch_pushes(std::vector<PushWork>& works) {
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    Shard& shard = *shards_[s];
+    bool any = false;
+    {
+      std::lock_guard<std::mutex> lock(shard.mu);
+      for (PushWork& w : works) {
+        if (mix64(w.meta.key) % shards_.size() != s) continue;
+        shard.queue.push_back(std::move(w));
+        any = true;
+      }
+    }
+    if (any) shard.cv.notify_one();
+  }
 }
 
 void ServerService::dispatch_all(const Work& work) {

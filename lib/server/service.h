@@ -248,6 +248,9 @@ class ServerService final : public ProcessRuntime {
   // whose handshake missed its deadline.
   void sweep_door();
   void dispatch(Key key, Work work);
+  // Many pushes at once (a batch's): each shard takes its share, in order,
+  // in one hand-off (one lock, one wake-up) instead of one per push.
+  void dispatch_pushes(std::vector<PushWork>& works);
   void dispatch_all(const Work& work);  // to every shard
   void shard_loop(Shard& shard);
   // Runs one piece of work: std::visit over the handlers below, one per
