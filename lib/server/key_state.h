@@ -120,7 +120,7 @@ struct ServerService::Shard {
   size_t index = 0;
   std::mutex mu;
   std::condition_variable cv;
-  std::deque<Work> queue;
+  std::vector<Work> queue;  // swapped with the loop's own: both keep their capacity
   bool stop = false;
   // Per key, its runs of ownership here, oldest first.
   std::unordered_map<Key, std::vector<std::unique_ptr<KeyState>>> keys;

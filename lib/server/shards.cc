@@ -17,7 +17,7 @@ namespace psld {
 using transport::ConnectionPtr;
 
 void ServerService::shard_loop(Shard& shard) {
-  std::deque<Work> batch;
+  std::vector<Work> batch;  // swapped with shard.queue: neither allocates once grown
   while (true) {
     {
       std::unique_lock<std::mutex> lock(shard.mu);
