@@ -6,6 +6,7 @@
 // an out-of-bounds read.
 #pragma once
 
+#include <algorithm>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
@@ -43,14 +44,17 @@ inline uint64_t load_le(const uint8_t* p, size_t n) {
 class WireWriter {
  public:
   // `reserve`: the encoding's size, where the caller knows it.
-  explicit WireWriter(size_t reserve = 0) { out_.reserve(reserve); }
-  void u8(uint8_t v) { out_.push_back(v); }
+  explicit WireWriter(size_t reserve = 0) { out_.resize(reserve); }
+  void u8(uint8_t v) { le(v); }
   void u16(uint16_t v) { le(v); }
   void u32(uint32_t v) { le(v); }
   void u64(uint64_t v) { le(v); }
   // As its IEEE-754 bits.
   void f64(double v) { u64(std::bit_cast<uint64_t>(v)); }
-  void bytes(std::span<const uint8_t> b) { out_.insert(out_.end(), b.begin(), b.end()); }
+  void bytes(std::span<const uint8_t> b) {
+    if (b.empty()) return;
+    std::memcpy(room(b.size()), b.data(), b.size());
+  }
   // A u32 length, then the bytes.
   void blob(std::span<const uint8_t> b) {
     u32(static_cast<uint32_t>(b.size()));
@@ -59,18 +63,29 @@ class WireWriter {
   void str(const std::string& s) {
     blob(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(s.data()), s.size()));
   }
-  std::vector<uint8_t> take() { return std::move(out_); }
-  const std::vector<uint8_t>& data() const { return out_; }
+  std::vector<uint8_t> take() {
+    out_.resize(used_);
+    used_ = 0;
+    return std::move(out_);
+  }
+  std::span<const uint8_t> data() const { return {out_.data(), used_}; }
 
  private:
   // Sized by the type, so that the store is a move, not a call to memcpy.
   template <typename T>
   void le(T v) {
-    uint8_t b[sizeof(T)];
-    store_le(b, v, sizeof(T));
-    out_.insert(out_.end(), b, b + sizeof(T));
+    store_le(room(sizeof(T)), v, sizeof(T));
+  }
+  // Where the next n bytes go. out_ is written up to used_ and grows by
+  // doubling: a field is a compare and a store, not a vector insert.
+  uint8_t* room(size_t n) {
+    if (out_.size() - used_ < n) out_.resize(std::max(2 * out_.size(), used_ + n));
+    uint8_t* at = out_.data() + used_;
+    used_ += n;
+    return at;
   }
   std::vector<uint8_t> out_;
+  size_t used_ = 0;
 };
 
 class WireReader {
