@@ -16,6 +16,7 @@
 #include <set>
 #include <span>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "base/mutex.h"
@@ -150,7 +151,7 @@ class WorkerService final : public ProcessRuntime {
     uint32_t answer_slots = 0;
     // Tensors the server maps (Ack kAckMapped): it reads their push_pulls in
     // place, so those need no slot and no write.
-    std::set<TensorId> mapped;
+    std::unordered_set<TensorId> mapped;  // looked up for every chunk to it
     // The connection broke, or the coordinator removed the server: never
     // used again (docs/migration.md, "Abort").
     bool lost = false;
