@@ -109,10 +109,7 @@ void ServerService::process_push(Shard& shard, PushWork& w) {
     send_error(w.conn, meta.tag, k.failed);
     return;
   }
-  {
-    MutexLock lock(stats_mu_);
-    ++stats_.pushes;
-  }
+  ++shard.counted.pushes;
   const bool then_pull = (meta.flags & protocol::kPushThenPull) != 0;
   if (k.awaiting_final) {
     // Held, not taken: if this server dies before the transfer is final,
@@ -246,10 +243,7 @@ void ServerService::apply_round(Shard& shard, KeyState& k) {
                                  k.agg.bytes()));
   }
   load_->record(k.arc, LoadMetric::kRound, 1);
-  {
-    MutexLock lock(stats_mu_);
-    ++stats_.rounds_applied;
-  }
+  ++shard.counted.rounds_applied;
   // Before any pull of the round is answered: the coordinator seals a
   // checkpoint round once every worker pulled it (checkpointing.h).
   if (const uint32_t every = options_.checkpoint.every_rounds;
@@ -347,10 +341,9 @@ void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
     std::memcpy(const_cast<uint8_t*>(view) + offset, k.out_region->data(), bytes);
     shard.accepted[w.conn].push_back(w.req.tag);
     load_->record(k.arc, LoadMetric::kBytesOut, static_cast<double>(bytes));
-    MutexLock lock(stats_mu_);
-    ++stats_.pulls;
-    ++stats_.answers_in_place;
-    stats_.bytes_out += bytes;
+    ++shard.counted.pulls;
+    ++shard.counted.answers_in_place;
+    shard.counted.bytes_out += bytes;
     return;
   }
   ++k.inflight;
@@ -369,9 +362,8 @@ void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
     return;
   }
   load_->record(k.arc, LoadMetric::kBytesOut, static_cast<double>(k.agg.bytes()));
-  MutexLock lock(stats_mu_);
-  ++stats_.pulls;
-  stats_.bytes_out += k.agg.bytes();
+  ++shard.counted.pulls;
+  shard.counted.bytes_out += k.agg.bytes();
 }
 
 bool ServerService::batch_answer(Shard& shard, KeyState& k, uint64_t conn, uint32_t tag,
@@ -405,9 +397,8 @@ bool ServerService::batch_answer(Shard& shard, KeyState& k, uint64_t conn, uint3
   b.end = at + bytes;
   load_->begin_service();  // until the batch's write completed
   load_->record(k.arc, LoadMetric::kBytesOut, static_cast<double>(bytes));
-  MutexLock lock(stats_mu_);
-  ++stats_.pulls;
-  stats_.bytes_out += bytes;
+  ++shard.counted.pulls;
+  shard.counted.bytes_out += bytes;
   return true;
 }
 

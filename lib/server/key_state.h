@@ -122,6 +122,9 @@ struct ServerService::Shard {
   std::condition_variable cv;
   std::vector<Work> queue;  // swapped with the loop's own: both keep their capacity
   bool stop = false;
+  // What this pass of the loop counted, added to the server's stats under
+  // stats_mu_ once at its end (fold_counts) instead of a lock per chunk.
+  ServerStats counted;
   // Per key, its runs of ownership here, oldest first.
   std::unordered_map<Key, std::vector<std::unique_ptr<KeyState>>> keys;
   std::map<uint64_t, std::vector<uint32_t>> credits;   // connection -> freed slots

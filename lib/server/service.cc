@@ -183,6 +183,31 @@ void ServerService::shutdown() {
   conns_.clear();
 }
 
+static_assert(sizeof(ServerStats) == 18 * sizeof(uint64_t),
+              "ServerStats::operator+= adds every field: add the new one there");
+
+ServerStats& ServerStats::operator+=(const ServerStats& o) {
+  pushes += o.pushes;
+  pushes_in_place += o.pushes_in_place;
+  batches += o.batches;
+  batched_pushes += o.batched_pushes;
+  answer_batches += o.answer_batches;
+  batched_answers += o.batched_answers;
+  answers_alone += o.answers_alone;
+  answers_in_place += o.answers_in_place;
+  pulls += o.pulls;
+  bytes_in += o.bytes_in;
+  bytes_out += o.bytes_out;
+  rounds_applied += o.rounds_applied;
+  rejected += o.rejected;
+  states_requested += o.states_requested;
+  states_in += o.states_in;
+  states_out += o.states_out;
+  runs += o.runs;
+  runs_freed += o.runs_freed;
+  return *this;
+}
+
 ServerStats ServerService::stats() const {
   MutexLock lock(stats_mu_);
   return stats_;

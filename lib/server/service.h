@@ -61,6 +61,9 @@ struct ServerStats {
   // (docs/migration.md, "Freeing old runs").
   uint64_t runs = 0;
   uint64_t runs_freed = 0;
+
+  // Every field added.
+  ServerStats& operator+=(const ServerStats& o);
 };
 
 // This machine's memory, in bytes (0: unknown).
@@ -247,6 +250,8 @@ class ServerService final : public ProcessRuntime {
   // The heartbeat thread: closes what the door refused and connections
   // whose handshake missed its deadline.
   void sweep_door();
+  // Adds what a pass of the shard loop counted (Shard::counted) to stats_.
+  void fold_counts(Shard& shard);
   void dispatch(Key key, Work work);
   // Many pushes at once (a batch's): each shard takes its share, in order,
   // in one hand-off (one lock, one wake-up) instead of one per push.

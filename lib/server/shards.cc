@@ -28,9 +28,17 @@ void ServerService::shard_loop(Shard& shard) {
     for (auto& work : batch)
       process(shard, work);
     batch.clear();
+    // Counted before the answers leave: whoever has an answer sees its counts.
+    fold_counts(shard);
     flush_answers(shard);
     flush_credits(shard);
   }
+}
+
+void ServerService::fold_counts(Shard& shard) {
+  MutexLock lock(stats_mu_);
+  stats_ += shard.counted;
+  shard.counted = ServerStats{};
 }
 
 void ServerService::process(Shard& shard, Work& work) {
