@@ -165,8 +165,6 @@ protocol::PushMeta WorkerService::start_push(ServerConn& s, const ChunkOp& op, u
     // A plain push completes when the server says it took it (Credit).
     pending_.put(push_tag, Pending{0, s.rank, Clock::now(), op});
   }
-  loads_[s.rank].bytes_pushed += span.bytes;
-  load_->record(s.rank, LoadMetric::kPushedBytes, static_cast<double>(span.bytes));
   if (in_place(s, op)) {
     flags |= protocol::kPushMapped;
     slot = protocol::kNoSlot;
@@ -174,6 +172,11 @@ protocol::PushMeta WorkerService::start_push(ServerConn& s, const ChunkOp& op, u
   return protocol::PushMeta{
       push_tag, slot,     t.dtype, span.key, op.round, span.bytes, epochs_->latest().epoch(),
       flags,    pull_tag, op.lr};
+}
+
+void WorkerService::count_pushed(ServerConn& s, uint64_t bytes) {
+  loads_[s.rank].bytes_pushed += bytes;
+  load_->record(s.rank, LoadMetric::kPushedBytes, static_cast<double>(bytes));
 }
 
 bool WorkerService::issue_batch(ServerConn& s) {
@@ -243,6 +246,7 @@ bool WorkerService::issue_batch(ServerConn& s) {
   gather.reserve(mapped ? 0 : n);
   batch.entries.reserve(n);
   uint64_t at = 0;
+  uint64_t pushed = 0;
   for (const ChunkOp& op : ops) {
     const protocol::PushMeta meta = start_push(s, op, batch.slot);
     protocol::BatchEntry e{meta.tag,
@@ -263,7 +267,9 @@ bool WorkerService::issue_batch(ServerConn& s) {
       at += meta.bytes;
     }
     batch.entries.push_back(e);
+    pushed += meta.bytes;
   }
+  count_pushed(s, pushed);
   transport::WriteRequest wr{batch_pool_.get(),
                              buffer * batch_buffer_bytes_,
                              s.slots.get(),
@@ -320,6 +326,7 @@ void WorkerService::issue(ServerConn& s, const ChunkOp& op, uint32_t slot) {
     return;
   }
   const protocol::PushMeta meta = start_push(s, op, slot);
+  count_pushed(s, meta.bytes);
   slot = meta.slot;
   transport::WriteRequest wr{t.region.get(), t.region_offset + span.offset,
                              s.slots.get(),  slot * s.slot_bytes,

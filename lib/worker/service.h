@@ -204,9 +204,12 @@ class WorkerService final : public ProcessRuntime {
   // sends happen after it is released (see issue_later_).
   void pump(ServerConn& s) REQUIRES(mu_);
   void issue(ServerConn& s, const ChunkOp& op, uint32_t slot) REQUIRES(mu_);
-  // A push's bookkeeping (its tags pending, its bytes counted) and the
-  // PushMeta that announces it; `slot` is kNoSlot's for one read in place.
+  // A push's bookkeeping (its tags pending) and the PushMeta that announces
+  // it; `slot` is kNoSlot's for one read in place. Its bytes are counted by
+  // the caller (count_pushed), once for a whole batch.
   protocol::PushMeta start_push(ServerConn& s, const ChunkOp& op, uint32_t slot) REQUIRES(mu_);
+  // Bytes pushed to s: its load stats and one load sample.
+  void count_pushed(ServerConn& s, uint64_t bytes) REQUIRES(mu_);
   uint32_t new_tag() REQUIRES(mu_);
   // Whether op may travel in a batch (data.batch_chunk_bytes).
   bool batchable(const ChunkOp& op) const REQUIRES(mu_);
