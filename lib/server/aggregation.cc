@@ -290,21 +290,35 @@ void ServerService::process_pull(Shard& shard, PullWork& w) {
 }
 
 void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
+  const uint64_t bytes = k.agg.bytes();
+  const uint64_t in_tensor =
+      static_cast<uint64_t>(key_chunk(w.req.key)) * session_.welcome().chunk_bytes;
   std::shared_ptr<transport::RemoteRegion> remote;
-  uint64_t base = 0;  // of the tensor in `remote`
+  uint64_t offset = 0;  // of the chunk in `remote`
   ConnectionPtr conn;
   uint64_t answer_slot_bytes = 0;  // 0: the worker takes no batched answer for it
-  const uint8_t* view = nullptr;   // where this process maps the tensor's memory
+  uint8_t* view = nullptr;         // set: the pull is copied to here (see below)
+  bool known = false;              // the worker sent the tensor's TensorKey
   {
     MutexLock lock(conns_mu_);
     auto it = conns_.find(w.conn);
     if (it == conns_.end()) return;  // the worker is gone
-    conn = it->second->conn;
     auto t = it->second->tensors.find(key_tensor(w.req.key));
-    if (t != it->second->tensors.end()) {
-      remote = t->second.remote;
-      base = t->second.offset;
-      view = t->second.view;
+    if (t != it->second->tensors.end() && t->second.remote) {
+      known = true;
+      offset = t->second.offset + in_tensor;
+      const uint64_t length = t->second.remote->length();
+      // A pull into memory this process maps (a worker on this host,
+      // shared memory), whatever its size, is copied straight into the
+      // tensor (below); it needs neither the connection nor the region,
+      // whose references are taken only for a write.
+      if (t->second.view != nullptr && !device_ && options_.batch_chunk_bytes > 0 &&
+          offset <= length && bytes <= length - offset) {
+        view = const_cast<uint8_t*>(t->second.view);
+      } else {
+        remote = t->second.remote;
+        conn = it->second->conn;
+      }
       // Not into memory this server maps (a worker on this host over
       // shared memory): there a pull's own write is one memcpy, cheaper
       // than the batch's three.
@@ -312,7 +326,7 @@ void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
         answer_slot_bytes = it->second->answer_slot_bytes;
     }
   }
-  if (!remote) {
+  if (!known) {
     send_error(w.conn, w.req.tag,
                FailedPrecondition(fmt::format("no TensorKey for tensor {} from this worker",
                                               key_tensor(w.req.key))));
@@ -322,23 +336,18 @@ void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
     send_error(w.conn, w.req.tag, Internal("the key's memory could not be registered"));
     return;
   }
-  const uint64_t offset =
-      base + static_cast<uint64_t>(key_chunk(w.req.key)) * session_.welcome().chunk_bytes;
   if (answer_slot_bytes > 0 &&
       batch_answer(shard, k, w.conn, w.req.tag, remote, offset, answer_slot_bytes)) {
     return;
   }
-  const uint64_t bytes = k.agg.bytes();
-  if (view != nullptr && !device_ && options_.batch_chunk_bytes > 0 && offset <= remote->length() &&
-      bytes <= remote->length() - offset) {
-    // A pull into memory this process maps (a worker on this host, shared
-    // memory), whatever its size: copied straight into the tensor, and its
-    // tag goes in the Credit that ends this pass of the shard loop, one
-    // message for many answers instead of a write and a notification each
-    // (measured 1.3-1.4x the goodput of 64 KiB to 1 MiB push_pulls). The copy
-    // is visible to the worker once it has the Credit (transport.h, local_view).
-    // With batches off (data.batch_chunk_bytes = 0), each is written.
-    std::memcpy(const_cast<uint8_t*>(view) + offset, k.out_region->data(), bytes);
+  if (view != nullptr) {
+    // Copied straight into the tensor, and its tag goes in the Credit that
+    // ends this pass of the shard loop, one message for many answers instead
+    // of a write and a notification each (measured 1.3-1.4x the goodput of
+    // 64 KiB to 1 MiB push_pulls). The copy is visible to the worker once it
+    // has the Credit (transport.h, local_view). With batches off
+    // (data.batch_chunk_bytes = 0), each is written.
+    std::memcpy(view + offset, k.out_region->data(), bytes);
     shard.accepted[w.conn].push_back(w.req.tag);
     load_->record(k.arc, LoadMetric::kBytesOut, static_cast<double>(bytes));
     ++shard.counted.pulls;
@@ -350,7 +359,7 @@ void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
   const Key key = w.req.key;
   const uint64_t run = k.owned_from;
   load_->begin_service();  // until the write completed
-  Status s = conn->write({k.out_region.get(), 0, remote.get(), offset, k.agg.bytes(), w.req.tag},
+  Status s = conn->write({k.out_region.get(), 0, remote.get(), offset, bytes, w.req.tag},
                          [this, key, run](const Status&) {
                            load_->end_service();
                            dispatch(key, PullDone{key, run});
@@ -361,9 +370,9 @@ void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
     send_error(w.conn, w.req.tag, s.with_context("pull write"));
     return;
   }
-  load_->record(k.arc, LoadMetric::kBytesOut, static_cast<double>(k.agg.bytes()));
+  load_->record(k.arc, LoadMetric::kBytesOut, static_cast<double>(bytes));
   ++shard.counted.pulls;
-  shard.counted.bytes_out += k.agg.bytes();
+  shard.counted.bytes_out += bytes;
 }
 
 bool ServerService::batch_answer(Shard& shard, KeyState& k, uint64_t conn, uint32_t tag,
