@@ -88,13 +88,14 @@ void ServerService::fail_key(Shard& shard, KeyState& k, const Status& why) {
 void ServerService::process_push(Shard& shard, PushWork& w) {
   const protocol::PushMeta& meta = w.meta;
   const uint64_t round = (meta.flags & protocol::kPushInit) ? 0 : meta.round;
-  if (owner_for(meta.key, round) != rank()) {
+  const Ownership owns = ownership(meta.key, round);
+  if (owns.owner != rank()) {
     if (wait_for_epoch(meta.epoch, meta.key, w)) return;  // keeps its slot meanwhile
     free_slot(shard, w.conn, meta.slot);
     send_moved(w.conn, meta.tag, meta.key);
     return;
   }
-  KeyState& k = key_state(shard, meta.key, meta.dtype, meta.bytes, round);
+  KeyState& k = key_state(shard, meta.key, meta.dtype, meta.bytes, round, false, &owns.gained);
   if (k.agg.dtype() != meta.dtype || k.agg.bytes() != meta.bytes) {
     free_slot(shard, w.conn, meta.slot);
     send_error(
@@ -264,12 +265,14 @@ bool ServerService::pull_ready(const KeyState& k, const protocol::PullRequest& r
 }
 
 void ServerService::process_pull(Shard& shard, PullWork& w) {
-  if (owner_for(w.req.key, w.req.round) != rank()) {
+  const Ownership owns = ownership(w.req.key, w.req.round);
+  if (owns.owner != rank()) {
     if (wait_for_epoch(w.req.epoch, w.req.key, w)) return;
     send_moved(w.conn, w.req.tag, w.req.key);
     return;
   }
-  KeyState& k = key_state(shard, w.req.key, w.req.dtype, w.req.bytes, w.req.round);
+  KeyState& k =
+      key_state(shard, w.req.key, w.req.dtype, w.req.bytes, w.req.round, false, &owns.gained);
   if (k.agg.dtype() != w.req.dtype || k.agg.bytes() != w.req.bytes) {
     send_error(
         w.conn, w.req.tag,

@@ -287,6 +287,18 @@ uint64_t ServerService::arc_of(Key key) const {
 
 ServerId ServerService::owner_for(Key key, uint64_t round) const {
   MutexLock lock(epoch_mu_);
+  return owner_for_locked(key, round);
+}
+
+ServerService::Ownership ServerService::ownership(Key key, uint64_t round) const {
+  MutexLock lock(epoch_mu_);
+  Ownership o;
+  o.owner = owner_for_locked(key, round);
+  if (o.owner == rank()) o.gained = gained_locked(key, round);
+  return o;
+}
+
+ServerId ServerService::owner_for_locked(Key key, uint64_t round) const {
   if (prepared_ && round >= prepared_->switch_round) {
     return prepared_->placement->owner_of_key(key);
   }
@@ -298,7 +310,12 @@ uint64_t ServerService::newest_epoch() const {
   return prepared_ ? prepared_->epoch : epochs_->latest().epoch();
 }
 
-std::optional<std::pair<uint64_t, ServerId>> ServerService::gained(Key key, uint64_t round) const {
+ServerService::Gained ServerService::gained(Key key, uint64_t round) const {
+  MutexLock lock(epoch_mu_);
+  return gained_locked(key, round);
+}
+
+ServerService::Gained ServerService::gained_locked(Key key, uint64_t round) const {
   // Walk back from the epoch that serves `round` while this server owns the
   // key: where that run of epochs starts, the key arrived from the owner
   // before it. An epoch followed by one with the same switch round (an
@@ -306,7 +323,6 @@ std::optional<std::pair<uint64_t, ServerId>> ServerService::gained(Key key, uint
   // got its keys back continues its run.
   // Runs on every request: no allocation, and nothing to walk before the
   // first switch.
-  MutexLock lock(epoch_mu_);
   const size_t committed = epochs_->size();
   const size_t total = committed + (prepared_ ? 1 : 0);
   if (total == 1) return std::nullopt;

@@ -309,8 +309,12 @@ class ServerService final : public ProcessRuntime {
   // request that creates it (a key gained by migration waits for its state).
   // A key taken over from a replica (`from_replica`) is not read from a
   // resumed job's checkpoint: the copy is newer.
+  // Where a key's run of epochs here began: {switch round, the owner before}
+  // (gained()).
+  using Gained = std::optional<std::pair<uint64_t, ServerId>>;
+  // `known`: gained(key, round), where the caller has it (ownership()).
   KeyState& key_state(Shard& shard, Key key, DType dtype, uint64_t bytes, uint64_t round,
-                      bool from_replica = false);
+                      bool from_replica = false, const Gained* known = nullptr);
   // Reduces a push into the key's accumulator (Aggregator::reduce), waits
   // for it, records the busy time and frees the landing slot. On an error
   // it fails the key and answers the push: false.
@@ -348,10 +352,19 @@ class ServerService final : public ProcessRuntime {
   // Who serves round `round` of `key`: the committed epochs, and a prepared
   // epoch from its switch round on.
   ServerId owner_for(Key key, uint64_t round) const;
+  ServerId owner_for_locked(Key key, uint64_t round) const REQUIRES(epoch_mu_);
   uint64_t newest_epoch() const;
   // When this server gained `key` at a switch round (the state must come
   // from `from`): {switch_round, from}; nullopt when it held it from epoch 0.
-  std::optional<std::pair<uint64_t, ServerId>> gained(Key key, uint64_t round) const;
+  Gained gained(Key key, uint64_t round) const;
+  Gained gained_locked(Key key, uint64_t round) const REQUIRES(epoch_mu_);
+  // owner_for and, where that is this server, gained: under one lock, for
+  // every push and pull.
+  struct Ownership {
+    ServerId owner = 0;
+    Gained gained;
+  };
+  Ownership ownership(Key key, uint64_t round) const;
   void request_state(KeyState& k, uint64_t switch_round, ServerId from);
   KeyState* find_run(Shard& shard, Key key, uint64_t run);
   void install_state(Shard& shard, KeyState& k);

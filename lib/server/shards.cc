@@ -163,9 +163,9 @@ void ServerService::handle(Shard& shard, const Trim& w) {
 }
 
 ServerService::KeyState& ServerService::key_state(Shard& shard, Key key, DType dtype,
-                                                  uint64_t bytes, uint64_t round,
-                                                  bool from_replica) {
-  const auto g = gained(key, round);
+                                                  uint64_t bytes, uint64_t round, bool from_replica,
+                                                  const Gained* known) {
+  const Gained g = known != nullptr ? *known : gained(key, round);
   const uint64_t run = g ? g->first : 0;
   auto& runs = shard.keys[key];
   for (auto& r : runs) {
