@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "base/block_pool.h"
 #include "base/log.h"
 #include "base/secret.h"
 #include "gpu/cuda_copy_engine.h"
@@ -738,6 +739,15 @@ Result<std::shared_ptr<RequestState>> WorkerService::submit(uint32_t handle, Req
   return std::move(reqs.front());
 }
 
+namespace {
+// The blocks of every worker's requests, for the life of the process: a
+// user may keep a request past its worker (base/block_pool.h).
+BlockPool& request_pool() {
+  static BlockPool* const pool = new BlockPool(4096);  // NOLINT(cppcoreguidelines-owning-memory)
+  return *pool;
+}
+}  // namespace
+
 Result<std::vector<std::shared_ptr<RequestState>>> WorkerService::submit_many(
     std::span<const uint32_t> handles, RequestKind kind) {
   std::vector<std::shared_ptr<RequestState>> reqs;
@@ -762,7 +772,8 @@ Result<std::vector<std::shared_ptr<RequestState>>> WorkerService::submit_many(
     for (uint32_t handle : handles) {
       Tensor& t = tensors_[handle];
       const uint64_t chunks = t.layout->num_chunks();
-      auto req = std::make_shared<RequestState>(chunks);
+      auto req =
+          std::allocate_shared<RequestState>(PoolAllocator<RequestState>(&request_pool()), chunks);
       uint64_t round = t.push_round;
       if (kind == RequestKind::kPush || kind == RequestKind::kPushPull) round = ++t.push_round;
       if (round > max_round_.load()) max_round_.store(round);
