@@ -127,6 +127,11 @@ struct ServerService::Shard {
   ServerStats counted;
   // Per key, its runs of ownership here, oldest first.
   std::unordered_map<Key, std::vector<std::unique_ptr<KeyState>>> keys;
+  // arc_of() of the keys this shard saw under the latest placement it knows
+  // (shard_arc_of): the arc every arrival is recorded against, without the
+  // epochs' lock. Emptied when a placement is pushed.
+  std::unordered_map<Key, uint64_t> arcs;
+  uint64_t arcs_of = UINT64_MAX;                       // the latest_placements_ count they are of
   std::map<uint64_t, std::vector<uint32_t>> credits;   // connection -> freed slots
   std::map<uint64_t, std::vector<uint32_t>> accepted;  // connection -> plain push tags taken
   std::map<uint64_t, AnswerBatch> answers;             // connection -> its batch

@@ -314,6 +314,7 @@ void ServerService::on_epoch_change(const protocol::EpochChange& change) {
         losing = losing || (a == me && b != me);
       });
       epochs_->push(next, change.switch_round);
+      latest_placements_.fetch_add(1, std::memory_order_release);  // shards' arc caches
       if (trace_ && trace_->wants(change.switch_round)) {
         trace_->instant(change.step == EpochStep::kCommit ? "epoch commit" : "epoch hand-over",
                         "epoch", transport::Clock::now(),

@@ -285,6 +285,19 @@ uint64_t ServerService::arc_of(Key key) const {
   return p.arc(p.arc_index_of_hash(hash_key(key))).lo;
 }
 
+uint64_t ServerService::shard_arc_of(Shard& shard, Key key) const {
+  // Read before arc_of: an arc found under a newer placement than this
+  // count is dropped at the next call, never kept past its placement.
+  const uint64_t placements = latest_placements_.load(std::memory_order_acquire);
+  if (shard.arcs_of != placements) {
+    shard.arcs.clear();
+    shard.arcs_of = placements;
+  }
+  auto [it, added] = shard.arcs.try_emplace(key, 0);
+  if (added) it->second = arc_of(key);
+  return it->second;
+}
+
 ServerId ServerService::owner_for(Key key, uint64_t round) const {
   MutexLock lock(epoch_mu_);
   return owner_for_locked(key, round);

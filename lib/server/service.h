@@ -351,6 +351,8 @@ class ServerService final : public ProcessRuntime {
   void on_tick();
   // Who serves round `round` of `key`: the committed epochs, and a prepared
   // epoch from its switch round on.
+  // arc_of(key) through the shard's cache (Shard::arcs).
+  uint64_t shard_arc_of(Shard& shard, Key key) const;
   ServerId owner_for(Key key, uint64_t round) const;
   ServerId owner_for_locked(Key key, uint64_t round) const REQUIRES(epoch_mu_);
   uint64_t newest_epoch() const;
@@ -415,6 +417,9 @@ class ServerService final : public ProcessRuntime {
   // Epochs: the committed log and a prepared one.
   mutable Mutex epoch_mu_;
   std::optional<EpochLog> epochs_ GUARDED_BY(epoch_mu_);
+  // Counts the placements pushed onto epochs_ (after each push): a shard's
+  // cache of arcs is of one count.
+  std::atomic<uint64_t> latest_placements_{0};
   struct Prepared {
     uint64_t epoch = 0;
     uint64_t switch_round = 0;

@@ -50,7 +50,7 @@ void ServerService::handle(Shard& shard, PushWork& w) {
     process_push(shard, w);  // its arrival was counted the first time
     return;
   }
-  const uint64_t arc = arc_of(w.meta.key);
+  const uint64_t arc = shard_arc_of(shard, w.meta.key);
   load_->record(arc, LoadMetric::kBytesIn, static_cast<double>(w.meta.bytes));
   load_->record(arc, LoadMetric::kQueueNs, ns_since(w.arrived));
   process_push(shard, w);
@@ -59,7 +59,7 @@ void ServerService::handle(Shard& shard, PushWork& w) {
 
 void ServerService::handle(Shard& shard, PullWork& w) {
   if (!w.requeued) {
-    load_->record(arc_of(w.req.key), LoadMetric::kQueueNs, ns_since(w.arrived));
+    load_->record(shard_arc_of(shard, w.req.key), LoadMetric::kQueueNs, ns_since(w.arrived));
   }
   process_pull(shard, w);
 }
