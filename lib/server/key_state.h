@@ -125,6 +125,8 @@ struct ServerService::Shard {
   // What this pass of the loop counted, added to the server's stats under
   // stats_mu_ once at its end (fold_counts) instead of a lock per chunk.
   ServerStats counted;
+  // Pushes of this pass whose service ends with it (LoadRecorder::end_service).
+  uint64_t services_ended = 0;
   // Per key, its runs of ownership here, oldest first.
   std::unordered_map<Key, std::vector<std::unique_ptr<KeyState>>> keys;
   // arc_of() of the keys this shard saw under the latest placement it knows

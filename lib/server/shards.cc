@@ -28,6 +28,8 @@ void ServerService::shard_loop(Shard& shard) {
     for (auto& work : batch)
       process(shard, work);
     batch.clear();
+    load_->end_service(shard.services_ended);
+    shard.services_ended = 0;
     // Counted before the answers leave: whoever has an answer sees its counts.
     fold_counts(shard);
     flush_answers(shard);
@@ -54,7 +56,9 @@ void ServerService::handle(Shard& shard, PushWork& w) {
   load_->record(arc, LoadMetric::kBytesIn, static_cast<double>(w.meta.bytes));
   load_->record(arc, LoadMetric::kQueueNs, ns_since(w.arrived));
   process_push(shard, w);
-  load_->end_service();  // reduced, parked for a later round, or refused
+  // Reduced, parked for a later round, or refused: its service ends with
+  // the pass (shard_loop), which works on until then.
+  ++shard.services_ended;
 }
 
 void ServerService::handle(Shard& shard, PullWork& w) {

@@ -90,10 +90,12 @@ void LoadRecorder::begin_service(uint64_t n) {
   in_service_ += n;
 }
 
-void LoadRecorder::end_service() {
+void LoadRecorder::end_service(uint64_t n) {
+  if (n == 0) return;
   MutexLock lock(busy_mu_);
   if (in_service_ == 0) return;
-  if (--in_service_ == 0) {
+  in_service_ -= std::min(n, in_service_);
+  if (in_service_ == 0) {
     busy_ns_ += static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(time_.now() - busy_since_).count());
   }

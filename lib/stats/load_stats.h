@@ -88,9 +88,10 @@ class LoadRecorder {
   // a pull from its write until the write completed). A server waiting for
   // slower workers is not occupied; a server behind a slow link or a busy CPU
   // is. bytes / occupied time is the rate the balancer predicts from.
-  // `n` requests begin at once (a batch's pushes).
+  // `n` requests begin (end) at once: a batch's pushes, a pass of a server's
+  // shard loop.
   void begin_service(uint64_t n = 1);
-  void end_service();
+  void end_service(uint64_t n = 1);
 
   // One consumer. Drains the ring and returns the window's reports: at least
   // one (an idle window is reported too, so "no traffic" is a measurement),
