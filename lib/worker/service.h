@@ -16,6 +16,7 @@
 #include <set>
 #include <span>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -267,8 +268,8 @@ class WorkerService final : public ProcessRuntime {
 
   mutable Mutex mu_;
   std::condition_variable cv_;
-  std::map<uint32_t, ServerConn> servers_ GUARDED_BY(mu_);     // by server rank
-  std::map<uint32_t, ServerLoadStats> loads_ GUARDED_BY(mu_);  // by server rank
+  std::map<uint32_t, ServerConn> servers_ GUARDED_BY(mu_);               // by server rank
+  std::unordered_map<uint32_t, ServerLoadStats> loads_ GUARDED_BY(mu_);  // by server rank
   std::unique_ptr<LoadRecorder> load_;  // the windows sent to the coordinator
   // trace.dir: chunk spans (push, wait, pull), written past trace.rounds.
   // Shared with the GPU copier's callbacks, which record chunks they end.
