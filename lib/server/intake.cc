@@ -518,8 +518,12 @@ void ServerService::on_write(const ConnectionPtr& conn, uint32_t tag, uint64_t l
   dispatch(key, std::move(work));
 }
 
+size_t ServerService::shard_of(Key key) const {
+  return mix64(key) % shards_.size();
+}
+
 void ServerService::dispatch(Key key, Work work) {
-  Shard& shard = *shards_[mix64(key) % shards_.size()];
+  Shard& shard = *shards_[shard_of(key)];
   {
     std::lock_guard<std::mutex> lock(shard.mu);
     shard.queue.push_back(std::move(work));
@@ -534,7 +538,7 @@ void ServerService::dispatch_pushes(std::vector<PushWork>& works) {
     {
       std::lock_guard<std::mutex> lock(shard.mu);
       for (PushWork& w : works) {
-        if (mix64(w.meta.key) % shards_.size() != s) continue;
+        if (shard_of(w.meta.key) != s) continue;
         shard.queue.push_back(std::move(w));
         any = true;
       }

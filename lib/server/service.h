@@ -252,6 +252,9 @@ class ServerService final : public ProcessRuntime {
   void sweep_door();
   // Adds what a pass of the shard loop counted (Shard::counted) to stats_.
   void fold_counts(Shard& shard);
+  // The shard every piece of work on `key` goes to, so that a key's work
+  // stays in order on one thread.
+  size_t shard_of(Key key) const;
   void dispatch(Key key, Work work);
   // Many pushes at once (a batch's): each shard takes its share, in order,
   // in one hand-off (one lock, one wake-up) instead of one per push.
@@ -349,10 +352,10 @@ class ServerService final : public ProcessRuntime {
   void on_final(const protocol::EpochFinal& final);
   // The heartbeat thread's clock: the transfer's fallback report.
   void on_tick();
-  // Who serves round `round` of `key`: the committed epochs, and a prepared
-  // epoch from its switch round on.
   // arc_of(key) through the shard's cache (Shard::arcs).
   uint64_t shard_arc_of(Shard& shard, Key key) const;
+  // Who serves round `round` of `key`: the committed epochs, and a prepared
+  // epoch from its switch round on.
   ServerId owner_for(Key key, uint64_t round) const;
   ServerId owner_for_locked(Key key, uint64_t round) const REQUIRES(epoch_mu_);
   uint64_t newest_epoch() const;
