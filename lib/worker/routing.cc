@@ -37,10 +37,9 @@ void WorkerService::route(ChunkOp op, std::optional<Clock::time_point> deadline)
 }
 
 void WorkerService::on_moved(ServerConn& s, const protocol::Moved& m) {
-  std::optional<Pending> taken = pending_.take(m.tag);
+  std::optional<Pending> taken = take_operation(m.tag);  // a push_pull's pull: never answered
   if (!taken) return;
   Pending p = std::move(*taken);
-  if (p.other_tag != 0) pending_.erase(p.other_tag);  // a push_pull's pull: never answered
   const uint64_t known = epochs_->latest().epoch();
   PSLD_LOG_DEBUG("worker {}: server {} says key {:#x} round {} moved (its epoch {}, ours {})",
                  rank(), s.rank, m.key, p.op.round, m.epoch, known);
@@ -133,6 +132,12 @@ bool WorkerService::in_place(const ServerConn& s, const ChunkOp& op) const {
   // is the library's, so the server may read it whenever the round lets it.
   if (op.kind != RequestKind::kPushPull && op.kind != RequestKind::kInit) return false;
   return s.mapped.count(tensors_[op.tensor].id) != 0;
+}
+
+std::optional<WorkerService::Pending> WorkerService::take_operation(uint32_t tag) {
+  std::optional<Pending> taken = pending_.take(tag);
+  if (taken && taken->other_tag != 0) pending_.erase(taken->other_tag);
+  return taken;
 }
 
 uint32_t WorkerService::new_tag() {

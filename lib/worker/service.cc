@@ -401,8 +401,7 @@ void WorkerService::server_lost(ServerConn& s, const Status& why) {
   for (uint32_t tag : pending_.tags()) {
     const Pending* found = pending_.find(tag);
     if (found == nullptr || found->server != s.rank) continue;  // gone: a push_pull's other half
-    Pending p = std::move(*pending_.take(tag));
-    if (p.other_tag != 0) pending_.erase(p.other_tag);
+    Pending p = std::move(*take_operation(tag));
     orphans_.push_back({std::move(p.op), s.rank, deadline, why});
   }
   for (auto& op : s.backlog)
@@ -435,10 +434,9 @@ void WorkerService::op_failed(uint32_t rank, const ConnectionPtr& conn, uint32_t
       code != StatusCode::kAborted) {
     return finish_tag(tag, why);
   }
-  std::optional<Pending> taken = pending_.take(tag);
+  std::optional<Pending> taken = take_operation(tag);
   if (!taken) return;
   Pending op = std::move(*taken);
-  if (op.other_tag != 0) pending_.erase(op.other_tag);
   orphans_.push_back({std::move(op.op), rank, Clock::now() + orphan_grace(),
                       Unavailable(fmt::format("server {}: {}", rank, why.message()))});
 }
@@ -490,10 +488,9 @@ void WorkerService::fail_everything(const Status& why) {
 }
 
 void WorkerService::finish_tag(uint32_t tag, const Status& status) {
-  std::optional<Pending> taken = pending_.take(tag);
+  std::optional<Pending> taken = take_operation(tag);
   if (!taken) return;
   Pending p = std::move(*taken);
-  if (p.other_tag != 0) pending_.erase(p.other_tag);
   const auto answered = Clock::now();
   if (status.ok()) {
     ServerLoadStats& load = loads_[p.server];

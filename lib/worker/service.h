@@ -212,6 +212,9 @@ class WorkerService final : public ProcessRuntime {
   // Bytes pushed to s: its load stats and one load sample.
   void count_pushed(ServerConn& s, uint64_t bytes) REQUIRES(mu_);
   uint32_t new_tag() REQUIRES(mu_);
+  // Removes the operation of `tag` from pending_, and a push_pull's other
+  // half with it; nullopt if the tag is not pending.
+  std::optional<Pending> take_operation(uint32_t tag) REQUIRES(mu_);
   // Whether op may travel in a batch (data.batch_chunk_bytes).
   bool batchable(const ChunkOp& op) const REQUIRES(mu_);
   // Issues the pushes at the front of s's backlog that fit one batch
