@@ -55,6 +55,43 @@ TEST(LoadRecorder, SumsEachArcAndTheTotals) {
   EXPECT_TRUE(next[0].arcs.empty());
 }
 
+// The combined samples a server records for each push and each round add up
+// to what their separate samples would.
+TEST(LoadRecorder, APushTakenAndARoundAppliedCountAsTheirSeparateSamples) {
+  auto combined = *LoadRecorder::make(Role::kServer);
+  auto separate = *LoadRecorder::make(Role::kServer);
+  for (uint64_t arc : {0x300u, 0x100u, 0x300u}) {
+    combined->record_push(arc, 4096 + arc, 70);
+    separate->record(arc, LoadMetric::kBytesIn, static_cast<double>(4096 + arc));
+    separate->record(arc, LoadMetric::kQueueNs, 70);
+  }
+  combined->record_round(0x300, 1234);
+  separate->record(0x300, LoadMetric::kBusyNs, 1234);
+  separate->record(0x300, LoadMetric::kRound, 1);
+  // Larger than the sample's 32-bit field: recorded as the two samples.
+  combined->record_push(0x100, uint64_t{5} << 32, 10);
+  separate->record(0x100, LoadMetric::kBytesIn, static_cast<double>(uint64_t{5} << 32));
+  separate->record(0x100, LoadMetric::kQueueNs, 10);
+  const LoadReport a = combined->close_window(1, 2, 1000)[0];
+  const LoadReport b = separate->close_window(1, 2, 1000)[0];
+  EXPECT_EQ(a.bytes_in, b.bytes_in);
+  EXPECT_EQ(a.bytes_in, 3 * 4096u + 0x300 * 2 + 0x100 + (uint64_t{5} << 32));
+  EXPECT_EQ(a.rounds, 1u);
+  EXPECT_EQ(a.rounds, b.rounds);
+  EXPECT_EQ(a.queue_p50_ns, b.queue_p50_ns);
+  EXPECT_EQ(a.queue_p99_ns, b.queue_p99_ns);
+  ASSERT_EQ(a.arcs.size(), 2u);
+  ASSERT_EQ(b.arcs.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(a.arcs[i].lo, b.arcs[i].lo);
+    EXPECT_EQ(a.arcs[i].bytes_in, b.arcs[i].bytes_in);
+    EXPECT_EQ(a.arcs[i].busy_ns, b.arcs[i].busy_ns);
+    EXPECT_EQ(a.arcs[i].requests, b.arcs[i].requests);
+  }
+  EXPECT_EQ(a.arcs[0].requests, 2u);  // 0x100: two pushes
+  EXPECT_EQ(a.arcs[1].busy_ns, 1234u);
+}
+
 TEST(LoadRecorder, ManyArcsAreSplitIntoPartsThatEachFitAMessage) {
   auto rec = *LoadRecorder::make(Role::kServer);
   constexpr uint64_t kArcs = 500;

@@ -46,7 +46,7 @@ bool ServerService::reduce_push(Shard& shard, KeyState& k, const PushWork& w) {
   Status st = k.failed;
   if (st.ok()) st = k.agg.reduce(shard.lane, w.worker, w.meta.round, w.data, w.meta.lr);
   if (st.ok()) pace_compute(k.agg.bytes());
-  load_->record(k.arc, LoadMetric::kBusyNs, ns_since(start));
+  k.busy_ns += ns_since(start);  // recorded with the round (apply_round)
   if (trace_ && trace_->wants(w.meta.round)) {
     trace_->complete("reduce", "server", start, transport::Clock::now(),
                      fmt::format(R"("key":"{:#x}","worker":{},"round":{},"bytes":{})", k.key,
@@ -237,13 +237,14 @@ void ServerService::apply_round(Shard& shard, KeyState& k) {
     return;
   }
   if (k.agg.swaps()) std::swap(k.out_region, k.acc_region);
-  load_->record(k.arc, LoadMetric::kBusyNs, ns_since(start));
+  // The round's reduces and its update: one sample.
+  load_->record_round(k.arc, k.busy_ns + ns_since(start));
+  k.busy_ns = 0;
   if (trace_ && trace_->wants(k.agg.version())) {
     trace_->complete("update", "server", start, transport::Clock::now(),
                      fmt::format(R"("key":"{:#x}","round":{},"bytes":{})", k.key, k.agg.version(),
                                  k.agg.bytes()));
   }
-  load_->record(k.arc, LoadMetric::kRound, 1);
   ++shard.counted.rounds_applied;
   // Before any pull of the round is answered: the coordinator seals a
   // checkpoint round once every worker pulled it (checkpointing.h).

@@ -45,6 +45,9 @@ struct ServerService::KeyState {
   std::deque<PushWork> deferred;                     // async: waiting for pull writes
   std::vector<PullWork> waiting;
   uint32_t inflight = 0;  // pull writes reading param right now
+  // Reduce time of the pushes of the round being gathered, recorded with the
+  // round's update as one load sample (LoadRecorder::record_round).
+  double busy_ns = 0;
   bool apply_pending = false;
   // Migration. A key this server gained waits for its state: pushes park,
   // pulls wait, until the previous owner's write lands in `incoming`.

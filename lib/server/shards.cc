@@ -52,9 +52,7 @@ void ServerService::handle(Shard& shard, PushWork& w) {
     process_push(shard, w);  // its arrival was counted the first time
     return;
   }
-  const uint64_t arc = shard_arc_of(shard, w.meta.key);
-  load_->record(arc, LoadMetric::kBytesIn, static_cast<double>(w.meta.bytes));
-  load_->record(arc, LoadMetric::kQueueNs, ns_since(w.arrived));
+  load_->record_push(shard_arc_of(shard, w.meta.key), w.meta.bytes, ns_since(w.arrived));
   process_push(shard, w);
   // Reduced, parked for a later round, or refused: its service ends with
   // the pass (shard_loop), which works on until then.

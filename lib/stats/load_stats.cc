@@ -160,6 +160,18 @@ std::vector<protocol::LoadReport> LoadRecorder::close_window(uint32_t rank, uint
         ++peer(s.subject).answers;
         answers(s.subject).add(s.value);
         break;
+      case LoadMetric::kPushTaken: {
+        protocol::ArcLoad& a = arc(s.subject);
+        a.bytes_in += s.aux;
+        ++a.requests;
+        total.bytes_in += s.aux;
+        queue_.add(s.value);
+        break;
+      }
+      case LoadMetric::kApplied:
+        arc(s.subject).busy_ns += as_u64(s.value);
+        ++total.rounds;
+        break;
     }
   });
   {

@@ -33,12 +33,16 @@ enum class LoadMetric : uint32_t {
   // Workers; the subject is the server.
   kPushedBytes = 6,  // bytes pushed to the server
   kAnswerNs = 7,     // one chunk's time from issue to answer
+  // Servers, several of the above in one sample (one ring push and one sum
+  // instead of two or three, for every chunk):
+  kPushTaken = 8,  // kBytesIn (`aux`) and kQueueNs (`value`) of one push
+  kApplied = 9,    // kRound and kBusyNs (`value`: the round's reduces and its update)
 };
 
 struct StatSample {
   uint64_t subject = 0;
   uint32_t metric = 0;
-  uint32_t reserved = 0;
+  uint32_t aux = 0;  // kPushTaken: the push's bytes
   double value = 0;
 };
 
@@ -81,6 +85,20 @@ class LoadRecorder {
   // Any thread, wait-free.
   void record(uint64_t subject, LoadMetric metric, double value) {
     ring_->push(StatSample{subject, static_cast<uint32_t>(metric), 0, value});
+  }
+  // A push of `bytes` taken from the queue after `queue_ns` there (servers).
+  void record_push(uint64_t subject, uint64_t bytes, double queue_ns) {
+    if (bytes > UINT32_MAX) [[unlikely]] {  // chunks are at most 1 GiB (data.chunk_bytes)
+      record(subject, LoadMetric::kBytesIn, static_cast<double>(bytes));
+      record(subject, LoadMetric::kQueueNs, queue_ns);
+      return;
+    }
+    ring_->push(StatSample{subject, static_cast<uint32_t>(LoadMetric::kPushTaken),
+                           static_cast<uint32_t>(bytes), queue_ns});
+  }
+  // A round applied, `busy_ns` of reducing and updating it (servers).
+  void record_round(uint64_t subject, double busy_ns) {
+    ring_->push(StatSample{subject, static_cast<uint32_t>(LoadMetric::kApplied), 0, busy_ns});
   }
 
   // Occupancy (servers): the wall time with at least one request in service
