@@ -45,6 +45,11 @@ class WireWriter {
  public:
   // `reserve`: the encoding's size, where the caller knows it.
   explicit WireWriter(size_t reserve = 0) { out_.resize(reserve); }
+  // Writes into `buffer` from its start, with its capacity: take() gives it
+  // back.
+  explicit WireWriter(std::vector<uint8_t>&& buffer) : out_(std::move(buffer)) {
+    out_.resize(out_.capacity());
+  }
   void u8(uint8_t v) { le(v); }
   void u16(uint16_t v) { le(v); }
   void u32(uint32_t v) { le(v); }
@@ -63,6 +68,26 @@ class WireWriter {
   void str(const std::string& s) {
     blob(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(s.data()), s.size()));
   }
+  // The next `n` bytes, to be filled with fixed-size fields through the
+  // returned cursor: room is made once for a run of records (a batch's
+  // entries), not checked for each field. The caller writes exactly `n`.
+  class Fixed {
+   public:
+    explicit Fixed(uint8_t* p) : p_(p) {}
+    void u8(uint8_t v) { put(v); }
+    void u32(uint32_t v) { put(v); }
+    void u64(uint64_t v) { put(v); }
+    void f64(double v) { put(std::bit_cast<uint64_t>(v)); }
+
+   private:
+    template <typename T>
+    void put(T v) {
+      store_le(p_, v, sizeof(T));
+      p_ += sizeof(T);
+    }
+    uint8_t* p_;
+  };
+  Fixed fixed(size_t n) { return Fixed(room(n)); }
   std::vector<uint8_t> take() {
     out_.resize(used_);
     used_ = 0;
@@ -125,6 +150,34 @@ class WireReader {
   }
   size_t remaining() const { return in_.size() - pos_; }
   bool done() const { return pos_ == in_.size(); }
+
+  // A run of `n` bytes of fixed-size fields, read through a cursor after one
+  // check of the length (WireWriter::fixed). The caller reads exactly `n`.
+  class Fixed {
+   public:
+    Fixed() = default;
+    explicit Fixed(const uint8_t* p) : p_(p) {}
+    uint8_t u8() { return get<uint8_t>(); }
+    uint32_t u32() { return get<uint32_t>(); }
+    uint64_t u64() { return get<uint64_t>(); }
+    double f64() { return std::bit_cast<double>(u64()); }
+
+   private:
+    template <typename T>
+    T get() {
+      const auto v = static_cast<T>(load_le(p_, sizeof(T)));
+      p_ += sizeof(T);
+      return v;
+    }
+    const uint8_t* p_ = nullptr;
+  };
+  // False (nothing taken) when fewer than `n` bytes remain.
+  bool fixed(size_t n, Fixed* out) {
+    if (remaining() < n) return false;
+    *out = Fixed(in_.data() + pos_);
+    pos_ += n;
+    return true;
+  }
 
  private:
   // Sized by the type, so that the load is a move, not a call to memcpy.

@@ -1,6 +1,7 @@
 #include "lib/protocol/protocol.h"
 
 #include <gtest/gtest.h>
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -108,6 +109,24 @@ TEST(Protocol, EveryMessageRoundTrips) {
   }
 }
 
+// encode_to() into one buffer reused for every message, larger ones first
+// and then smaller, gives encode()'s bytes.
+TEST(Protocol, EncodingIntoAReusedBufferGivesTheSameBytes) {
+  auto all = examples();
+  all.push_back(PushBatch{
+      1, 0, 1,
+      std::vector<BatchEntry>(kMaxBatchEntries, BatchEntry{2, 3, DType::kFloat32, kPushThenPull, 7,
+                                                           4, 4096, 64, 0.5})});
+  std::vector<uint8_t> buffer;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (const Message& m : all) {
+      encode_to(m, buffer);
+      EXPECT_EQ(buffer, encode(m)) << message_name(m) << ", pass " << pass;
+    }
+    std::reverse(all.begin(), all.end());
+  }
+}
+
 TEST(Protocol, FieldsSurviveTheTrip) {
   auto back = decode(encode(
       PushMeta{17, 3, DType::kBFloat16, make_key(12, 4), 100, 4096, 2, kPushThenPull, 18, 0.0625}));
@@ -189,6 +208,12 @@ TEST(Protocol, ABatchIsInOneSlotOrAllInPlace) {
   BatchEntry nan = in_slot;
   nan.lr = std::nan("");
   EXPECT_FALSE(decodes(PushBatch{1, 0, 1, {nan}}));
+  // A bad dtype in any entry (here the last of three).
+  for (uint8_t dtype : {0, 4, 255}) {
+    BatchEntry odd = in_slot;
+    odd.dtype = static_cast<DType>(dtype);
+    EXPECT_FALSE(decodes(PushBatch{1, 0, 1, {in_slot, in_slot, odd}})) << int{dtype};
+  }
 }
 
 TEST(Protocol, AnswerSlotsAndTensorFlagsAreChecked) {

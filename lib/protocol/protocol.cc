@@ -337,21 +337,27 @@ bool get(WireReader& r, PushMeta* m) {
          r.u32(&m->pull_tag) && r.f64(&m->lr) && std::isfinite(m->lr) && m->lr >= 0;
 }
 
+// An entry is a fixed record (42 bytes), written and read as one run.
+constexpr size_t kBatchEntryBytes = 4 + 4 + 1 + 1 + 8 + 8 + 4 + 4 + 8;
+// A full batch and its header fit a control message (transport::kMaxMessageBytes, 8 KiB).
+static_assert(kMaxBatchEntries * kBatchEntryBytes + 64 <= 8192);
+
 void put(WireWriter& w, const PushBatch& m) {
   w.u32(m.tag);
   w.u32(m.slot);
   w.u64(m.epoch);
   w.u32(static_cast<uint32_t>(m.entries.size()));
+  WireWriter::Fixed f = w.fixed(m.entries.size() * kBatchEntryBytes);
   for (const BatchEntry& e : m.entries) {
-    w.u32(e.tag);
-    w.u32(e.pull_tag);
-    w.u8(static_cast<uint8_t>(e.dtype));
-    w.u8(e.flags);
-    w.u64(e.key);
-    w.u64(e.round);
-    w.u32(e.bytes);
-    w.u32(e.offset);
-    w.f64(e.lr);
+    f.u32(e.tag);
+    f.u32(e.pull_tag);
+    f.u8(static_cast<uint8_t>(e.dtype));
+    f.u8(e.flags);
+    f.u64(e.key);
+    f.u64(e.round);
+    f.u32(e.bytes);
+    f.u32(e.offset);
+    f.f64(e.lr);
   }
 }
 bool get(WireReader& r, PushBatch* m) {
@@ -363,13 +369,21 @@ bool get(WireReader& r, PushBatch* m) {
   // In place: no write, no slot, every entry a mapped push_pull.
   const bool mapped = m->slot == kNoSlot;
   if (mapped != (m->tag == 0)) return false;
+  WireReader::Fixed f;
+  if (!r.fixed(size_t{n} * kBatchEntryBytes, &f)) return false;
   m->entries.resize(n);
   for (BatchEntry& e : m->entries) {
-    if (!(r.u32(&e.tag) && r.u32(&e.pull_tag) && read_dtype(r, &e.dtype) && r.u8(&e.flags) &&
-          r.u64(&e.key) && r.u64(&e.round) && r.u32(&e.bytes) && r.u32(&e.offset) && r.f64(&e.lr) &&
-          std::isfinite(e.lr) && e.lr >= 0)) {
-      return false;
-    }
+    e.tag = f.u32();
+    e.pull_tag = f.u32();
+    const uint8_t dtype = f.u8();
+    e.flags = f.u8();
+    e.key = f.u64();
+    e.round = f.u64();
+    e.bytes = f.u32();
+    e.offset = f.u32();
+    e.lr = f.f64();
+    if (dtype < 1 || dtype > 3 || !std::isfinite(e.lr) || e.lr < 0) return false;
+    e.dtype = static_cast<DType>(dtype);
     if ((e.flags & ~(kPushInit | kPushThenPull | kPushMapped)) != 0) return false;
     if (mapped != ((e.flags & kPushMapped) != 0)) return false;
     if (mapped && ((e.flags & kPushThenPull) == 0 || e.offset != 0)) return false;
@@ -391,21 +405,21 @@ bool get(WireReader& r, PullRequest* m) {
 }
 
 void put(WireWriter& w, const Credit& m) {
-  w.u32(static_cast<uint32_t>(m.slots.size()));
-  for (uint32_t s : m.slots)
-    w.u32(s);
-  w.u32(static_cast<uint32_t>(m.accepted.size()));
-  for (uint32_t t : m.accepted)
-    w.u32(t);
+  for (const auto* list : {&m.slots, &m.accepted}) {
+    w.u32(static_cast<uint32_t>(list->size()));
+    WireWriter::Fixed f = w.fixed(4 * list->size());
+    for (uint32_t v : *list)
+      f.u32(v);
+  }
 }
 bool get(WireReader& r, Credit* m) {
   for (auto* list : {&m->slots, &m->accepted}) {
     uint32_t n = 0;
-    if (!r.u32(&n) || n > kMaxListEntries || n > r.remaining() / 4) return false;
+    WireReader::Fixed f;
+    if (!r.u32(&n) || n > kMaxListEntries || !r.fixed(size_t{4} * n, &f)) return false;
     list->resize(n);
-    for (auto& v : *list) {
-      if (!r.u32(&v)) return false;
-    }
+    for (auto& v : *list)
+      v = f.u32();
   }
   return true;
 }
@@ -791,14 +805,26 @@ uint64_t round_of(std::span<const TensorRounds> ranges, uint32_t tensors, Tensor
   return it == ranges.begin() ? 0 : std::prev(it)->round;
 }
 
+namespace {
+void put_message(WireWriter& w, const Message& message) {
+  w.u16(static_cast<uint16_t>(kTypes[message.index()]));
+  w.u16(kVersion);
+  std::visit([&](const auto& m) { put(w, m); }, message);
+}
+}  // namespace
+
 std::vector<uint8_t> encode(const Message& message) {
   // Room for the messages of every chunk (a PushMeta, a Credit, a batch of a
   // few entries) without growing.
   WireWriter w(256);
-  w.u16(static_cast<uint16_t>(kTypes[message.index()]));
-  w.u16(kVersion);
-  std::visit([&](const auto& m) { put(w, m); }, message);
+  put_message(w, message);
   return w.take();
+}
+
+void encode_to(const Message& message, std::vector<uint8_t>& out) {
+  WireWriter w(std::move(out));
+  put_message(w, message);
+  out = w.take();
 }
 
 Result<Message> decode(std::span<const uint8_t> bytes) {

@@ -608,6 +608,9 @@ std::vector<TensorRounds> pack_rounds(std::span<const uint64_t> by_tensor);
 uint64_t round_of(std::span<const TensorRounds> ranges, uint32_t tensors, TensorId t);
 
 std::vector<uint8_t> encode(const Message& message);
+// As encode(), into `out`, whose capacity is kept: no allocation once it has
+// grown to the messages a sender sends.
+void encode_to(const Message& message, std::vector<uint8_t>& out);
 // DataLoss with what was wrong for anything malformed.
 Result<Message> decode(std::span<const uint8_t> bytes);
 

@@ -34,7 +34,17 @@ std::string ProcessRuntime::address() const {
 Status ProcessRuntime::send(const transport::ConnectionPtr& conn,
                             const protocol::Message& message) {
   if (!conn) return Unavailable("no connection");
-  return conn->send(protocol::encode(message), nullptr);
+  // Encoded into this thread's buffer, which keeps its capacity: send()
+  // copies the bytes before it returns. A send from inside a send on this
+  // thread (a transport running a callback) gets a buffer of its own.
+  thread_local std::vector<uint8_t> buffer;
+  thread_local bool in_use = false;
+  if (in_use) return conn->send(protocol::encode(message), nullptr);
+  in_use = true;
+  protocol::encode_to(message, buffer);
+  Status st = conn->send(buffer, nullptr);
+  in_use = false;
+  return st;
 }
 
 void ProcessRuntime::on_message(const transport::ConnectionPtr& conn,
