@@ -578,29 +578,44 @@ void ServerService::free_slot(Shard& shard, uint64_t conn, uint32_t slot) {
 }
 
 void ServerService::flush_credits(Shard& shard) {
-  for (auto& [conn_id, tags] : shard.accepted)
-    shard.credits[conn_id];  // a credit message also for accepted pushes alone
-  for (auto& [conn_id, slots] : shard.credits) {
+  // The lists stay in the maps between passes, emptied, with their capacity
+  // (no allocation a pass once grown); a connection's go when it is gone.
+  for (auto& [conn_id, tags] : shard.accepted) {
+    if (!tags.empty()) shard.credits[conn_id];  // a credit message also for accepted pushes alone
+  }
+  for (auto it = shard.credits.begin(); it != shard.credits.end();) {
+    const uint64_t conn_id = it->first;
+    std::vector<uint32_t>& slots = it->second;
     auto acc = shard.accepted.find(conn_id);
-    std::vector<uint32_t> tags;
-    if (acc != shard.accepted.end()) tags = std::move(acc->second);
-    if (slots.empty() && tags.empty()) continue;
+    std::vector<uint32_t>* tags = acc != shard.accepted.end() ? &acc->second : nullptr;
+    const size_t num_tags = tags != nullptr ? tags->size() : 0;
+    if (slots.empty() && num_tags == 0) {
+      ++it;
+      continue;
+    }
     ConnectionPtr conn = worker_connection(conn_id);
-    if (!conn) continue;
+    if (!conn) {
+      if (tags != nullptr) shard.accepted.erase(acc);
+      it = shard.credits.erase(it);
+      continue;
+    }
     // At most 1024 entries a message: well inside a control message.
     constexpr size_t kPerMessage = 1024;
     size_t si = 0, ti = 0;
-    while (si < slots.size() || ti < tags.size()) {
+    while (si < slots.size() || ti < num_tags) {
       protocol::Credit credit;
-      while (si < slots.size() && credit.slots.size() < kPerMessage)
-        credit.slots.push_back(slots[si++]);
-      while (ti < tags.size() && credit.slots.size() + credit.accepted.size() < kPerMessage)
-        credit.accepted.push_back(tags[ti++]);
-      (void)send(conn, credit);
+      const size_t ns = std::min(slots.size() - si, kPerMessage);
+      credit.slots.assign(slots.begin() + si, slots.begin() + si + ns);
+      si += ns;
+      const size_t nt = std::min(num_tags - ti, kPerMessage - ns);
+      if (nt > 0) credit.accepted.assign(tags->begin() + ti, tags->begin() + ti + nt);
+      ti += nt;
+      (void)send(conn, std::move(credit));
     }
+    slots.clear();
+    if (tags != nullptr) tags->clear();
+    ++it;
   }
-  shard.credits.clear();
-  shard.accepted.clear();
 }
 
 }  // namespace psld
