@@ -21,32 +21,36 @@ using transport::ConnectionPtr;
 void RequestState::complete_part(const Status& status) {
   {
     MutexLock lock(mu_);
-    if (done_) return;
+    if (done_.load(std::memory_order_relaxed)) return;
     if (!status.ok() && status_.ok()) status_ = status;
     if (--remaining_ != 0 && status.ok()) return;  // waiters wait for done_ only: no wake-up
-    done_ = true;
+    done_.store(true, std::memory_order_release);
   }
   cv_.notify_all();
 }
 
 Status RequestState::wait(std::chrono::milliseconds timeout) {
+  // Most requests of a round are done by the time they are waited for.
+  if (done_.load(std::memory_order_acquire)) return final_status();
   UniqueLock lock(mu_);
-  if (!cv_.wait_for(lock.native(), timeout, [&]() REQUIRES(mu_) { return done_; })) {
+  if (!cv_.wait_for(lock.native(), timeout,
+                    [&] { return done_.load(std::memory_order_relaxed); })) {
     return Timeout(fmt::format("request not complete after {} ms ({} chunk operations pending)",
                                timeout.count(), remaining_));
   }
   return status_;
 }
 
-bool RequestState::test() const {
-  MutexLock lock(mu_);
-  return done_;
-}
+bool RequestState::test() const { return done_.load(std::memory_order_acquire); }
 
 Status RequestState::status() const {
+  if (done_.load(std::memory_order_acquire)) return final_status();
   MutexLock lock(mu_);
   return status_;
 }
+
+// status_ once done_ was seen set: written before done_ and never after.
+Status RequestState::final_status() const NO_THREAD_SAFETY_ANALYSIS { return status_; }
 
 // ---- WorkerService
 

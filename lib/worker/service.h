@@ -42,10 +42,14 @@ class RequestState {
   Status status() const;
 
  private:
+  Status final_status() const;
+
   mutable Mutex mu_;
   std::condition_variable cv_;
   uint64_t remaining_ GUARDED_BY(mu_);
-  bool done_ GUARDED_BY(mu_);
+  // Set (release) under mu_ once status_ is final: status_ is never written
+  // again, so a waiter that sees it set (acquire) reads status_ without mu_.
+  std::atomic<bool> done_;
   Status status_ GUARDED_BY(mu_);
 };
 
