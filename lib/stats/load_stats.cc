@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <unordered_map>
 
 namespace psld {
 
@@ -109,7 +110,9 @@ std::vector<protocol::LoadReport> LoadRecorder::close_window(uint32_t rank, uint
   total.epoch = epoch;
   total.window = window_++;
   total.window_ns = window_ns;
-  std::map<uint64_t, protocol::ArcLoad> arcs;
+  // Hashed (a server's samples name a few hundred arcs), sorted at the end.
+  std::unordered_map<uint64_t, protocol::ArcLoad> arcs;
+  arcs.reserve(arcs_seen_);
   std::map<uint64_t, protocol::PeerLoad> peers;
   // A chunk leaves several samples of one subject, mostly one after another
   // (a server's push: its bytes, its queueing, its reduce; a worker's batch
@@ -199,6 +202,9 @@ std::vector<protocol::LoadReport> LoadRecorder::close_window(uint32_t rank, uint
     a.lo = lo;
     arc_list.push_back(a);
   }
+  std::sort(arc_list.begin(), arc_list.end(),
+            [](const protocol::ArcLoad& a, const protocol::ArcLoad& b) { return a.lo < b.lo; });
+  arcs_seen_ = arcs.size();
   std::vector<protocol::PeerLoad> peer_list;
   for (auto& [server, p] : peers) {
     p.server = static_cast<uint32_t>(server);

@@ -135,6 +135,7 @@ class LoadRecorder {
   uint64_t window_ = 0;
   size_t peer_limit_ = 0;
   uint64_t lost_seen_ = 0;
+  size_t arcs_seen_ = 0;  // in the last window: the next one's hash table is made that big
   WindowStats queue_;
   // Per server (workers): answer latencies of the window. Bounded by the
   // number of servers.
