@@ -233,7 +233,7 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
              mapped != nullptr && (mapped->flags & protocol::kPushMapped)) {
     // Read in place from the worker's tensor: no slot, no write to wait for.
     note_round(mapped->round);
-    std::optional<PushWork> work = mapped_work(conn->id(), *w, *mapped);
+    std::optional<PushWork> work = mapped_work(conn->id(), *w, *mapped, transport::Clock::now());
     if (!work) {
       lock.unlock();
       send_error(conn->id(), mapped->tag,
@@ -299,9 +299,9 @@ void ServerService::handle_worker_message(const ConnectionPtr& conn, protocol::M
   }
 }
 
-std::optional<ServerService::PushWork> ServerService::mapped_work(uint64_t conn,
-                                                                  const WorkerConn& w,
-                                                                  const protocol::PushMeta& meta) {
+std::optional<ServerService::PushWork> ServerService::mapped_work(
+    uint64_t conn, const WorkerConn& w, const protocol::PushMeta& meta,
+    transport::Clock::time_point arrived) {
   const uint64_t chunk = session_.welcome().chunk_bytes;
   auto t = w.tensors.find(key_tensor(meta.key));
   if (t == w.tensors.end() || t->second.view == nullptr || meta.bytes == 0 || meta.bytes > chunk ||
@@ -311,8 +311,7 @@ std::optional<ServerService::PushWork> ServerService::mapped_work(uint64_t conn,
   const uint64_t at = t->second.offset + static_cast<uint64_t>(key_chunk(meta.key)) * chunk;
   const uint64_t length = t->second.remote->length();
   if (at > length || meta.bytes > length - at) return std::nullopt;
-  return PushWork{
-      conn, meta, t->second.view + at, t->second.remote, w.rank, transport::Clock::now()};
+  return PushWork{conn, meta, t->second.view + at, t->second.remote, w.rank, arrived};
 }
 
 void ServerService::note_round(uint64_t round) {
@@ -324,8 +323,10 @@ void ServerService::note_round(uint64_t round) {
 void ServerService::take_batch(const ConnectionPtr& conn, WorkerConn& w,
                                protocol::PushBatch& batch) {
   // Before the pushes are looked at: an epoch prepared after this sees them.
+  uint64_t highest = 0;
   for (const auto& e : batch.entries)
-    note_round(e.round);
+    highest = std::max(highest, e.round);
+  note_round(highest);
   const size_t n = batch.entries.size();
   {
     MutexLock stats(stats_mu_);
@@ -338,8 +339,10 @@ void ServerService::take_batch(const ConnectionPtr& conn, WorkerConn& w,
     works.reserve(n);
     {
       MutexLock lock(conns_mu_);
+      const auto arrived = transport::Clock::now();
       for (size_t i = 0; i < n; ++i) {
-        std::optional<PushWork> work = mapped_work(conn->id(), w, protocol::entry_meta(batch, i));
+        std::optional<PushWork> work =
+            mapped_work(conn->id(), w, protocol::entry_meta(batch, i), arrived);
         if (!work) {
           works.clear();
           break;

@@ -195,6 +195,6 @@ struct ServerService::WorkerConn {
     const uint8_t* view = nullptr;
     bool batched = false;  // protocol::kTensorAnswersBatched
   };
-  std::map<TensorId, TensorTarget> tensors;
+  std::unordered_map<TensorId, TensorTarget> tensors;
 };
 }  // namespace psld

@@ -232,9 +232,11 @@ class ServerService final : public ProcessRuntime {
                     bool counted);
   // An in-place push (kPushMapped) of worker connection w as the work that
   // reads it from the worker's mapped tensor; nullopt when this server maps
-  // no such memory or the size is invalid. conns_mu_ held.
+  // no such memory or the size is invalid. `arrived`: when its message
+  // came (one clock reading for a whole batch). conns_mu_ held.
   std::optional<PushWork> mapped_work(uint64_t conn, const WorkerConn& w,
-                                      const protocol::PushMeta& meta);
+                                      const protocol::PushMeta& meta,
+                                      transport::Clock::time_point arrived);
   // The highest round a push named so far (max_round_seen_).
   void note_round(uint64_t round);
   void admit(const transport::ConnectionPtr& conn, const std::shared_ptr<WorkerConn>& w,
