@@ -153,7 +153,8 @@ bool WorkerService::batchable(const ChunkOp& op) const {
          t.layout->chunk(op.chunk).bytes <= options_.batch_chunk_bytes;
 }
 
-protocol::PushMeta WorkerService::start_push(ServerConn& s, const ChunkOp& op, uint32_t slot) {
+protocol::PushMeta WorkerService::start_push(ServerConn& s, const ChunkOp& op, uint32_t slot,
+                                             Clock::time_point now) {
   Tensor& t = tensors_[op.tensor];
   const ChunkSpan span = t.layout->chunk(op.chunk);
   const uint32_t push_tag = new_tag();
@@ -163,12 +164,11 @@ protocol::PushMeta WorkerService::start_push(ServerConn& s, const ChunkOp& op, u
     pull_tag = new_tag();
     flags |= protocol::kPushThenPull;
     if (op.kind == RequestKind::kInit) flags |= protocol::kPushInit;
-    const auto now = Clock::now();
     pending_.put(push_tag, Pending{pull_tag, s.rank, now, op});
     pending_.put(pull_tag, Pending{push_tag, s.rank, now, op, /*lands=*/true});
   } else {
     // A plain push completes when the server says it took it (Credit).
-    pending_.put(push_tag, Pending{0, s.rank, Clock::now(), op});
+    pending_.put(push_tag, Pending{0, s.rank, now, op});
   }
   if (in_place(s, op)) {
     flags |= protocol::kPushMapped;
@@ -196,7 +196,13 @@ bool WorkerService::issue_batch(ServerConn& s) {
   // batchable or none (one size, one tensor), so every key's rounds still
   // leave in order.
   constexpr size_t kScan = 4 * protocol::kMaxBatchEntries;
-  std::vector<size_t> picked;
+  // Scratch of every batch (under mu_), with their capacity.
+  std::vector<size_t>& picked = batch_picked_;
+  std::vector<ChunkOp>& ops = batch_ops_;
+  std::vector<ChunkOp>& rest = batch_rest_;
+  picked.clear();
+  ops.clear();
+  rest.clear();
   uint64_t end = 0;
   const size_t scan = std::min(s.backlog.size(), kScan);
   for (size_t i = 0; i < scan && picked.size() < protocol::kMaxBatchEntries; ++i) {
@@ -210,12 +216,9 @@ bool WorkerService::issue_batch(ServerConn& s) {
     picked.push_back(i);
   }
   if (picked.size() < 2) return false;
-  std::vector<ChunkOp> ops;
-  ops.reserve(picked.size());
   {
     // Only the scanned front is rearranged: what was not picked there goes
     // back in front of the rest, in its order.
-    std::vector<ChunkOp> rest;
     size_t next = 0;
     const size_t prefix = picked.back() + 1;
     for (size_t i = 0; i < prefix; ++i) {
@@ -229,6 +232,7 @@ bool WorkerService::issue_batch(ServerConn& s) {
     }
     for (auto it = rest.rbegin(); it != rest.rend(); ++it)
       s.backlog.push_front(std::move(*it));
+    rest.clear();
   }
   const size_t n = ops.size();
   protocol::PushBatch batch;
@@ -252,8 +256,9 @@ bool WorkerService::issue_batch(ServerConn& s) {
   batch.entries.reserve(n);
   uint64_t at = 0;
   uint64_t pushed = 0;
+  const auto now = Clock::now();
   for (const ChunkOp& op : ops) {
-    const protocol::PushMeta meta = start_push(s, op, batch.slot);
+    const protocol::PushMeta meta = start_push(s, op, batch.slot, now);
     protocol::BatchEntry e{meta.tag,
                            meta.pull_tag,
                            meta.dtype,
@@ -274,6 +279,7 @@ bool WorkerService::issue_batch(ServerConn& s) {
     batch.entries.push_back(e);
     pushed += meta.bytes;
   }
+  ops.clear();  // the pending operations hold the requests now
   count_pushed(s, pushed);
   transport::WriteRequest wr{batch_pool_.get(),
                              buffer * batch_buffer_bytes_,
@@ -330,7 +336,7 @@ void WorkerService::issue(ServerConn& s, const ChunkOp& op, uint32_t slot) {
     });
     return;
   }
-  const protocol::PushMeta meta = start_push(s, op, slot);
+  const protocol::PushMeta meta = start_push(s, op, slot, Clock::now());
   count_pushed(s, meta.bytes);
   slot = meta.slot;
   transport::WriteRequest wr{t.region.get(), t.region_offset + span.offset,

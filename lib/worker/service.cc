@@ -41,7 +41,9 @@ Status RequestState::wait(std::chrono::milliseconds timeout) {
   return status_;
 }
 
-bool RequestState::test() const { return done_.load(std::memory_order_acquire); }
+bool RequestState::test() const {
+  return done_.load(std::memory_order_acquire);
+}
 
 Status RequestState::status() const {
   if (done_.load(std::memory_order_acquire)) return final_status();
@@ -50,7 +52,9 @@ Status RequestState::status() const {
 }
 
 // status_ once done_ was seen set: written before done_ and never after.
-Status RequestState::final_status() const NO_THREAD_SAFETY_ANALYSIS { return status_; }
+Status RequestState::final_status() const NO_THREAD_SAFETY_ANALYSIS {
+  return status_;
+}
 
 // ---- WorkerService
 

@@ -211,8 +211,10 @@ class WorkerService final : public ProcessRuntime {
   void issue(ServerConn& s, const ChunkOp& op, uint32_t slot) REQUIRES(mu_);
   // A push's bookkeeping (its tags pending) and the PushMeta that announces
   // it; `slot` is kNoSlot's for one read in place. Its bytes are counted by
-  // the caller (count_pushed), once for a whole batch.
-  protocol::PushMeta start_push(ServerConn& s, const ChunkOp& op, uint32_t slot) REQUIRES(mu_);
+  // the caller (count_pushed), once for a whole batch; `now` is when it is
+  // issued (one clock reading for a whole batch).
+  protocol::PushMeta start_push(ServerConn& s, const ChunkOp& op, uint32_t slot,
+                                transport::Clock::time_point now) REQUIRES(mu_);
   // Bytes pushed to s: its load stats and one load sample.
   void count_pushed(ServerConn& s, uint64_t bytes) REQUIRES(mu_);
   uint32_t new_tag() REQUIRES(mu_);
@@ -277,6 +279,10 @@ class WorkerService final : public ProcessRuntime {
   std::condition_variable cv_;
   std::map<uint32_t, ServerConn> servers_ GUARDED_BY(mu_);               // by server rank
   std::unordered_map<uint32_t, ServerLoadStats> loads_ GUARDED_BY(mu_);  // by server rank
+  // issue_batch's scratch, kept with its capacity.
+  std::vector<size_t> batch_picked_ GUARDED_BY(mu_);
+  std::vector<ChunkOp> batch_ops_ GUARDED_BY(mu_);
+  std::vector<ChunkOp> batch_rest_ GUARDED_BY(mu_);
   std::unique_ptr<LoadRecorder> load_;  // the windows sent to the coordinator
   // trace.dir: chunk spans (push, wait, pull), written past trace.rounds.
   // Shared with the GPU copier's callbacks, which record chunks they end.
