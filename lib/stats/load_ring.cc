@@ -22,28 +22,6 @@ WindowStats::WindowStats(double alpha, size_t max_values) : alpha_(alpha), max_v
   values_.reserve(max_values_);
 }
 
-void WindowStats::add(double value) {
-  if (count_ == 0) {
-    min_ = max_ = value;
-  } else {
-    min_ = std::min(min_, value);
-    max_ = std::max(max_, value);
-  }
-  ++count_;
-  sum_ += value;
-  if (values_.size() < max_values_) {
-    values_.push_back(value);
-    return;
-  }
-  // Reservoir sampling (Algorithm R) keeps a uniform sample of the window in
-  // bounded memory; xorshift64 keeps it deterministic across runs.
-  rng_ ^= rng_ << 13;
-  rng_ ^= rng_ >> 7;
-  rng_ ^= rng_ << 17;
-  const uint64_t j = rng_ % count_;
-  if (j < max_values_) values_[j] = value;
-}
-
 namespace {
 // Nearest-rank percentile: the smallest value with at least q of the values at
 // or below it. Reorders `v`.

@@ -11,6 +11,7 @@
 // holds exactly once the producers have stopped and the ring is drained.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <bit>
@@ -121,7 +122,6 @@ class LoadRing {
           words[i] = slot.words[i].load(std::memory_order_acquire);
         if (slot.stamp.load(std::memory_order_relaxed) == s1) {
           const T sample = std::bit_cast<T>(words);
-          consumed_.fetch_add(1, std::memory_order_relaxed);
           ++tail_;
           ++delivered;
           fn(static_cast<const T&>(sample));
@@ -144,6 +144,7 @@ class LoadRing {
       }
       break;
     }
+    consumed_.fetch_add(delivered, std::memory_order_relaxed);  // once, not per sample
     return delivered;
   }
 
@@ -201,7 +202,28 @@ class WindowStats {
   // alpha: EWMA weight of the newest window's mean, in (0, 1].
   static Result<WindowStats> make(double ewma_alpha = 0.2, size_t max_values = 4096);
 
-  void add(double value);
+  // Inline: every load sample of a queue or answer time comes here.
+  void add(double value) {
+    if (count_ == 0) {
+      min_ = max_ = value;
+    } else {
+      min_ = std::min(min_, value);
+      max_ = std::max(max_, value);
+    }
+    ++count_;
+    sum_ += value;
+    if (values_.size() < max_values_) {
+      values_.push_back(value);
+      return;
+    }
+    // Reservoir sampling (Algorithm R) keeps a uniform sample of the window in
+    // bounded memory; xorshift64 keeps it deterministic across runs.
+    rng_ ^= rng_ << 13;
+    rng_ ^= rng_ >> 7;
+    rng_ ^= rng_ << 17;
+    const uint64_t j = rng_ % count_;
+    if (j < max_values_) values_[j] = value;
+  }
   // Summarises the window, folds its mean into the EWMA (an empty window
   // leaves the EWMA as it was) and starts a new window.
   WindowSummary close();
