@@ -40,12 +40,17 @@ class TagMap {
 
   // Sets `tag` (nonzero) to `value`, replacing what it had.
   void put(uint32_t tag, V value) {
-    if (V* v = find(tag)) {
-      *v = std::move(value);
-      return;
-    }
+    // One probe: it ends at the tag or at the empty slot the tag goes in
+    // (made room for first, even if the tag is there: growing is harmless).
     if (2 * (size_ + 1) > slots_.size()) grow();
-    place(tag, std::move(value));
+    size_t i = home(tag);
+    while (slots_[i].tag != tag && slots_[i].tag != 0)
+      i = (i + 1) & mask_;
+    if (slots_[i].tag == 0) {
+      slots_[i].tag = tag;
+      ++size_;
+    }
+    slots_[i].value = std::move(value);
   }
 
   // Removes `tag` and returns its value; nullopt if it was not there.
