@@ -88,7 +88,7 @@ void ServerService::fail_key(Shard& shard, KeyState& k, const Status& why) {
 void ServerService::process_push(Shard& shard, PushWork& w) {
   const protocol::PushMeta& meta = w.meta;
   const uint64_t round = (meta.flags & protocol::kPushInit) ? 0 : meta.round;
-  const Ownership owns = ownership(meta.key, round);
+  const Ownership owns = shard_ownership(shard, meta.key, round);
   if (owns.owner != rank()) {
     if (wait_for_epoch(meta.epoch, meta.key, w)) return;  // keeps its slot meanwhile
     free_slot(shard, w.conn, meta.slot);
@@ -266,7 +266,7 @@ bool ServerService::pull_ready(const KeyState& k, const protocol::PullRequest& r
 }
 
 void ServerService::process_pull(Shard& shard, PullWork& w) {
-  const Ownership owns = ownership(w.req.key, w.req.round);
+  const Ownership owns = shard_ownership(shard, w.req.key, w.req.round);
   if (owns.owner != rank()) {
     if (wait_for_epoch(w.req.epoch, w.req.key, w)) return;
     send_moved(w.conn, w.req.tag, w.req.key);

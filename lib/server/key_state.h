@@ -136,7 +136,11 @@ struct ServerService::Shard {
   // (shard_arc_of): the arc every arrival is recorded against, without the
   // epochs' lock. Emptied when a placement is pushed.
   std::unordered_map<Key, uint64_t> arcs;
-  uint64_t arcs_of = UINT64_MAX;                       // the latest_placements_ count they are of
+  uint64_t arcs_of = UINT64_MAX;  // the latest_placements_ count they are of
+  // ownership() of the keys this shard saw, each for the rounds its epoch
+  // serves (shard_ownership), of one ownership_gen_ count.
+  std::unordered_map<Key, CachedOwnership> owners;
+  uint64_t owners_of = UINT64_MAX;
   std::map<uint64_t, std::vector<uint32_t>> credits;   // connection -> freed slots
   std::map<uint64_t, std::vector<uint32_t>> accepted;  // connection -> plain push tags taken
   std::map<uint64_t, AnswerBatch> answers;             // connection -> its batch

@@ -283,6 +283,7 @@ void ServerService::on_epoch_change(const protocol::EpochChange& change) {
           gate_final_ = false;
         }
         prepared_ = Prepared{change.epoch, change.switch_round, *next};
+        ownership_gen_.fetch_add(1, std::memory_order_release);  // shards' owner caches
         for_each_overlap(
             epochs_->latest(), **next, [&](uint64_t, uint64_t, ServerId was, ServerId now) {
               if (now == me && was != me &&
@@ -315,6 +316,7 @@ void ServerService::on_epoch_change(const protocol::EpochChange& change) {
       });
       epochs_->push(next, change.switch_round);
       latest_placements_.fetch_add(1, std::memory_order_release);  // shards' arc caches
+      ownership_gen_.fetch_add(1, std::memory_order_release);      // and owner caches
       if (trace_ && trace_->wants(change.switch_round)) {
         trace_->instant(change.step == EpochStep::kCommit ? "epoch commit" : "epoch hand-over",
                         "epoch", transport::Clock::now(),

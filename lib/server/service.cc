@@ -311,6 +311,43 @@ ServerService::Ownership ServerService::ownership(Key key, uint64_t round) const
   return o;
 }
 
+ServerService::Ownership ServerService::shard_ownership(Shard& shard, Key key, uint64_t round) {
+  // Read before the lock below: an answer found under a newer count than
+  // this one is dropped at the next call, never kept past its epochs.
+  const uint64_t gen = ownership_gen_.load(std::memory_order_acquire);
+  if (shard.owners_of != gen) {
+    shard.owners.clear();
+    shard.owners_of = gen;
+  }
+  auto it = shard.owners.find(key);
+  if (it != shard.owners.end() && round >= it->second.from && round < it->second.until) {
+    return it->second.ownership;
+  }
+  CachedOwnership c;
+  {
+    MutexLock lock(epoch_mu_);
+    c.ownership.owner = owner_for_locked(key, round);
+    if (c.ownership.owner == rank()) c.ownership.gained = gained_locked(key, round);
+    serving_rounds_locked(round, &c.from, &c.until);
+  }
+  shard.owners.insert_or_assign(key, c);
+  return c.ownership;
+}
+
+void ServerService::serving_rounds_locked(uint64_t round, uint64_t* from, uint64_t* until) const {
+  // The same walk as EpochLog::at, with the prepared epoch after the log.
+  const size_t committed = epochs_->size();
+  const size_t total = committed + (prepared_ ? 1 : 0);
+  auto switch_round = [&](size_t i) REQUIRES(epoch_mu_) {
+    return i < committed ? epochs_->entry(i).switch_round : prepared_->switch_round;
+  };
+  size_t i = total;  // one past the epoch that serves `round`
+  while (i > 1 && switch_round(i - 1) > round)
+    --i;
+  *from = i == 1 ? 0 : switch_round(i - 1);
+  *until = i < total ? switch_round(i) : UINT64_MAX;
+}
+
 ServerId ServerService::owner_for_locked(Key key, uint64_t round) const {
   if (prepared_ && round >= prepared_->switch_round) {
     return prepared_->placement->owner_of_key(key);

@@ -372,6 +372,19 @@ class ServerService final : public ProcessRuntime {
     Gained gained;
   };
   Ownership ownership(Key key, uint64_t round) const;
+  // ownership() from the shard's cache (Shard::owners), filled under the
+  // epochs' lock for the rounds the same epoch serves; emptied when an epoch
+  // is prepared, committed or aborted (ownership_gen_).
+  Ownership shard_ownership(Shard& shard, Key key, uint64_t round);
+  // The rounds [from, until) that the epoch serving `round` serves (the
+  // prepared one counted).
+  void serving_rounds_locked(uint64_t round, uint64_t* from, uint64_t* until) const
+      REQUIRES(epoch_mu_);
+  struct CachedOwnership {
+    Ownership ownership;
+    uint64_t from = 0;
+    uint64_t until = 0;
+  };
   void request_state(KeyState& k, uint64_t switch_round, ServerId from);
   KeyState* find_run(Shard& shard, Key key, uint64_t run);
   void install_state(Shard& shard, KeyState& k);
@@ -425,6 +438,10 @@ class ServerService final : public ProcessRuntime {
   // Counts the placements pushed onto epochs_ (after each push): a shard's
   // cache of arcs is of one count.
   std::atomic<uint64_t> latest_placements_{0};
+  // Counts the changes of who serves which rounds (a prepare, and each push
+  // onto epochs_), each made under epoch_mu_: a shard's cached ownership is
+  // of one count.
+  std::atomic<uint64_t> ownership_gen_{0};
   struct Prepared {
     uint64_t epoch = 0;
     uint64_t switch_round = 0;
