@@ -314,13 +314,14 @@ void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
       const uint64_t length = t->second.remote->length();
       // A pull into memory this process maps (a worker on this host,
       // shared memory), whatever its size, is copied straight into the
-      // tensor (below); it needs neither the connection nor the region,
-      // whose references are taken only for a write.
+      // tensor (below); it needs no connection. The region's reference is
+      // held all the same: the mapping lives as long as the region, and a
+      // worker that disconnects during the copy drops its own.
+      remote = t->second.remote;
       if (t->second.view != nullptr && !device_ && options_.batch_chunk_bytes > 0 &&
           offset <= length && bytes <= length - offset) {
         view = const_cast<uint8_t*>(t->second.view);
       } else {
-        remote = t->second.remote;
         conn = it->second->conn;
       }
       // Not into memory this server maps (a worker on this host over
