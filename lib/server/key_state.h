@@ -137,8 +137,8 @@ struct ServerService::Shard {
   // epochs' lock. Emptied when a placement is pushed.
   std::unordered_map<Key, uint64_t> arcs;
   uint64_t arcs_of = UINT64_MAX;  // the latest_placements_ count they are of
-  // ownership() of the keys this shard saw, each for the rounds its epoch
-  // serves (shard_ownership), of one ownership_gen_ count.
+  // Who owns the keys this shard saw, each for the rounds its epoch serves
+  // (shard_ownership), of one ownership_gen_ count.
   std::unordered_map<Key, CachedOwnership> owners;
   uint64_t owners_of = UINT64_MAX;
   std::map<uint64_t, std::vector<uint32_t>> credits;   // connection -> freed slots

@@ -303,14 +303,6 @@ ServerId ServerService::owner_for(Key key, uint64_t round) const {
   return owner_for_locked(key, round);
 }
 
-ServerService::Ownership ServerService::ownership(Key key, uint64_t round) const {
-  MutexLock lock(epoch_mu_);
-  Ownership o;
-  o.owner = owner_for_locked(key, round);
-  if (o.owner == rank()) o.gained = gained_locked(key, round);
-  return o;
-}
-
 ServerService::Ownership ServerService::shard_ownership(Shard& shard, Key key, uint64_t round) {
   // Read before the lock below: an answer found under a newer count than
   // this one is dropped at the next call, never kept past its epochs.

@@ -317,7 +317,7 @@ class ServerService final : public ProcessRuntime {
   // Where a key's run of epochs here began: {switch round, the owner before}
   // (gained()).
   using Gained = std::optional<std::pair<uint64_t, ServerId>>;
-  // `known`: gained(key, round), where the caller has it (ownership()).
+  // `known`: gained(key, round), where the caller has it (shard_ownership()).
   KeyState& key_state(Shard& shard, Key key, DType dtype, uint64_t bytes, uint64_t round,
                       bool from_replica = false, const Gained* known = nullptr);
   // Reduces a push into the key's accumulator (Aggregator::reduce), waits
@@ -365,16 +365,14 @@ class ServerService final : public ProcessRuntime {
   // from `from`): {switch_round, from}; nullopt when it held it from epoch 0.
   Gained gained(Key key, uint64_t round) const;
   Gained gained_locked(Key key, uint64_t round) const REQUIRES(epoch_mu_);
-  // owner_for and, where that is this server, gained: under one lock, for
-  // every push and pull.
+  // owner_for and, where that is this server, gained, for every push and
+  // pull: from the shard's cache (Shard::owners), filled under one lock of
+  // the epochs for the rounds the same epoch serves; emptied when an epoch
+  // is prepared, committed or aborted (ownership_gen_).
   struct Ownership {
     ServerId owner = 0;
     Gained gained;
   };
-  Ownership ownership(Key key, uint64_t round) const;
-  // ownership() from the shard's cache (Shard::owners), filled under the
-  // epochs' lock for the rounds the same epoch serves; emptied when an epoch
-  // is prepared, committed or aborted (ownership_gen_).
   Ownership shard_ownership(Shard& shard, Key key, uint64_t round);
   // The rounds [from, until) that the epoch serving `round` serves (the
   // prepared one counted).
