@@ -364,6 +364,12 @@ void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
   const Key key = w.req.key;
   const uint64_t run = k.owned_from;
   load_->begin_service();  // until the write completed
+  // This answer leaves now, not at the end of the pass: the pass's counts so
+  // far, its own included, are folded first, so that whoever has the answer
+  // sees them (shard_loop).
+  ++shard.counted.pulls;
+  shard.counted.bytes_out += bytes;
+  fold_counts(shard);
   Status s = conn->write({k.out_region.get(), 0, remote.get(), offset, bytes, w.req.tag},
                          [this, key, run](const Status&) {
                            load_->end_service();
@@ -372,12 +378,15 @@ void ServerService::serve_pull(Shard& shard, KeyState& k, const PullWork& w) {
   if (!s.ok()) {
     --k.inflight;
     load_->end_service();
+    {
+      MutexLock lock(stats_mu_);  // not answered after all
+      --stats_.pulls;
+      stats_.bytes_out -= bytes;
+    }
     send_error(w.conn, w.req.tag, s.with_context("pull write"));
     return;
   }
   load_->record(k.arc, LoadMetric::kBytesOut, static_cast<double>(bytes));
-  ++shard.counted.pulls;
-  shard.counted.bytes_out += bytes;
 }
 
 bool ServerService::batch_answer(Shard& shard, KeyState& k, uint64_t conn, uint32_t tag,
@@ -391,6 +400,7 @@ bool ServerService::batch_answer(Shard& shard, KeyState& k, uint64_t conn, uint3
   AnswerBatch& b = shard.answers[conn];
   if (b.buffer >= 0 &&
       (b.entries.size() == protocol::kMaxAnswerEntries || aligned(b.end) + bytes > b.limit)) {
+    fold_counts(shard);  // a full batch leaves before the pass ends: its counts first
     flush_answer(conn, b);
   }
   if (b.buffer < 0) {
