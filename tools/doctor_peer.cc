@@ -189,14 +189,16 @@ std::optional<std::string> find_perftest() {
   return std::nullopt;
 }
 
-// Runs argv with UCX_TLS=tls (when set) in its own process group, its
-// output to a pipe; the output, or nullopt when it failed or ran past
-// `timeout` (then its group is killed).
+// Runs argv with UCX_TLS=tls (when set), its output to a pipe: in its own
+// process group (`own_group`, killed as a group), or in this process's
+// group, so that whoever kills this process's group (a test, a terminal's
+// Ctrl-C) stops it too.
 struct Child {
   pid_t pid = -1;
   int out = -1;
 };
-Result<Child> spawn(const std::vector<std::string>& argv, const std::string& tls) {
+Result<Child> spawn(const std::vector<std::string>& argv, const std::string& tls,
+                    bool own_group = true) {
   int fds[2];
   if (pipe2(fds, O_CLOEXEC) != 0) return Unavailable("pipe");
   posix_spawn_file_actions_t actions;
@@ -205,8 +207,10 @@ Result<Child> spawn(const std::vector<std::string>& argv, const std::string& tls
   posix_spawn_file_actions_adddup2(&actions, fds[1], 2);
   posix_spawnattr_t attr;
   posix_spawnattr_init(&attr);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
-  posix_spawnattr_setpgroup(&attr, 0);
+  if (own_group) {
+    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
+    posix_spawnattr_setpgroup(&attr, 0);
+  }
   std::vector<std::string> env;
   for (char** e = environ; *e != nullptr; ++e) {
     if (std::strncmp(*e, "UCX_TLS=", 8) != 0) env.emplace_back(*e);
@@ -331,8 +335,10 @@ int cmd_doctor_serve(const Config& config, bool once) {
   std::optional<Child> perf;
   auto start_perftest = [&] {
     if (!perftest || side.our_perftest_port == 0) return;
-    auto c =
-        spawn({*perftest, "-p", std::to_string(side.our_perftest_port)}, o->net.options.ucx.tls);
+    // In this process's group: a serving side killed with its group (as
+    // tests stop it) takes its ucx_perftest server along.
+    auto c = spawn({*perftest, "-p", std::to_string(side.our_perftest_port)},
+                   o->net.options.ucx.tls, /*own_group=*/false);
     if (c.ok()) {
       close(c->out);  // its output is not needed
       perf = *c;
@@ -372,7 +378,7 @@ int cmd_doctor_serve(const Config& config, bool once) {
   }
   lock.unlock();
   if (perf) {
-    kill(-perf->pid, SIGKILL);
+    kill(perf->pid, SIGKILL);
     waitpid(perf->pid, nullptr, 0);
   }
   busy.reset();
