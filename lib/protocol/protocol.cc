@@ -36,9 +36,14 @@ bool read_role(WireReader& r, Role* role) {
   return true;
 }
 
+// A DType's wire value: kFloat32, kFloat16 or kBFloat16.
+bool valid_dtype(uint8_t v) {
+  return v >= 1 && v <= 3;
+}
+
 bool read_dtype(WireReader& r, DType* d) {
   uint8_t v = 0;
-  if (!r.u8(&v) || v < 1 || v > 3) return false;
+  if (!r.u8(&v) || !valid_dtype(v)) return false;
   *d = static_cast<DType>(v);
   return true;
 }
@@ -382,7 +387,7 @@ bool get(WireReader& r, PushBatch* m) {
     e.bytes = f.u32();
     e.offset = f.u32();
     e.lr = f.f64();
-    if (dtype < 1 || dtype > 3 || !std::isfinite(e.lr) || e.lr < 0) return false;
+    if (!valid_dtype(dtype) || !std::isfinite(e.lr) || e.lr < 0) return false;
     e.dtype = static_cast<DType>(dtype);
     if ((e.flags & ~(kPushInit | kPushThenPull | kPushMapped)) != 0) return false;
     if (mapped != ((e.flags & kPushMapped) != 0)) return false;
