@@ -327,8 +327,9 @@ class ServerService final : public ProcessRuntime {
   // A device operation on the key failed: answers what waits for it, and
   // every later request, with `why` (docs/gpu.md, "GPU servers").
   void fail_key(Shard& shard, KeyState& k, const Status& why);
-  // Holds the calling shard thread as long as a server of the emulated
-  // compute capacity would take to reduce `bytes`.
+  // Charges `bytes` to the emulated processor (compute_bytes_per_second) and
+  // holds the calling shard thread until the processor is done, once it is
+  // at least 1 ms ahead of the clock (service.cc says why).
   void pace_compute(uint64_t bytes);
   void try_apply(Shard& shard, KeyState& k);
   void apply_round(Shard& shard, KeyState& k);
