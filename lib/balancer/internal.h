@@ -127,20 +127,25 @@ class Balancer::Decision {
     return options_.max_step_fraction *
            std::max(load, active_load_ / std::max<size_t>(active_count_, 1));
   }
-  // Enough samples, tightly spread: the rate may be planned on without a
-  // trust region. The EWMA's variance starts at 0 and reaches its level only
-  // after many samples, so it is divided by 1 - (1 - alpha)^(n - 1) here
-  // (the same start-up correction as Adam's) before it is trusted.
-  bool confident(const Tracked& t) const {
-    if (options_.confident_samples == 0 || t.rate_samples < options_.confident_samples ||
-        t.rate_samples < 2) {
-      return false;
-    }
+  // The rate's standard error over the rate. The EWMA's variance starts at 0
+  // and reaches its level only after many samples, so it is divided by
+  // 1 - (1 - alpha)^(n - 1) here (the same start-up correction as Adam's)
+  // before it is trusted. Infinite with fewer than 2 samples.
+  double relative_error(const Tracked& t) const {
+    if (t.rate_samples < 2 || !(t.rate > 0)) return balancer_detail::kInf;
     const double warmed =
         1 - std::pow(1 - options_.rate_ewma_alpha, static_cast<double>(t.rate_samples - 1));
-    return rate_error(t) / std::sqrt(warmed) <= options_.confident_error * t.rate;
+    return rate_error(t) / std::sqrt(warmed) / t.rate;
+  }
+  // Enough samples, tightly spread: the rate may be planned on without a
+  // trust region.
+  bool confident(const Tracked& t) const {
+    return options_.confident_samples > 0 && t.rate_samples >= options_.confident_samples &&
+           relative_error(t) <= options_.confident_error;
   }
   void water_fill(std::vector<Node>& nodes) const;
+  double round_after(const std::vector<Node>& nodes) const;
+  double worst_round_after(const std::vector<Node>& nodes) const;
   void fill_receivers(std::vector<Node>& nodes, double total_out) const;
   Result<PlanStep> realise(StepKind kind, std::vector<Node>& nodes,
                            std::vector<MembershipChange> membership) const;
