@@ -58,6 +58,8 @@ struct ClusterSpec {
   // Per server, busy time a round whatever its load, as a multiple of the
   // balanced server time at the start (default 0).
   std::vector<double> fixed = {};
+  // Inputs carry the chunks (BalancerInput::chunks), as the coordinator's do.
+  bool chunks = false;
 };
 
 class Cluster {
@@ -66,7 +68,8 @@ class Cluster {
       : placement(initial(spec)),
         rng_(spec.seed),
         noise_(spec.noise),
-        range_noise_(spec.range_noise) {
+        range_noise_(spec.range_noise),
+        give_chunks_(spec.chunks) {
     for (size_t i = 0; i < spec.rates.size(); ++i)
       servers[static_cast<ServerId>(i + 1)].rate = spec.rates[i] * kRate;
     for (ServerId id : spec.standby) {
@@ -85,6 +88,7 @@ class Cluster {
     for (const auto& [h, b] : keys) {
       hashes_.push_back(h);
       prefix_.push_back(prefix_.back() + b);
+      chunks_.push_back(ChunkPoint{h, b});
     }
     const double balanced_s = total_load() / (kRate * static_cast<double>(spec.rates.size()));
     other_s_ = spec.other * balanced_s;
@@ -161,6 +165,7 @@ class Cluster {
   }
 
   double share(ServerId id) { return loads()[id] / total_load(); }
+  const std::vector<uint64_t>& hashes() const { return hashes_; }
 
   BalancerInput input() {
     std::uniform_real_distribution<double> u(-1.0, 1.0);
@@ -187,6 +192,7 @@ class Cluster {
     }
     for (const ServerSpec& s : standby)
       if (placement.find_server(s.id) == nullptr) in.standby.push_back(s);
+    if (give_chunks_) in.chunks = chunks_;
     return in;
   }
 
@@ -215,8 +221,10 @@ class Cluster {
   double noise_;
   double range_noise_;
   double other_s_ = 0;
+  bool give_chunks_;
   std::vector<uint64_t> hashes_;
   std::vector<double> prefix_;
+  std::vector<ChunkPoint> chunks_;
   std::map<ServerId, uint64_t> seq_;
   std::map<ServerId, std::deque<ServerWindow>> rings_;
 };
@@ -349,6 +357,20 @@ TEST(BalancerInputs, MalformedInputsAreRejected) {
   r = b.decide(c.placement, in);
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(r.status().message().find("overlap"), std::string::npos);
+
+  const std::vector<ChunkPoint> unsorted = {{5, 1.0}, {3, 1.0}};
+  in = c.input();
+  in.chunks = unsorted;
+  r = b.decide(c.placement, in);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("chunk 1 has hash 0x3"), std::string::npos)
+      << r.status().to_string();
+  const std::vector<ChunkPoint> negative = {{3, 1.0}, {5, -1.0}};
+  in.chunks = negative;
+  r = b.decide(c.placement, in);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("chunk 1 has bytes -1"), std::string::npos)
+      << r.status().to_string();
 
   in = c.input();
   in.standby.push_back(ServerSpec{1, 1.0});  // a member
@@ -491,6 +513,57 @@ TEST(BalancerExploit, AClearStragglerGoesAllTheWayThroughScatteredRates) {
   run(c, b, 40);
   EXPECT_NEAR(c.share(4), 0.25 / 3.25, 0.03);
   EXPECT_LE(c.imbalance(), 1.25);
+}
+
+// A chunk does not split. With a few chunks an arc (1,000 over 256
+// arcs), a cut by hashes predicts a fraction of an arc's load moving where
+// all of it or none does; given the chunks, every cut falls between two of
+// them and every move's predicted load is what really moves. A straggler
+// whose excess is one chunk heavier than any receiver's room still gives
+// it away whole, since the round gains.
+TEST(BalancerExploit, CutsBetweenChunksAndPredictsWhatMoves) {
+  auto moves_of = [](bool chunks, double* worst_error, std::set<uint64_t>* bounds_seen,
+                     size_t* switches) {
+    Cluster c({.rates = {1, 1, 1, 0.25}, .keys = 1000, .seed = 11, .chunks = chunks});
+    Balancer b = make_balancer();
+    *worst_error = 0;
+    *switches = 0;
+    for (int i = 0; i < 40; ++i) {
+      std::set<uint64_t> bounds;  // where arcs start, and where chunks start
+      for (size_t a = 0; a < c.placement.num_arcs(); ++a)
+        bounds.insert(c.placement.arc(a).lo);
+      const Plan p = step(c, b);
+      for (const PlanStep& s : p.steps) {
+        ++*switches;
+        for (const Move& m : s.moves) {
+          const double truth = c.range_load(m.lo, m.hi);
+          *worst_error = std::max(*worst_error, std::fabs(m.bytes_per_round - truth) /
+                                                    std::max(truth, m.bytes_per_round));
+          if (!bounds.count(m.lo)) bounds_seen->insert(m.lo);
+        }
+      }
+    }
+    return c;
+  };
+  double error = 0;
+  std::set<uint64_t> cuts;
+  size_t switches = 0;
+  Cluster c = moves_of(true, &error, &cuts, &switches);
+  EXPECT_LT(error, 1e-9);
+  EXPECT_FALSE(cuts.empty());  // arcs were cut, not only moved whole
+  for (uint64_t lo : cuts) {   // every cut starts a chunk
+    const auto hash = std::lower_bound(c.hashes().begin(), c.hashes().end(), lo);
+    ASSERT_NE(hash, c.hashes().end());
+    EXPECT_EQ(*hash, lo);
+  }
+  EXPECT_LE(switches, 3u);
+  EXPECT_NEAR(c.share(4), 0.25 / 3.25, 0.03);
+  EXPECT_LE(c.round_time(), 1.25 * c.optimal_round());
+
+  // The same cluster without the chunks: cuts by hashes mispredict.
+  cuts.clear();
+  moves_of(false, &error, &cuts, &switches);
+  EXPECT_GT(error, 0.1);
 }
 
 // A member that never held load has no measured rate, only the others'

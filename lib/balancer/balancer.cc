@@ -134,6 +134,19 @@ Status validate_input(const Placement& placement, const BalancerInput& in) {
           "range {} has bytes_per_round {}; it must be finite and >= 0", i, r.bytes_per_round));
     }
   }
+  for (size_t i = 0; i < in.chunks.size(); ++i) {
+    const ChunkPoint& c = in.chunks[i];
+    if (i > 0 && c.hash <= in.chunks[i - 1].hash) {
+      return InvalidArgument(
+          fmt::format("chunk {} has hash {:#x}, after {:#x}; chunks must be sorted by hash, each "
+                      "hash once",
+                      i, c.hash, in.chunks[i - 1].hash));
+    }
+    if (!finite_nonneg(c.bytes)) {
+      return InvalidArgument(
+          fmt::format("chunk {} has bytes {}; it must be finite and >= 0", i, c.bytes));
+    }
+  }
   return Status::Ok();
 }
 

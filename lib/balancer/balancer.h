@@ -29,6 +29,7 @@
 #include <deque>
 #include <map>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -73,11 +74,25 @@ struct RangeLoad {
   double bytes_per_round = 0;
 };
 
+// A chunk of the model: where its key falls on the ring (hash_key) and its
+// bytes. A chunk does not split: given the chunks, a step cuts an arc only
+// between them, and a part's load is its chunks' share of the arc's
+// measured load, not its share of the arc's hashes (an arc of one 32 KiB
+// chunk cut in half moves all of it or nothing, never half).
+struct ChunkPoint {
+  uint64_t hash = 0;
+  double bytes = 0;
+};
+
 struct BalancerInput {
   // Members' reports; a report of a server that is neither a member nor a
   // standby is ignored (it may have just left).
   std::vector<ServerHistory> servers;
   std::vector<RangeLoad> ranges;  // sorted by lo, not overlapping
+  // The model's chunks, sorted by hash (each hash once), or empty: then a
+  // range's load is taken as spread evenly over its hashes. A view: what it
+  // points to must outlive decide().
+  std::span<const ChunkPoint> chunks;
   // Servers outside the placement that scale-out may add, in order of
   // preference. Never a member.
   std::vector<ServerSpec> standby;

@@ -211,17 +211,54 @@ void Balancer::Decision::fill_receivers(std::vector<Node>& nodes, double total_o
 
 namespace {
 
-// The first part of `p` holding about `want` of its load (uniform over its
-// hashes) and the rest; nothing when p is one hash or `want` covers it.
-std::optional<std::pair<Piece, Piece>> split_piece(const Piece& p, double want) {
+// The first part of `p` holding about `want` of its load, and the rest;
+// nothing when `want` covers p or p cannot be cut. Without chunks, p's load
+// is taken as uniform over its hashes and cut at `want` exactly. With them
+// (BalancerInput::chunks), p is cut just before one of its chunks, each
+// part holding its chunks' share of p's load: the cut whose first part is
+// nearest to `want`, or with `at_most` (a receiver's room) the largest
+// first part not above it. A piece of one chunk does not split.
+std::optional<std::pair<Piece, Piece>> split_piece(const Piece& p, double want,
+                                                   std::span<const ChunkPoint> chunks,
+                                                   bool at_most) {
+  if (!(p.load > 0) || !(want < p.load)) return std::nullopt;
+  const auto first = std::lower_bound(chunks.begin(), chunks.end(), p.lo,
+                                      [](const ChunkPoint& c, uint64_t h) { return c.hash < h; });
+  const auto last = std::upper_bound(first, chunks.end(), p.hi,
+                                     [](uint64_t h, const ChunkPoint& c) { return h < c.hash; });
+  double total = 0;
+  for (auto it = first; it != last; ++it)
+    total += it->bytes;
+  Piece a = p;
+  Piece b = p;
+  if (total > 0) {
+    // The cut before chunk j leaves [first, j) in the first part.
+    std::optional<std::span<const ChunkPoint>::iterator> best;
+    double best_load = 0;
+    double held = 0;
+    for (auto j = first + 1; j < last; ++j) {
+      held += (j - 1)->bytes;
+      const double load = p.load * (held / total);
+      const bool fits = load <= want * (1 + kSlack);
+      if (at_most ? fits : (!best || std::fabs(load - want) < std::fabs(best_load - want))) {
+        best = j;
+        best_load = load;
+      }
+      if (!fits) break;  // further cuts only hold more
+    }
+    if (!best || !(best_load > 0)) return std::nullopt;
+    a.hi = (*best)->hash - 1;
+    a.load = best_load;
+    b.lo = (*best)->hash;
+    b.load = p.load - a.load;
+    return std::make_pair(a, b);
+  }
   const u128 width = hashes_in(p.lo, p.hi);
-  if (width < 2 || !(p.load > 0) || !(want < p.load)) return std::nullopt;
+  if (width < 2) return std::nullopt;
   const long double x = static_cast<long double>(want) / p.load;
   u128 head = static_cast<u128>(x * static_cast<long double>(width));
   head = std::max<u128>(head, 1);
   if (head >= width) return std::nullopt;
-  Piece a = p;
-  Piece b = p;
   a.hi = p.lo + static_cast<uint64_t>(head - 1);
   a.load = p.load * fraction_of(head, width);
   b.lo = a.hi + 1;
@@ -402,8 +439,13 @@ Result<PlanStep> Balancer::Decision::realise(StepKind kind, std::vector<Node>& n
         list, want, [&](const Held& h) { pieces.push_back(arc_piece(h, i, false)); }, scratch,
         ends);
     if (cut && want > std::max(0.5 * min_move_, kSlack * nodes[i].out)) {
-      if (auto parts = split_piece(arc_piece(*cut, i, false), want)) {
+      if (auto parts = split_piece(arc_piece(*cut, i, false), want, input_.chunks, false)) {
         pieces.push_back(parts->first);
+      } else if (!input_.chunks.empty()) {
+        // One chunk, which does not split: offered whole, and a receiver
+        // takes it only where that pays (below). A straggler left with one
+        // chunk kept it for good when only cuts were offered.
+        pieces.push_back(arc_piece(*cut, i, false));
       }
     }
   }
@@ -474,9 +516,16 @@ Result<PlanStep> Balancer::Decision::realise(StepKind kind, std::vector<Node>& n
       }
       continue;
     }
-    auto parts = split_piece(piece, slot.left);
-    if (!parts) {  // one hash, heavier than the room
-      if (piece.must) {
+    auto parts = split_piece(piece, slot.left, input_.chunks, true);
+    if (!parts) {  // one hash or chunk, heavier than the room
+      // Whole, it overfills the receiver; still worth it when the receiver
+      // then ends below the source's time now (the rest of a straggler's
+      // excess is often one chunk heavier than any receiver's room).
+      const Node& to = nodes[slot.node];
+      const double taken = to.in - slot.left;
+      const bool worth = to.rate > 0 && (to.load + taken + piece.load) / to.rate <
+                                            (1 - options_.settle_gain) * nodes[piece.from].time();
+      if (piece.must || worth) {
         give(piece, slot.node);
         slot.left -= piece.load;
         slots.push(slot);

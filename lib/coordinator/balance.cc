@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <random>
+#include <utility>
+#include <vector>
 
 #include "base/log.h"
 #include "lib/coordinator/service.h"
@@ -28,6 +30,15 @@ void CoordinatorService::balance() {
   ranks.reserve(servers_.size());
   for (const auto& [rank, id] : servers_)
     ranks.push_back(rank);
+  if (feed_tensors_ != tensors_.size()) {
+    // Where the model's chunks fall, so that steps cut arcs between them.
+    std::vector<ChunkPoint> chunks;
+    for_each_chunk([&](Key k, uint64_t bytes) {
+      chunks.push_back(ChunkPoint{hash_key(k), static_cast<double>(bytes)});
+    });
+    feed_.set_chunks(std::move(chunks));
+    feed_tensors_ = tensors_.size();
+  }
   const double now_s = std::chrono::duration<double>(now.time_since_epoch()).count();
   auto input = feed_.next(load_, *placement_, ranks, balancer_->decisions() + 1,
                           DecisionPoint{now_s, max_round_, serving});

@@ -1,6 +1,7 @@
 #include "lib/coordinator/balance_feed.h"
 
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 namespace psld {
@@ -25,6 +26,7 @@ std::optional<BalancerInput> BalanceFeed::next(LoadHistory& load, const Placemen
   if (first || rounds == 0) return std::nullopt;
 
   BalancerInput input;
+  input.chunks = chunks_;
   std::map<uint32_t, uint64_t> newest = seen_;
   for (uint32_t rank : server_ranks) {
     const auto* ring = load.server(rank);
@@ -63,6 +65,12 @@ std::optional<BalancerInput> BalanceFeed::next(LoadHistory& load, const Placemen
     if (placement.find_server(rank) == nullptr) input.standby.push_back({rank, 1.0});
   }
   return input;
+}
+
+void BalanceFeed::set_chunks(std::vector<ChunkPoint> chunks) {
+  std::sort(chunks.begin(), chunks.end(),
+            [](const ChunkPoint& a, const ChunkPoint& b) { return a.hash < b.hash; });
+  chunks_ = std::move(chunks);
 }
 
 }  // namespace psld

@@ -11,6 +11,7 @@
 #include <map>
 #include <optional>
 #include <span>
+#include <vector>
 
 #include "lib/balancer/balancer.h"
 #include "lib/placement/placement.h"
@@ -41,6 +42,11 @@ class BalanceFeed {
                                     std::span<const uint32_t> server_ranks, uint64_t seq,
                                     const DecisionPoint& at);
 
+  // The model's chunks, given to every input from now on
+  // (BalancerInput::chunks); any order, each key once. Call again when
+  // tensors are added.
+  void set_chunks(std::vector<ChunkPoint> chunks);
+
   // The start of the current window (the previous call), or nullopt before
   // the first call.
   std::optional<double> last_s() const {
@@ -53,6 +59,7 @@ class BalanceFeed {
   uint64_t round_ = 0;                 // max_round at the previous call
   uint64_t epoch_ = 0;                 // the epoch the current window counts for
   std::map<uint32_t, uint64_t> seen_;  // server -> its newest window taken
+  std::vector<ChunkPoint> chunks_;     // sorted by hash
 };
 
 }  // namespace psld

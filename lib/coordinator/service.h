@@ -287,6 +287,7 @@ class CoordinatorService final : public ProcessRuntime {
   std::optional<Balancer> balancer_ GUARDED_BY(mu_);
   transport::Clock::time_point last_decision_ GUARDED_BY(mu_){};
   BalanceFeed feed_ GUARDED_BY(mu_);
+  size_t feed_tensors_ GUARDED_BY(mu_) = 0;  // tensors_.size() when the feed got the chunks
   uint64_t last_switch_round_ GUARDED_BY(mu_) = 0;
   uint64_t switches_ GUARDED_BY(mu_) = 0;
   uint64_t bad_reports_ GUARDED_BY(mu_) = 0;

@@ -259,6 +259,14 @@ Result<SimResult> simulate(const SimOptions& o) {
     model_bytes += static_cast<double>(k.bytes);
   }
   Loads loads = loads_of(placement, o.keys, hashes, ids);
+  {
+    // As the coordinator does: the balancer cuts arcs between chunks.
+    std::vector<ChunkPoint> chunks;
+    chunks.reserve(o.keys.size());
+    for (size_t i = 0; i < o.keys.size(); ++i)
+      chunks.push_back(ChunkPoint{hashes[i], static_cast<double>(o.keys[i].bytes)});
+    feed.set_chunks(std::move(chunks));
+  }
 
   std::vector<double> factor(ids, 1.0);
   std::vector<NoiseSource> noise;
