@@ -688,6 +688,31 @@ TEST(BalancerExplore, ProbesAnEmptiedServerAndFindsItRecovered) {
   EXPECT_LE(c.round_time(), 1.10 * c.optimal_round());
 }
 
+// Servers that joined empty (or that the ring left without a chunk) are
+// probed together, in one step: at 1,024 servers, one probe a step took 48
+// epoch switches.
+TEST(BalancerExplore, ProbesEveryServerDueInOneStep) {
+  Cluster c({.rates = std::vector<double>(29, 1.0), .noise = 0.02, .seed = 9});
+  for (ServerId id : {30, 31, 32}) {
+    c.placement = c.placement.add_server_empty(ServerSpec{id, 1.0}).value().next;
+    c.servers[id].rate = kRate;
+  }
+  // No rebalance: the ring's own imbalance (up to +20% here) is not taken
+  // for a straggler, so only probes can give the new servers load.
+  Balancer b = make_balancer({.straggler_threshold = 1.0});
+  const std::vector<Plan> changes = run(c, b, 60);
+  ASSERT_EQ(count_kind(changes, StepKind::kProbe), 1u);
+  std::set<ServerId> probed;
+  for (const Plan& p : changes)
+    for (const PlanStep& s : p.steps)
+      if (s.kind == StepKind::kProbe)
+        for (const Move& m : s.moves)
+          probed.insert(m.to);
+  EXPECT_EQ(probed, (std::set<ServerId>{30, 31, 32}));
+  for (ServerId id : {30, 31, 32})
+    EXPECT_GT(c.loads()[id], 0) << "server " << id;
+}
+
 TEST(BalancerExplore, RollsBackAMoveThatMadeTheRoundSlower) {
   // Server 1 is slow, so load leaves it; server 3 thrashes as soon as it
   // holds 5% more than its share: the first move onto it makes the round

@@ -271,42 +271,73 @@ Result<Balancer::Decision::Verdict> Balancer::Decision::evaluate() {
 
 // ---- The steps ------------------------------------------------------------------
 
+// Every server due for a probe (up to an eighth of the active ones) is
+// probed in the same step, each fed by one of the slowest servers: at 1,024
+// servers the ring leaves dozens without a chunk, and probing them one step
+// at a time took 48 epoch switches (docs/scale.md).
 Result<std::optional<PlanStep>> Balancer::Decision::probe_step() {
-  const Member* target = nullptr;
-  for (const Member& m : members_) {
+  if (active_count_ < 2) return std::optional<PlanStep>();
+  const size_t most = std::max<size_t>(1, active_count_ / 8);
+  std::vector<size_t> targets;
+  for (size_t i = 0; i < members_.size() && targets.size() < most; ++i) {
+    const Member& m = members_[i];
     const Tracked& t = *m.tracked;
     if (!m.active() || cooling(t) || t.windows_since_rate < options_.probe_after_windows) continue;
     if (t.last_probe != 0 && balancer_.decision_ - t.last_probe < options_.probe_interval_decisions)
       continue;
-    target = &m;
-    break;
+    targets.push_back(i);
   }
-  if (target == nullptr || active_count_ < 2) return std::optional<PlanStep>();
-  size_t source = members_.size();
+  if (targets.empty()) return std::optional<PlanStep>();
+  std::vector<size_t> sources;  // the slowest first
   for (size_t i = 0; i < members_.size(); ++i) {
     const Member& m = members_[i];
-    if (!m.active() || m.id == target->id || !(m.load > 0)) continue;
-    if (source == members_.size() || m.time() > members_[source].time()) source = i;
+    if (m.active() && m.load > 0 && !std::count(targets.begin(), targets.end(), i))
+      sources.push_back(i);
   }
-  if (source == members_.size()) return std::optional<PlanStep>();
-  const double amount = std::min(options_.probe_fraction * active_load_ / active_count_,
-                                 options_.max_step_fraction * members_[source].load);
-  if (!(amount > 0)) return std::optional<PlanStep>();
-
+  if (sources.empty()) return std::optional<PlanStep>();
+  std::sort(sources.begin(), sources.end(), [&](size_t a, size_t b) {
+    const double ta = members_[a].time();
+    const double tb = members_[b].time();
+    return ta != tb ? ta > tb : members_[a].id < members_[b].id;
+  });
+  const double probe = options_.probe_fraction * active_load_ / active_count_;
   std::vector<Node> nodes = base_nodes();
-  nodes[source].out = amount;
-  const size_t t = static_cast<size_t>(target - members_.data());
-  nodes[t].receives = true;
-  nodes[t].in = amount;
+  for (size_t k = 0; k < targets.size(); ++k) {
+    const size_t source = sources[k % sources.size()];
+    const double amount =
+        std::min(probe, options_.max_step_fraction * members_[source].load - nodes[source].out);
+    if (!(amount > 0)) continue;
+    nodes[source].out += amount;
+    nodes[targets[k]].receives = true;
+    nodes[targets[k]].in = amount;
+  }
   PSLD_ASSIGN_OR_RETURN(PlanStep step, realise(StepKind::kProbe, nodes, {}));
   if (step.moves.empty()) return std::optional<PlanStep>();
-  target->tracked->last_probe = balancer_.decision_;
+  std::vector<ServerId> probed;
+  uint32_t windows = UINT32_MAX;
+  for (size_t i : targets) {
+    Tracked& t = *members_[i].tracked;
+    const bool got = std::any_of(step.moves.begin(), step.moves.end(),
+                                 [&](const Move& m) { return m.to == members_[i].id; });
+    if (!got) continue;
+    t.last_probe = balancer_.decision_;
+    probed.push_back(members_[i].id);
+    windows = std::min(windows, t.windows_since_rate);
+  }
+  const Member& first = members_[targets.front()];
+  constexpr size_t kNamed = 8;
+  std::string who = ids_text(std::vector<ServerId>(
+      probed.begin(),
+      probed.begin() + static_cast<std::ptrdiff_t>(std::min(kNamed, probed.size()))));
+  if (probed.size() > kNamed) who += fmt::format(" and {} more", probed.size() - kNamed);
   step.reason = fmt::format(
-      "probe -> epoch {}: server {} has had no rate sample for {} windows (last estimate {}/s); "
-      "it gets {}/round to measure it; predicted round at that estimate {} -> {} ({}); {}",
-      step.change.next.epoch(), target->id, target->tracked->windows_since_rate,
-      bytes_text(target->rate), bytes_text(step.moved_bytes_per_round),
-      seconds_text(step.predicted_round_s_before), seconds_text(step.predicted_round_s_after),
+      "probe -> epoch {}: {} {} had no rate sample for {} windows or more (last estimate of "
+      "server {}: {}/s); {}/round in all to measure {}; predicted round at the estimates {} -> {} "
+      "({}); {}",
+      step.change.next.epoch(), who, probed.size() == 1 ? "has" : "have", windows, first.id,
+      bytes_text(first.rate), bytes_text(step.moved_bytes_per_round),
+      probed.size() == 1 ? "it" : "them", seconds_text(step.predicted_round_s_before),
+      seconds_text(step.predicted_round_s_after),
       change_text(step.predicted_round_s_before, step.predicted_round_s_after), moves_text(step));
   remember(step, nodes);
   return std::optional<PlanStep>(std::move(step));
