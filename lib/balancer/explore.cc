@@ -288,11 +288,13 @@ Result<std::optional<PlanStep>> Balancer::Decision::probe_step() {
     targets.push_back(i);
   }
   if (targets.empty()) return std::optional<PlanStep>();
+  std::vector<char> target(members_.size(), 0);
+  for (size_t i : targets)
+    target[i] = 1;
   std::vector<size_t> sources;  // the slowest first
   for (size_t i = 0; i < members_.size(); ++i) {
     const Member& m = members_[i];
-    if (m.active() && m.load > 0 && !std::count(targets.begin(), targets.end(), i))
-      sources.push_back(i);
+    if (m.active() && m.load > 0 && !target[i]) sources.push_back(i);
   }
   if (sources.empty()) return std::optional<PlanStep>();
   std::sort(sources.begin(), sources.end(), [&](size_t a, size_t b) {
@@ -313,18 +315,21 @@ Result<std::optional<PlanStep>> Balancer::Decision::probe_step() {
   }
   PSLD_ASSIGN_OR_RETURN(PlanStep step, realise(StepKind::kProbe, nodes, {}));
   if (step.moves.empty()) return std::optional<PlanStep>();
+  std::vector<ServerId> took;  // the targets the moves reached
+  for (const Move& m : step.moves)
+    took.push_back(m.to);
+  std::sort(took.begin(), took.end());
   std::vector<ServerId> probed;
   uint32_t windows = UINT32_MAX;
   for (size_t i : targets) {
+    if (!std::binary_search(took.begin(), took.end(), members_[i].id)) continue;
     Tracked& t = *members_[i].tracked;
-    const bool got = std::any_of(step.moves.begin(), step.moves.end(),
-                                 [&](const Move& m) { return m.to == members_[i].id; });
-    if (!got) continue;
     t.last_probe = balancer_.decision_;
     probed.push_back(members_[i].id);
     windows = std::min(windows, t.windows_since_rate);
   }
-  const Member& first = members_[targets.front()];
+  // Only targets have room in a probe, so the moves reached at least one.
+  const Member& first = *member(probed.empty() ? members_[targets.front()].id : probed.front());
   constexpr size_t kNamed = 8;
   std::string who = ids_text(std::vector<ServerId>(
       probed.begin(),

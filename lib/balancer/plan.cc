@@ -694,11 +694,11 @@ Result<std::optional<PlanStep>> Balancer::Decision::rebalance_step(std::string* 
   std::vector<Node> nodes = fill(sure);
   if (!sure && options_.confident_samples > 0) {
     // The trust region is there for estimates that may be wrong. A step all
-    // the way that beats the trust region's step even with every rate off by
-    // twice its standard error in the worst direction (a straggler 4x slower,
-    // seen in 3 windows of +-20%) is taken at once: waiting for the estimates
-    // to tighten would cost more rounds at the straggler's pace than any
-    // error could.
+    // the way that beats the trust region's step even with every rate at the
+    // low end of its 95% interval (worst_round_after; a straggler 4x slower,
+    // seen in 3 windows of +-20%, passes) is taken at once: waiting for the
+    // estimates to tighten would cost more rounds at the straggler's pace
+    // than any error could.
     std::vector<Node> full = fill(true);
     if (worst_round_after(full) < round_after(nodes)) nodes = std::move(full);
   }
