@@ -317,6 +317,37 @@ TEST(BalancerDetect, ASpikeIsNotAStragglerButALevelChangeIs) {
   EXPECT_LE(caught, 4);
 }
 
+// A 4x straggler from the job's start, nearly noiseless, is moved all the
+// way at the second window: one window far above the others adds at most
+// half the sequential test's threshold, two in a row raise the alarm, and
+// two samples of each rate that agree within a few percent pass even
+// Student's t at one degree of freedom (x12.7). It took four windows: a
+// window added at most 3 spreads of the prior noise, then the plan waited
+// for three samples. With scattered samples two are not enough: nothing
+// beyond the trust region moves at the second window.
+TEST(BalancerDetect, AClearStragglerFromTheStartMovesAtTheSecondWindow) {
+  Cluster c({.rates = {1, 1, 1, 0.25}, .noise = 0.01, .range_noise = 0.01, .seed = 7});
+  Balancer b = make_balancer();
+  const Plan first = step(c, b);
+  EXPECT_TRUE(first.steps.empty()) << "one window raised the alarm: " << first.log;
+  const Plan second = step(c, b);
+  ASSERT_EQ(second.steps.size(), 1u) << second.log;
+  EXPECT_NEAR(c.share(4), 0.25 / 3.25, 0.02) << second.log;
+  EXPECT_LE(run(c, b, 30).size(), 1u);
+  EXPECT_LE(c.imbalance(), 1.10);
+
+  Cluster noisy({.rates = {1, 1, 1, 0.25}, .noise = 0.3, .range_noise = 0.01, .seed = 7});
+  Balancer nb = make_balancer();
+  const double load = noisy.loads().at(4);
+  step(noisy, nb);
+  const Plan p = step(noisy, nb);
+  double gave = 0;
+  for (const PlanStep& s : p.steps)
+    for (const Move& m : s.moves)
+      gave += m.from == 4 ? m.bytes_per_round : 0;
+  EXPECT_LE(gave, nb.options().max_step_fraction * load * 1.06) << p.log;
+}
+
 // The false-alarm rate is an option: a test told to tolerate few windows
 // between false alarms moves on noise that the default ignores.
 TEST(BalancerDetect, TheFalseAlarmRateTradesCalmForReaction) {

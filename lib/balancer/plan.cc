@@ -669,15 +669,6 @@ Result<std::optional<PlanStep>> Balancer::Decision::rebalance_step(std::string* 
     sure = sure && confident(*m.tracked);
     if (m.tracked->rate_samples > 0) fewest = std::min(fewest, m.tracked->rate_samples);
   }
-  // Too few samples yet to tell: a window or two more decides between one
-  // step all the way and the trust region, instead of a cautious step now and
-  // another soon after.
-  if (!sure && fewest < options_.confident_samples) {
-    *note = fmt::format("stragglers: {}; waiting for {} rate samples of each server",
-                        stragglers.empty() ? std::string("none now") : straggler_text(),
-                        options_.confident_samples);
-    return std::optional<PlanStep>();
-  }
   const double probe = options_.probe_fraction * active_load_ / std::max<size_t>(active_count_, 1);
   auto fill = [&](bool all_the_way) {
     std::vector<Node> nodes = base_nodes();
@@ -691,6 +682,23 @@ Result<std::optional<PlanStep>> Balancer::Decision::rebalance_step(std::string* 
     water_fill(nodes);
     return nodes;
   };
+  // Too few samples yet to tell: a window or two more decides between one
+  // step all the way and the trust region, instead of a cautious step now and
+  // another soon after. Unless two samples of each rate already tell: the
+  // step all the way is taken at once when it beats the trust region's step
+  // even with every rate at the low end of its 95% interval (at two samples
+  // Student's t is x12.7, so only rates that agree within a few percent
+  // pass), as it would be at three below.
+  const auto all_the_way_now = [&] {
+    if (fewest < 2 || fewest == UINT64_MAX || options_.confident_samples == 0) return false;
+    return worst_round_after(fill(true)) < round_after(fill(false));
+  };
+  if (!sure && fewest < options_.confident_samples && !all_the_way_now()) {
+    *note = fmt::format("stragglers: {}; waiting for {} rate samples of each server",
+                        stragglers.empty() ? std::string("none now") : straggler_text(),
+                        options_.confident_samples);
+    return std::optional<PlanStep>();
+  }
   std::vector<Node> nodes = fill(sure);
   if (!sure && options_.confident_samples > 0) {
     // The trust region is there for estimates that may be wrong. A step all

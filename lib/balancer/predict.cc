@@ -253,13 +253,18 @@ bool Balancer::Decision::detect(Tracked& t, double load, double others) const {
   const double rho = t.x_var > 0 ? std::clamp(t.x_cov / t.x_var, 0.0, kMaxCorrelation) : 0.0;
   const double spread = sigma * std::sqrt((1 + rho) / (1 - rho));
   const double k = 0.5 * std::log1p(options_.straggler_threshold);
-  // Winsorised: no window adds more than kClipSpreads spreads, so that one
-  // spike of a heavy-tailed noise cannot raise the alarm alone.
-  t.cusum = std::max(0.0, t.cusum + std::min(x - k, kClipSpreads * spread));
-  // (The threshold is solved for only when the statistic is above 0: in a
-  // balanced cluster most are 0, and a decision on 1,024 servers is timed.)
-  const bool alarm =
-      t.cusum > 0 && t.cusum >= cusum_threshold(k / spread, options_.false_alarm_windows) * spread;
+  // Winsorised: no window adds more than half the threshold (and at least
+  // kClipSpreads spreads), so that one spike of a heavy-tailed noise cannot
+  // raise the alarm alone, and two windows far above the others in a row
+  // can: at 3 spreads a 4x straggler took 4 windows to be believed while the
+  // noise was still the prior's. (The threshold is solved for only when the
+  // statistic may rise above 0: in a balanced cluster most stay at 0, and a
+  // decision on 1,024 servers is timed.)
+  const double h =
+      t.cusum > 0 || x > k ? cusum_threshold(k / spread, options_.false_alarm_windows) : 0;
+  const double clip = std::max(kClipSpreads, 0.5 * h);
+  t.cusum = std::max(0.0, t.cusum + std::min(x - k, clip * spread));
+  const bool alarm = t.cusum > 0 && t.cusum >= h * spread;
   // The noise is learnt from windows near the level only: a window far from
   // it (beyond kClipSpreads sigmas) is a spike or a change, which is what the
   // test looks for, not noise.
