@@ -50,7 +50,13 @@ Status CoordinatorService::start_switch_locked(const PlacementDelta& delta) {
   }
   auto next = placement_->apply(delta);
   if (!next.ok()) return next.status().with_context("the proposed epoch");
-  Switch sw{delta, delta.serialize(), std::move(next).value(), 0, 4, {}};
+  // Two rounds ahead of the furthest round seen: the prepare, the votes and
+  // the commit take milliseconds, and a switch too early for a server is
+  // voted down and prepared again with the margin doubled. (It was 4: at
+  // 170 ms rounds, two more rounds at a straggler's pace before every step.
+  // The state of moved keys ships only after the round before the switch,
+  // whatever the margin.)
+  Switch sw{delta, delta.serialize(), std::move(next).value(), 0, 2, {}};
   if (sw.delta_bytes.size() > protocol::kMaxDeltaBytes) {
     return InvalidArgument(fmt::format("a delta of {} bytes does not fit one message ({})",
                                        sw.delta_bytes.size(), protocol::kMaxDeltaBytes));

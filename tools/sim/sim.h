@@ -82,7 +82,7 @@ struct SimOptions {
   bool worker_reports = true;
   uint32_t worker_peers = 0;  // stats.worker_peers: 0 auto, 65536 every server
   double balancer_interval_s = 0.25;
-  uint32_t switch_margin = 4;  // rounds from a decision to its switch
+  uint32_t switch_margin = 2;  // rounds from a decision to its switch (the coordinator's)
   // Bytes a migration ships per parameter byte moved (1: sum mode's
   // parameters alone; 2 with a momentum buffer).
   double migration_bytes_per_byte = 1;
