@@ -682,24 +682,8 @@ Result<std::optional<PlanStep>> Balancer::Decision::rebalance_step(std::string* 
     water_fill(nodes);
     return nodes;
   };
-  // Too few samples yet to tell: a window or two more decides between one
-  // step all the way and the trust region, instead of a cautious step now and
-  // another soon after. Unless two samples of each rate already tell: the
-  // step all the way is taken at once when it beats the trust region's step
-  // even with every rate at the low end of its 95% interval (at two samples
-  // Student's t is x12.7, so only rates that agree within a few percent
-  // pass), as it would be at three below.
-  const auto all_the_way_now = [&] {
-    if (fewest < 2 || fewest == UINT64_MAX || options_.confident_samples == 0) return false;
-    return worst_round_after(fill(true)) < round_after(fill(false));
-  };
-  if (!sure && fewest < options_.confident_samples && !all_the_way_now()) {
-    *note = fmt::format("stragglers: {}; waiting for {} rate samples of each server",
-                        stragglers.empty() ? std::string("none now") : straggler_text(),
-                        options_.confident_samples);
-    return std::optional<PlanStep>();
-  }
   std::vector<Node> nodes = fill(sure);
+  bool all_the_way = sure;
   if (!sure && options_.confident_samples > 0) {
     // The trust region is there for estimates that may be wrong. A step all
     // the way that beats the trust region's step even with every rate at the
@@ -708,7 +692,22 @@ Result<std::optional<PlanStep>> Balancer::Decision::rebalance_step(std::string* 
     // estimates to tighten would cost more rounds at the straggler's pace
     // than any error could.
     std::vector<Node> full = fill(true);
-    if (worst_round_after(full) < round_after(nodes)) nodes = std::move(full);
+    if (worst_round_after(full) < round_after(nodes)) {
+      nodes = std::move(full);
+      all_the_way = true;
+    }
+  }
+  // Too few samples yet to tell: a window or two more decides between one
+  // step all the way and the trust region, instead of a cautious step now and
+  // another soon after. Unless two samples of each rate already tell: the
+  // step all the way above passed with every rate at the low end of its 95%
+  // interval (at two samples Student's t is x12.7, so only rates that agree
+  // within a few percent pass).
+  if (!sure && fewest < options_.confident_samples && !(all_the_way && fewest >= 2)) {
+    *note = fmt::format("stragglers: {}; waiting for {} rate samples of each server",
+                        stragglers.empty() ? std::string("none now") : straggler_text(),
+                        options_.confident_samples);
+    return std::optional<PlanStep>();
   }
   bool any = false;
   for (const Node& n : nodes)
