@@ -4,6 +4,8 @@
 // straggler must stand out from the rest, which it does not under TSan.
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
 #include <atomic>
 #include <cstdio>
 
@@ -12,13 +14,19 @@
 namespace psld {
 namespace {
 
+class MigrationBalancer : public ::testing::TestWithParam<uint32_t> {};
+
 // The whole loop on a straggler: servers report load, the coordinator's
-// balancer plans, the epochs switch, and training stays exact throughout.
-TEST(MigrationBalancer, MovesLoadOffAServerBehindASlowLinkWhileTrainingStaysExact) {
-  Cluster c(4, 3, [](RuntimeOptions& o) {
+// balancer plans, the epochs switch, and training stays exact throughout;
+// with replication.factor 1 and 2 (each moved range copied to its new
+// owner's backup before a pull of it is answered: docs/replication.md).
+TEST_P(MigrationBalancer, MovesLoadOffAServerBehindASlowLinkWhileTrainingStaysExact) {
+  const uint32_t copies = GetParam();
+  Cluster c(4, 3, [copies](RuntimeOptions& o) {
     o.stats_interval = 50ms;
     o.balancer_enabled = true;
     o.balancer_interval = 250ms;
+    o.replication_factor = copies;
   });
   // Server 0 (the first started) sits behind a 20 MB/s link each way.
   c.server_tweak = [](uint32_t i, RuntimeOptions& o) {
@@ -106,6 +114,9 @@ TEST(MigrationBalancer, MovesLoadOffAServerBehindASlowLinkWhileTrainingStaysExac
   EXPECT_LT(static_cast<double>(chunks_after), 0.8 * static_cast<double>(chunks_before))
       << "the straggler kept its load";
 }
+
+INSTANTIATE_TEST_SUITE_P(Copies, MigrationBalancer, ::testing::Values(1u, 2u),
+                         [](const auto& info) { return fmt::format("r{}", info.param); });
 
 }  // namespace
 }  // namespace psld

@@ -42,6 +42,7 @@ struct Outcome {
   Status status;
   std::vector<std::vector<float>> params;  // worker 0's tensors after the last round
   uint64_t failovers = 0;
+  uint64_t switches = 0;
   std::optional<Placement> placement;  // the coordinator's at the end
 };
 
@@ -51,6 +52,41 @@ float pushed(uint32_t rank, uint64_t r, size_t t, size_t i) {
 
 std::function<void(Cluster&)> kill(ServerId victim) {
   return [victim](Cluster& c) { kill_server(c, victim); };
+}
+
+// Kills `victim` once the copies of the last switch or failover are all
+// made (before, a loss fails the job: docs/replication.md).
+std::function<void(Cluster&)> kill_once_copied(ServerId victim) {
+  return [victim](Cluster& c) {
+    EXPECT_TRUE(eventually("the copies of the last switch", 20s,
+                           [&] { return !c.coordinator->switching(); }));
+    kill_server(c, victim);
+  };
+}
+
+// Proposes a switch, once none is in flight, that gives every other arc of
+// server `from` to server `to` (joining it to the ring first when it is a
+// standby), and waits for its commit.
+std::function<void(Cluster&)> move_half(ServerId from, ServerId to) {
+  return [from, to](Cluster& c) {
+    ASSERT_TRUE(
+        eventually("no switch in flight", 20s, [&] { return !c.coordinator->switching(); }));
+    const Placement p = c.coordinator->current_placement();
+    PlacementDelta d{p.epoch(), p.epoch() + 1, {}, {}};
+    if (p.find_server(to) == nullptr) {
+      auto add = p.add_server({to, 1.0});
+      ASSERT_TRUE(add.ok()) << add.status().to_string();
+      d.membership = add->delta.membership;
+    }
+    const std::vector<Arc> arcs = p.arcs_of(from);
+    for (size_t i = 0; i < arcs.size(); i += 2)
+      d.assignments.push_back({arcs[i].lo, arcs[i].hi, to});
+    const uint64_t before = c.coordinator->switches();
+    const Status st = c.coordinator->propose(d);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    ASSERT_TRUE(eventually("the switch to commit", 10s,
+                           [&] { return c.coordinator->switches() != before; }));
+  };
 }
 
 Outcome run_job(const Job& job, const std::string& backend) {
@@ -146,8 +182,30 @@ Outcome run_job(const Job& job, const std::string& backend) {
     out.params.emplace_back(at, at + job.elems[t]);
   }
   out.failovers = c.coordinator->failovers();
+  out.switches = c.coordinator->switches();
   out.placement = c.coordinator->placement();
   return out;
+}
+
+// A job that ended well after so many switches and failovers, with a
+// placement to look at (a fatal failure otherwise: ASSERT_NO_FATAL_FAILURE).
+void expect_ran(const Outcome& out, uint64_t switches, uint64_t failovers) {
+  if (!out.status.ok() || !out.placement) {
+    GTEST_FAIL() << out.status.to_string();
+  }
+  EXPECT_EQ(out.switches, switches);
+  EXPECT_EQ(out.failovers, failovers);
+}
+
+// Worker 0's tensors at the end of two jobs, bit for bit.
+void expect_bit_identical(const Outcome& a, const Outcome& b) {
+  ASSERT_EQ(a.params.size(), b.params.size());
+  for (size_t t = 0; t < a.params.size(); ++t) {
+    ASSERT_EQ(a.params[t].size(), b.params[t].size());
+    EXPECT_EQ(
+        std::memcmp(a.params[t].data(), b.params[t].data(), a.params[t].size() * sizeof(float)), 0)
+        << "tensor " << t;
+  }
 }
 
 class Replication : public ::testing::TestWithParam<std::string> {};
@@ -233,14 +291,7 @@ TEST_P(Replication, AdamIsBitIdenticalToAJobWithoutFailures) {
   const Outcome failed_over = run_job(job, GetParam());
   ASSERT_TRUE(failed_over.status.ok()) << failed_over.status.to_string();
   EXPECT_EQ(failed_over.failovers, 1u);
-  ASSERT_EQ(clean.params.size(), failed_over.params.size());
-  for (size_t t = 0; t < clean.params.size(); ++t) {
-    ASSERT_EQ(clean.params[t].size(), failed_over.params[t].size());
-    EXPECT_EQ(std::memcmp(clean.params[t].data(), failed_over.params[t].data(),
-                          clean.params[t].size() * sizeof(float)),
-              0)
-        << "tensor " << t;
-  }
+  expect_bit_identical(clean, failed_over);
 }
 
 // Server 2 is killed, and server 1, whose backup that was, right after,
@@ -268,6 +319,61 @@ TEST_P(Replication, LosingBothCopiesOfARangeFailsTheJobNamingIt) {
   // Whichever of the two the coordinator found first, both are named.
   EXPECT_NE(msg.find("server 1"), std::string::npos) << msg;
   EXPECT_NE(msg.find("server 2"), std::string::npos) << msg;
+}
+
+// Replicated ranges move: half of server 0's arcs go to server 1, then
+// half of server 2's to server 0; each new owner copies what it gained to
+// its backup before answering a pull of it. Server 1, which gained ranges,
+// is killed once the copies are made: its ranges, the moved ones too, fail
+// over to server 2, sums exact every round.
+TEST_P(Replication, MovedRangesAreCopiedAndSurviveALossOfTheirNewOwner) {
+  Job job;
+  job.rounds = 50;
+  job.events = {{6, move_half(0, 1)}, {14, move_half(2, 0)}, {24, kill_once_copied(1)}};
+  const Outcome out = run_job(job, GetParam());
+  ASSERT_NO_FATAL_FAILURE(expect_ran(out, /*switches=*/2, /*failovers=*/1));
+  EXPECT_EQ(out.placement->find_server(1), nullptr);
+}
+
+// A standby joins the ring by a switch that gives it ranges: server 2's
+// backup is the standby from then on, and server 2 copies every key it owns
+// there (ReplicaSynced) before the next switch or a loss can come. Server 2
+// is then killed: its ranges fail over to the standby. Adam: the parameters
+// end bit-identical to those of a job in which nothing moved or died.
+TEST_P(Replication, AStandbyJoinsByASwitchAndHoldsItsNeighboursCopies) {
+  Job job;
+  job.standby = 1;
+  job.mode = ServerMode::kOptimizer;
+  job.rounds = 40;
+  const Outcome clean = run_job(job, GetParam());
+  ASSERT_TRUE(clean.status.ok()) << clean.status.to_string();
+  job.events = {{6, move_half(1, 3)}, {16, kill_once_copied(2)}};
+  const Outcome moved = run_job(job, GetParam());
+  ASSERT_NO_FATAL_FAILURE(expect_ran(moved, /*switches=*/1, /*failovers=*/1));
+  EXPECT_NE(moved.placement->find_server(3), nullptr);
+  EXPECT_EQ(moved.placement->find_server(2), nullptr);
+  expect_bit_identical(clean, moved);
+}
+
+// A server lost while a switch's moved ranges may exist at one server only
+// (from the commit until every worker finished its switch round) fails the
+// job, saying so, instead of losing them. Loopback: everything to and from
+// the new owner takes 400 ms, so the old owner dies inside that window.
+TEST(ReplicationSwitch, ALossDuringASwitchFailsTheJobSayingSo) {
+  Job job;
+  job.rounds = 30;
+  job.events = {{5, [](Cluster& c) {
+                   transport::FaultPlan slow;
+                   slow.delay = 400ms;
+                   c.fabric->set_faults(slow, c.servers[2]->address());
+                   move_half(0, 2)(c);
+                   kill_server(c, 0);
+                 }}};
+  const Outcome out = run_job(job, "loopback");
+  ASSERT_FALSE(out.status.ok());
+  const std::string msg = out.status.to_string();
+  EXPECT_NE(msg.find("does not survive a loss during a switch"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("server 0"), std::string::npos) << msg;
 }
 
 TEST(ReplicationOptions, TwoCopiesNeedTwoServers) {

@@ -238,12 +238,6 @@ Status validate(const Config& c) {
           "whole round",
           shown("replication.factor"), shown("data.sync")));
     }
-    if (c.balancer.enabled) {
-      errors.push_back(fmt::format(
-          "replication.factor: {} needs balancer.enabled = false ({}): ranges do not move between "
-          "servers while they are replicated (docs/replication.md)",
-          shown("replication.factor"), shown("balancer.enabled")));
-    }
   }
   return errors_status(errors);
 }

@@ -35,11 +35,8 @@ Status CoordinatorService::start_switch(const PlacementDelta& delta) {
 // mu_ held. The one way an epoch switch starts (propose() and the balancer).
 Status CoordinatorService::start_switch_locked(const PlacementDelta& delta) {
   if (!job_started_ || job_over_) return FailedPrecondition("the job is not running");
-  if (options_.replication_factor > 1) {
-    return FailedPrecondition(
-        "ranges do not move between servers while they are replicated (replication.factor > 1)");
-  }
   if (switch_) return FailedPrecondition("an epoch switch is in flight");
+  if (Status st = replication_allows_switch(); !st.ok()) return st;
   if (transfer_) {
     return FailedPrecondition(
         fmt::format("the transfer of epoch {} is not final yet", placement_->epoch()));
@@ -122,6 +119,18 @@ void CoordinatorService::commit_switch() {
                                 placement_->epoch(), sw.switch_round, moved));
   }
   last_switch_round_ = sw.switch_round;
+  if (options_.replication_factor > 1) {
+    // Open until every worker finished the switch round (close_replicated_
+    // switch). A member whose backup changed (a server joined or left the
+    // ring) copies its keys to the new one and says so (ReplicaSynced).
+    replicated_switch_round_ = sw.switch_round;
+    for (const ServerInfo& s : placement_->servers()) {
+      if (backup_of(before, s.id) != backup_of(*placement_, s.id)) {
+        unsynced_.insert_or_assign(s.id,
+                                   fmt::format("epoch {} changed its backup", placement_->epoch()));
+      }
+    }
+  }
   switch_.reset();
   ++switches_;
   begin_transfer(std::move(before));

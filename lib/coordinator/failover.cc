@@ -29,6 +29,21 @@ std::string describe_ranges(const std::vector<Arc>& arcs, size_t limit = 4) {
 void CoordinatorService::fail_over(const Member& m, const std::string& what) {
   const uint32_t lost = m.rank;
   const Placement& now = *placement_;
+  if (switch_) {
+    return fail_job(fmt::format(
+        "{}; it was lost while the switch to epoch {} was being voted on, and a replicated job "
+        "does not survive a loss during a switch yet (docs/replication.md), so the job cannot go "
+        "on",
+        what, switch_->next.epoch()));
+  }
+  if (replicated_switch_round_ != 0) {
+    return fail_job(fmt::format(
+        "{}; it was lost before every worker had finished round {}, at which epoch {} moved "
+        "ranges: until then the newest state of a moved range may exist at one server only, and a "
+        "replicated job does not survive a loss during a switch yet (docs/replication.md), so the "
+        "job cannot go on",
+        what, replicated_switch_round_, now.epoch()));
+  }
   const std::vector<Arc> arcs = now.arcs_of(lost);
   const std::optional<ServerId> backup = backup_of(now, lost);
   // A member that owns nothing (a standby that joined in a lost server's
@@ -46,11 +61,11 @@ void CoordinatorService::fail_over(const Member& m, const std::string& what) {
                       backup ? fmt::format("its backup, server {}, is lost too", *backup)
                              : std::string("no other server is left to hold a copy"),
                       ranges);
-  } else if (unsynced_.count(lost)) {
+  } else if (auto it = unsynced_.find(lost); it != unsynced_.end()) {
     why = fmt::format(
-        "its keys had not all been copied to its backup, server {}, since server {} was lost: "
-        "some of its {} exist nowhere else",
-        *backup, last_lost_, ranges);
+        "its keys had not all been copied to its backup, server {}, since {}: some of its {} "
+        "exist nowhere else",
+        *backup, it->second, ranges);
   }
   if (!why.empty()) return fail_job(fmt::format("{}; {}, so the job cannot go on", what, why));
   // An idle standby server (joined, never a member, not lost) takes the
@@ -74,20 +89,21 @@ void CoordinatorService::fail_over(const Member& m, const std::string& what) {
   Placement next = std::move(handed->next);
   const std::vector<uint8_t> bytes = handed->delta.serialize();
   lost_servers_.insert(lost);
-  last_lost_ = lost;
   seal_lost_server(lost);
   // Every server whose backup changes (a replacement's too: it had none),
   // and the backup itself (the keys it takes over have no copy yet), is
   // unprotected until it says it synced; so are those of an earlier
   // failover that have not said so yet (every server resyncs at every
   // failover epoch and reports for the newest).
+  const std::string cause = fmt::format("server {} was lost", lost);
   unsynced_.erase(lost);
-  unsynced_.insert(*backup);
+  unsynced_.insert_or_assign(*backup, cause);
   for (const ServerInfo& s : next.servers()) {
-    if (backup_of(now, s.id) != backup_of(next, s.id)) unsynced_.insert(s.id);
+    if (backup_of(now, s.id) != backup_of(next, s.id)) unsynced_.insert_or_assign(s.id, cause);
   }
-  // It takes the place of every epoch before it: the same switch round as
-  // the newest (no switch happens while replicated).
+  // It takes the place of the newest epoch for every round that one serves:
+  // the same switch round. Every worker has finished that round (a loss
+  // before fails the job, above), so no request names an earlier one.
   const protocol::EpochChange change{protocol::EpochStep::kFailover, next.epoch(),
                                      last_switch_round_, bytes, lost};
   post_all(servers_, change);
@@ -101,6 +117,46 @@ void CoordinatorService::fail_over(const Member& m, const std::string& what) {
   placement_ = std::move(next);
   ++failovers_;
   cv_.notify_all();
+}
+
+// mu_ held.
+Status CoordinatorService::replication_allows_switch() const {
+  if (options_.replication_factor <= 1) return Status::Ok();
+  if (replicated_switch_round_ != 0) {
+    return FailedPrecondition(fmt::format(
+        "replication: not every worker has finished round {}, where the last switch moved ranges",
+        replicated_switch_round_));
+  }
+  if (!unsynced_.empty()) {
+    return FailedPrecondition(
+        fmt::format("replication: server {}'s keys do not all have a copy at its backup yet (since "
+                    "{})",
+                    unsynced_.begin()->first, unsynced_.begin()->second));
+  }
+  return Status::Ok();
+}
+
+// mu_ held. Every live worker promised no request at or below the switch
+// round (WorkerProgress): each pull of that round of a moved key was
+// answered, which its new owner does only once its backup holds the round.
+void CoordinatorService::close_replicated_switch() {
+  if (replicated_switch_round_ == 0) return;
+  const auto tensors = static_cast<uint32_t>(tensors_.size());
+  for (uint32_t w = 0; w < options_.num_workers; ++w) {
+    if (finished_workers_.count(w)) continue;
+    auto it = progress_.find(w);
+    if (it == progress_.end()) return;
+    for (TensorId t = 1; t <= tensors; ++t) {
+      if (protocol::round_of(it->second.low, it->second.tensors, t) <= replicated_switch_round_) {
+        return;
+      }
+    }
+  }
+  PSLD_LOG_DEBUG(
+      "coordinator: every worker finished round {}: epoch {}'s moved ranges have their "
+      "copies",
+      replicated_switch_round_, placement_->epoch());
+  replicated_switch_round_ = 0;
 }
 
 void CoordinatorService::handle_synced(const Member& m, const protocol::ReplicaSynced& synced) {

@@ -254,6 +254,7 @@ void CoordinatorService::handle_control(const ConnectionPtr& conn, protocol::Mes
     for (const auto& r : p->low)
       max_round_ = std::max(max_round_, r.round);
     progress_[m.rank] = std::move(*p);
+    close_replicated_switch();
     maybe_seal();
   } else if (std::holds_alternative<protocol::Shutdown>(message)) {
     m.said_goodbye = true;
@@ -458,7 +459,7 @@ uint64_t CoordinatorService::epoch() const {
 
 bool CoordinatorService::switching() const {
   MutexLock lock(mu_);
-  return switch_.has_value() || transfer_.has_value();
+  return switch_.has_value() || transfer_.has_value() || !replication_allows_switch().ok();
 }
 
 bool CoordinatorService::transferring() const {
@@ -569,8 +570,9 @@ void CoordinatorService::monitor() {
       if (job_over_) break;
     }
     if (!job_started_) publish_join_waiting(now);
+    close_replicated_switch();  // a worker that finished counts no more
     if (balancer_ && job_started_ && !job_over_ && !switch_ && !transfer_ &&
-        now - last_decision_ >= options_.balancer_interval) {
+        replication_allows_switch().ok() && now - last_decision_ >= options_.balancer_interval) {
       balance();
     }
     // Every half heartbeat interval at most, and only when it moved.

@@ -70,7 +70,8 @@ class CoordinatorService final : public ProcessRuntime {
   // A copy of the committed placement.
   Placement current_placement() const;
   // The last committed epoch, and whether a switch (or the transfer of the
-  // last one) is in flight: propose() waits for that to end.
+  // last one; replicated, the copies of what it moved) is in flight:
+  // propose() waits for that to end.
   uint64_t epoch() const;
   bool switching() const;
   bool transferring() const;
@@ -184,6 +185,12 @@ class CoordinatorService final : public ProcessRuntime {
   // cannot hold them all (lib/coordinator/failover.cc).
   void fail_over(const Member& m, const std::string& what) REQUIRES(mu_);
   void handle_synced(const Member& m, const protocol::ReplicaSynced& synced) REQUIRES(mu_);
+  // Replication: why no switch may start now (a switch's moved ranges or a
+  // failover's copies not made yet), or Ok.
+  Status replication_allows_switch() const REQUIRES(mu_);
+  // Replication: ends the newest switch's open window once every worker
+  // has finished its switch round.
+  void close_replicated_switch() REQUIRES(mu_);
   // One balancer decision over the load reported since the last (mu_ held).
   void balance() REQUIRES(mu_);
   Status start_switch(const PlacementDelta& delta) EXCLUDES(mu_);
@@ -269,10 +276,14 @@ class CoordinatorService final : public ProcessRuntime {
   std::set<uint32_t> ever_owned_ GUARDED_BY(mu_);
   uint64_t aborts_ GUARDED_BY(mu_) = 0;
   // Replication: servers some of whose keys have no copy at their backup
-  // yet, since the last failover changed it; failovers so far.
-  std::set<uint32_t> unsynced_ GUARDED_BY(mu_);
+  // yet, since a failover or a switch changed it, each with what changed it
+  // ("server 2 was lost"); failovers so far.
+  std::map<uint32_t, std::string> unsynced_ GUARDED_BY(mu_);
   uint64_t failovers_ GUARDED_BY(mu_) = 0;
-  uint32_t last_lost_ GUARDED_BY(mu_) = 0;  // the server of the last failover
+  // Replication: the switch round of the newest switch until every worker
+  // has finished it (0: none open). Until then a moved key's newest state
+  // may exist at its new owner only, so a server lost then fails the job.
+  uint64_t replicated_switch_round_ GUARDED_BY(mu_) = 0;
   uint64_t max_round_ GUARDED_BY(mu_) = 0;  // the highest round any member reported
   // Each worker's last WorkerProgress, and the last LowWatermark sent.
   std::map<uint32_t, protocol::WorkerProgress> progress_ GUARDED_BY(mu_);

@@ -256,7 +256,8 @@ void ServerService::on_epoch_change(const protocol::EpochChange& change) {
   using protocol::EpochStep;
   protocol::EpochVote vote{change.epoch, change.switch_round, false, 0};
   bool scan = false;
-  Dial dial;  // the servers this switch brings keys from
+  bool backup_changed = false;  // replicated: this switch gave this server another backup
+  Dial dial;                    // the servers this switch brings keys from
   std::vector<std::tuple<uint64_t, Key, Work>> wake;
   {
     MutexLock lock(epoch_mu_);
@@ -310,6 +311,9 @@ void ServerService::on_epoch_change(const protocol::EpochChange& change) {
         next = *n;
       }
       prepared_.reset();
+      if (change.step == EpochStep::kFailover) failed_over_.insert(change.lost_server);
+      backup_changed = change.step == EpochStep::kCommit && replicated() &&
+                       backup_of(epochs_->latest(), me) != backup_of(*next, me);
       bool losing = false;
       for_each_overlap(epochs_->latest(), *next, [&](uint64_t, uint64_t, ServerId a, ServerId b) {
         losing = losing || (a == me && b != me);
@@ -369,6 +373,7 @@ void ServerService::on_epoch_change(const protocol::EpochChange& change) {
   // Before the requests that waited for this epoch: the lost server's keys
   // are installed from their copies first.
   if (change.step == EpochStep::kFailover) on_failover(change);
+  if (backup_changed) on_backup_changed(change.epoch);
   if (scan) dispatch_all(TransferScan{change.switch_round});
   for (auto& [epoch, key, work] : wake)
     dispatch(key, std::move(work));

@@ -215,7 +215,11 @@ void ServerService::handle(Shard& shard, const Resync& w) {
   for (auto& [key, runs] : shard.keys) {
     if (runs.empty()) continue;
     KeyState& k = *runs.back();
-    if (owner_for(key, k.agg.version() + 1) != rank() || !k.failed.ok()) continue;
+    // A key gained in a switch and not installed yet is copied once it is
+    // (its first applied round, after this epoch).
+    if (k.awaiting_state || owner_for(key, k.agg.version() + 1) != rank() || !k.failed.ok()) {
+      continue;
+    }
     if (backup && k.replica.granted && k.replica.backup == *backup && !k.replica.writing &&
         k.durable && !k.taken_over) {
       continue;  // its backup did not change
@@ -317,6 +321,18 @@ void ServerService::on_failover(const protocol::EpochChange& change) {
     dispatch(key, std::move(t));
   }
   dispatch_all(Resync{change.epoch});
+}
+
+void ServerService::on_backup_changed(uint64_t epoch) {
+  {
+    MutexLock lock(replicas_mu_);
+    resync_epoch_ = epoch;
+    resync_shards_left_ = shards_.size();
+  }
+  unreachable_backup_ = -1;
+  PSLD_LOG_INFO("server {}: epoch {} gives it server {} as its backup; copying its keys there",
+                rank(), epoch, backup_now().value_or(rank()));
+  dispatch_all(Resync{epoch});
 }
 
 void ServerService::open_copy(const ConnectionPtr& conn, ServerId primary,

@@ -366,6 +366,11 @@ ServerService::Gained ServerService::gained(Key key, uint64_t round) const {
   return gained_locked(key, round);
 }
 
+bool ServerService::failed_over(ServerId id) const {
+  MutexLock lock(epoch_mu_);
+  return failed_over_.count(id) != 0;
+}
+
 ServerService::Gained ServerService::gained_locked(Key key, uint64_t round) const {
   // Walk back from the epoch that serves `round` while this server owns the
   // key: where that run of epochs starts, the key arrived from the owner

@@ -17,6 +17,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -308,6 +309,9 @@ class ServerService final : public ProcessRuntime {
   // to a backup: true if it was one.
   bool handle_replica_answer(const transport::ConnectionPtr& conn, protocol::Message& message);
   void on_failover(const protocol::EpochChange& change);
+  // A committed switch gave this server another backup (a server joined or
+  // left the ring): every key it owns is copied there, then ReplicaSynced.
+  void on_backup_changed(uint64_t epoch);
   void process_push(Shard& shard, PushWork& w);
   void process_pull(Shard& shard, PullWork& w);
   // The key's state, created on first use; `round` is the round of the
@@ -365,6 +369,7 @@ class ServerService final : public ProcessRuntime {
   // When this server gained `key` at a switch round (the state must come
   // from `from`): {switch_round, from}; nullopt when it held it from epoch 0.
   Gained gained(Key key, uint64_t round) const;
+  bool failed_over(ServerId id) const EXCLUDES(epoch_mu_);
   Gained gained_locked(Key key, uint64_t round) const REQUIRES(epoch_mu_);
   // owner_for and, where that is this server, gained, for every push and
   // pull: from the shard's cache (Shard::owners), filled under one lock of
@@ -461,6 +466,9 @@ class ServerService final : public ProcessRuntime {
   // This server gained keys at gate_round_ and had never owned any before:
   // their runs wait for EpochFinal, so that the coordinator can still give
   // them back if this server dies.
+  // Servers a failover epoch removed: a key gained from one of them comes
+  // from its copy here (TakeOver), never by a state request.
+  std::set<ServerId> failed_over_ GUARDED_BY(epoch_mu_);
   uint64_t gate_round_ GUARDED_BY(epoch_mu_) = 0;
   bool gate_final_ GUARDED_BY(epoch_mu_) = true;
   // This server owned keys in a placement that is final: it is never such a

@@ -208,7 +208,9 @@ ServerService::KeyState& ServerService::key_state(Shard& shard, Key key, DType d
   }
   if (g) {
     k.awaiting_final = hold_until_final(k.owned_from);
-    request_state(k, g->first, g->second);
+    // From a lost server by a failover (after a switch: before one, the run
+    // starts at round 0 and is no gain): the copy here brings the state.
+    if (!failed_over(g->second)) request_state(k, g->first, g->second);
   } else if (made.ok() && session_.welcome().resume_round > 0 && !from_replica) {
     if (Status st = restore_checkpoint(shard, k); !st.ok()) fail_key(shard, k, st);
   }
