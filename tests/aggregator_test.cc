@@ -328,6 +328,59 @@ TEST(Aggregator, AppliedBeforeCountsRoundsInBspAndPushesInAsync) {
   EXPECT_TRUE(async.applied_before(5, 3));
 }
 
+// Which pushes of each worker an async key holds, out of order and far
+// ahead, and the record a replication copy carries of it.
+TEST(Aggregator, AsyncRemembersWhichPushesItHoldsAndCopiesThatRecord) {
+  Memory mem(false);
+  std::vector<float> g(kN, 1.0f);
+  Aggregator agg(options_for(SyncMode::kAsync, Update::kSum), DType::kFloat32, kN * sizeof(float));
+  ASSERT_TRUE(agg.allocate(mem.lane()).ok());
+  auto push = [&](uint32_t w, uint64_t r) {
+    ASSERT_TRUE(agg.reduce(mem.lane(), w, r, g.data()).ok());
+    ASSERT_TRUE(agg.apply(mem.lane()).ok());
+  };
+  EXPECT_FALSE(agg.applied(0, 1));
+  push(0, 2);  // round 1 of worker 0 not in yet
+  push(0, 4);
+  EXPECT_FALSE(agg.applied(0, 1));
+  EXPECT_TRUE(agg.applied(0, 2));
+  EXPECT_FALSE(agg.applied(0, 3));
+  EXPECT_TRUE(agg.applied(0, 4));
+  EXPECT_FALSE(agg.applied(1, 2)) << "per worker";
+  push(0, 1);
+  push(0, 3);
+  for (uint64_t r = 1; r <= 4; ++r)
+    EXPECT_TRUE(agg.applied(0, r)) << r;
+  EXPECT_FALSE(agg.applied(0, 5));
+  // Round 70 of worker 1, with rounds 1..5 missing: the window (64 rounds)
+  // moves on, and what it leaves behind counts as in.
+  push(1, 70);
+  EXPECT_TRUE(agg.applied(1, 70));
+  EXPECT_TRUE(agg.applied(1, 6)) << "left behind by the window";
+  EXPECT_FALSE(agg.applied(1, 7));
+  EXPECT_FALSE(agg.applied(1, 69));
+  EXPECT_FALSE(agg.applied(1, 71));
+
+  // The record travels with a copy, and a backup that installs it takes
+  // the same pushes as in.
+  ASSERT_EQ(agg.seen_bytes(), kWorkers * 2 * sizeof(uint64_t));
+  std::vector<uint8_t> record(agg.seen_bytes());
+  agg.save_seen(record.data());
+  Aggregator backup(options_for(SyncMode::kAsync, Update::kSum), DType::kFloat32,
+                    kN * sizeof(float));
+  ASSERT_TRUE(backup.allocate(mem.lane()).ok());
+  backup.restore_seen(record.data());
+  for (uint32_t w = 0; w < kWorkers; ++w) {
+    for (uint64_t r = 1; r <= 80; ++r)
+      EXPECT_EQ(backup.applied(w, r), agg.applied(w, r)) << w << " " << r;
+  }
+  Aggregator bsp(options_for(SyncMode::kBsp, Update::kSum), DType::kFloat32, kN * sizeof(float));
+  EXPECT_EQ(bsp.seen_bytes(), 0u) << "a BSP round says it all";
+  std::vector<uint8_t> untouched(64, 0xA5);
+  bsp.save_seen(untouched.data());
+  EXPECT_EQ(untouched, std::vector<uint8_t>(64, 0xA5)) << "BSP copies carry no record";
+}
+
 TEST(Aggregator, InitialValueIsWrittenAsIs) {
   for (bool gpu : {false, true}) {
     Memory mem(gpu);

@@ -854,12 +854,13 @@ TEST(Config, EveryValidationRuleNamesItsKey) {
       {"trace round 0", [](Config& c) { c.trace.rounds = "0:3"; }, "trace.rounds", "1 <= A <= B"},
       {"trace rounds text", [](Config& c) { c.trace.rounds = "1-3"; }, "trace.rounds",
        "1 <= A <= B"},
-      {"replicated async",
+      {"replicated async with the balancer",
        [](Config& c) {
          c.replication.factor = 2;
          c.data.sync = SyncMode::kAsync;
+         c.balancer.enabled = true;
        },
-       "replication.factor", "needs data.sync = bsp"},
+       "replication.factor", "needs balancer.enabled = false"},
 
       {"dir newline", [](Config& c) { c.checkpoint.dir = "/a\nb"; }, "checkpoint.dir",
        "a newline or NUL"},
@@ -905,6 +906,11 @@ TEST(Config, EdgesOfTheRangesAreValid) {
         // Replicated ranges move with the balancer (docs/replication.md).
         c.replication.factor = 2;
         c.balancer.enabled = true;
+      },
+      [](Config& c) {
+        c.replication.factor = 2;
+        c.data.sync = SyncMode::kStaleness;
+        c.data.staleness_rounds = 2;
       },
   };
   for (size_t i = 0; i < valid.size(); ++i) {

@@ -35,6 +35,10 @@ struct Job {
   // followed by a pull instead of a push_pull.
   bool allocated = false;
   bool plain_pushes = false;
+  // Async and staleness (sum mode): no sum is checked per round; after the
+  // last, every worker pulls each tensor, which must hold the total of every
+  // push of every worker.
+  SyncMode sync = SyncMode::kBsp;
 };
 
 // What a job's worker 0 ends with, and what the job said.
@@ -100,6 +104,8 @@ Outcome run_job(const Job& job, const std::string& backend) {
         o.replication_factor = 2;
         o.num_standby = job.standby;
         o.mode = job.mode;
+        o.sync = job.sync;
+        o.staleness = 2;
         o.optimizer.kind = OptimizerKind::kAdam;
         o.optimizer.lr = 0.01f;
         o.stats_interval = 20ms;
@@ -150,7 +156,7 @@ Outcome run_job(const Job& job, const std::string& backend) {
         reqs.push_back(req);
       }
       PSLD_RETURN_IF_ERROR(wait_all(reqs, r));
-      if (job.mode == ServerMode::kSum) {
+      if (job.mode == ServerMode::kSum && job.sync == SyncMode::kBsp) {
         for (size_t t = 0; t < job.elems.size(); ++t) {
           for (size_t i = 0; i < job.elems[t]; ++i) {
             float want = 0;
@@ -167,6 +173,30 @@ Outcome run_job(const Job& job, const std::string& backend) {
         if (auto e = job.events.find(r); e != job.events.end()) {
           std::lock_guard<std::mutex> lock(killers_mu);
           killers.emplace_back([&c, fn = e->second] { fn(c); });
+        }
+      }
+    }
+    if (job.sync == SyncMode::kBsp) return Status::Ok();
+    // Every push of every worker is in once all passed the barrier (a push
+    // completes once its version is at the backup); the parameters hold
+    // their total, each exactly once.
+    PSLD_RETURN_IF_ERROR(w.barrier(20s).with_context("the barrier after the last push"));
+    std::vector<std::shared_ptr<RequestState>> pulls;
+    for (size_t t = 0; t < job.elems.size(); ++t) {
+      PSLD_ASSIGN_OR_RETURN(auto req, w.submit(handles[t], RequestKind::kPull));
+      pulls.push_back(req);
+    }
+    PSLD_RETURN_IF_ERROR(wait_all(pulls, job.rounds + 1));
+    for (size_t t = 0; t < job.elems.size(); ++t) {
+      for (size_t i = 0; i < job.elems[t]; ++i) {
+        float want = 0;
+        for (uint64_t r = 1; r <= job.rounds; ++r) {
+          for (uint32_t k = 0; k < job.workers; ++k)
+            want += pushed(k, r, t, i);
+        }
+        if (data[t][i] != want) {
+          return Internal(fmt::format("worker {} tensor {} element {}: total {} != {}", rank, t, i,
+                                      data[t][i], want));
         }
       }
     }
@@ -375,6 +405,34 @@ TEST(ReplicationSwitch, ALossDuringASwitchFailsTheJobSayingSo) {
   EXPECT_NE(msg.find("does not survive a loss during a switch"), std::string::npos) << msg;
   EXPECT_NE(msg.find("server 0"), std::string::npos) << msg;
 }
+
+class ReplicationAsync : public ::testing::TestWithParam<std::tuple<SyncMode, std::string>> {};
+
+// Async and bounded staleness: every push is applied on arrival and copied
+// to the backup, and its pull (or a plain push's completion) waits for that
+// copy. Server 1 is killed at worker 0's round 15, and server 2 (its ranges'
+// new owner) at round 35, once the copies were made again: the pushes the
+// workers send again are taken once (each copy says which rounds of every
+// worker it holds), so the parameters end holding the total of all pushes,
+// exactly.
+TEST_P(ReplicationAsync, EveryPushIsCountedOnceThroughTwoFailovers) {
+  Job job;
+  job.sync = std::get<0>(GetParam());
+  job.plain_pushes = true;
+  job.rounds = 50;
+  job.events = {{15, kill_once_copied(1)}, {35, kill_once_copied(2)}};
+  const Outcome out = run_job(job, std::get<1>(GetParam()));
+  ASSERT_NO_FATAL_FAILURE(expect_ran(out, /*switches=*/0, /*failovers=*/2));
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, ReplicationAsync,
+                         ::testing::Combine(::testing::Values(SyncMode::kAsync,
+                                                              SyncMode::kStaleness),
+                                            ::testing::Values("loopback", "ucx")),
+                         [](const auto& info) {
+                           return fmt::format("{}_{}", sync_mode_name(std::get<0>(info.param)),
+                                              std::get<1>(info.param));
+                         });
 
 TEST(ReplicationOptions, TwoCopiesNeedTwoServers) {
   Cluster c(1, 1, [](RuntimeOptions& o) { o.replication_factor = 2; });

@@ -269,8 +269,8 @@ struct CheckpointConfig {
 struct ReplicationConfig {
   // Copies of every key range: 1, only the owner (a lost server fails the
   // job); 2, the owner (primary) and one backup on another server, which
-  // takes the range over when the primary dies. Needs data.sync = bsp and
-  // the balancer off.
+  // takes the range over when the primary dies. In async and staleness
+  // modes the balancer must be off (replicated ranges move in BSP only).
   uint32_t factor = 1;
 
   bool operator==(const ReplicationConfig&) const = default;

@@ -232,11 +232,11 @@ Status validate(const Config& c) {
         shown("data.sync")));
   }
   if (c.replication.factor > 1) {
-    if (c.data.sync != SyncMode::kBsp) {
+    if (c.data.sync != SyncMode::kBsp && c.balancer.enabled) {
       errors.push_back(fmt::format(
-          "replication.factor: {} needs data.sync = bsp ({}): a backup holds a key's state as of a "
-          "whole round",
-          shown("replication.factor"), shown("data.sync")));
+          "replication.factor: {} with data.sync = {} needs balancer.enabled = false ({}): "
+          "replicated ranges move in BSP mode only (docs/replication.md)",
+          shown("replication.factor"), sync_mode_name(c.data.sync), shown("balancer.enabled")));
     }
   }
   return errors_status(errors);

@@ -418,8 +418,8 @@ const std::vector<Field>& fields() {
 
       integer(PSLD_KEY(replication.factor), 1, 2,
               "copies of every key range: 1, the owner only (a lost server fails the job); 2, a "
-              "backup on another server takes the range over when its owner dies (needs "
-              "data.sync = bsp)"),
+              "backup on another server takes the range over when its owner dies (async and "
+              "staleness: with the balancer off)"),
 
       string_field(PSLD_KEY(trace.dir), check_path, "a directory path (a string), or empty",
                    "where each process writes a Chrome trace (Perfetto) of trace.rounds: worker "

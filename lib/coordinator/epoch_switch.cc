@@ -35,6 +35,11 @@ Status CoordinatorService::start_switch(const PlacementDelta& delta) {
 // mu_ held. The one way an epoch switch starts (propose() and the balancer).
 Status CoordinatorService::start_switch_locked(const PlacementDelta& delta) {
   if (!job_started_ || job_over_) return FailedPrecondition("the job is not running");
+  if (options_.replication_factor > 1 && options_.sync != SyncMode::kBsp) {
+    return FailedPrecondition(
+        "replicated ranges move in BSP mode only; this job is async or bounded-staleness "
+        "(docs/replication.md)");
+  }
   if (switch_) return FailedPrecondition("an epoch switch is in flight");
   if (Status st = replication_allows_switch(); !st.ok()) return st;
   if (transfer_) {

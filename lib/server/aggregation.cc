@@ -21,7 +21,7 @@ void ServerService::serve_ready_pulls(Shard& shard, KeyState& k) {
   // copy of every pull still waiting. serve_pull does not touch k.waiting.
   size_t kept = 0;
   for (size_t i = 0; i < k.waiting.size(); ++i) {
-    if (pull_ready(k, k.waiting[i].req)) {
+    if (pull_ready(k, k.waiting[i])) {
       serve_pull(shard, k, k.waiting[i]);
     } else {
       if (kept != i) k.waiting[kept] = k.waiting[i];
@@ -125,7 +125,10 @@ void ServerService::process_push(Shard& shard, PushWork& w) {
   // A plain push completes at the worker once taken here (reduced or kept);
   // replicated, once its round is durable at the backup.
   if (!then_pull && !w.taken) {
-    if (replicated()) {
+    if (async_replicated()) {
+      // Accepted once the version it makes is at the backup: recorded when
+      // it is applied, below.
+    } else if (replicated()) {
       k.unaccepted.push_back({w.conn, meta.tag, round});
     } else {
       shard.accepted[w.conn].push_back(meta.tag);
@@ -156,9 +159,14 @@ void ServerService::process_push(Shard& shard, PushWork& w) {
       return;
     }
     replicate(shard, k);
+    if (async_replicated() && !then_pull) {
+      // Accepted once the backup holds the value (BSP: recorded above).
+      k.unaccepted.push_back({w.conn, meta.tag, k.agg.version()});
+      accept_durable(shard, k);
+    }
     if (then_pull) {
       follow.req.round = 0;
-      if (pull_ready(k, follow.req)) {
+      if (pull_ready(k, follow)) {
         serve_pull(shard, k, follow);
       } else {
         k.waiting.push_back(follow);  // until the backup has the value
@@ -206,14 +214,41 @@ void ServerService::process_push(Shard& shard, PushWork& w) {
   }
 
   // Async and bounded staleness: every push is applied on arrival, once no
-  // pull write is reading the parameter.
-  if (k.inflight > 0) {
+  // pull write is reading the parameter (replicated: and once a key a
+  // failover gave this server holds its copy).
+  if (k.inflight > 0 ||
+      (async_replicated() && k.agg.version() == 0 && !k.taken_over && awaiting_copy(k.key))) {
     k.deferred.push_back(w);
     return;
   }
+  if (async_replicated() && k.agg.applied(w.worker, meta.round)) {
+    // Sent again after a failover: the copy holds it already. Answered as
+    // done, with the state as it is now, once that is at the backup.
+    free_slot(shard, w.conn, meta.slot);
+    answer_applied_push(shard, k, w, follow);
+    return;
+  }
   if (!reduce_push(shard, k, w)) return;
+  // The pull, or the acceptance of a plain push, waits for the version this
+  // push makes to reach the backup (replicated; at once otherwise).
+  follow.min_version = k.agg.version() + 1;
   if (then_pull) k.waiting.push_back(follow);
+  if (async_replicated() && !then_pull) {
+    k.unaccepted.push_back({w.conn, meta.tag, k.agg.version() + 1});
+  }
   apply_round(shard, k);
+}
+
+void ServerService::answer_applied_push(Shard& shard, KeyState& k, const PushWork& w,
+                                        PullWork follow) {
+  follow.min_version = k.agg.version();
+  if ((w.meta.flags & protocol::kPushThenPull) != 0) {
+    k.waiting.push_back(follow);
+    serve_ready_pulls(shard, k);
+  } else {
+    k.unaccepted.push_back({w.conn, w.meta.tag, k.agg.version()});
+    accept_durable(shard, k);
+  }
 }
 
 void ServerService::try_apply(Shard& shard, KeyState& k) {
@@ -261,8 +296,9 @@ void ServerService::apply_round(Shard& shard, KeyState& k) {
   if (options_.sync == SyncMode::kBsp) release_parked(shard, k);
 }
 
-bool ServerService::pull_ready(const KeyState& k, const protocol::PullRequest& req) const {
-  return k.durable && k.agg.pull_ready(req.round);
+bool ServerService::pull_ready(const KeyState& k, const PullWork& w) const {
+  if (async_replicated()) return k.acked > w.min_version && k.agg.pull_ready(w.req.round);
+  return k.durable && k.agg.pull_ready(w.req.round);
 }
 
 void ServerService::process_pull(Shard& shard, PullWork& w) {
@@ -286,7 +322,9 @@ void ServerService::process_pull(Shard& shard, PullWork& w) {
     send_error(w.conn, w.req.tag, k.failed);
     return;
   }
-  if (!k.awaiting_state && !k.awaiting_final && pull_ready(k, w.req)) {
+  // Replicated async: what it reads must be at the backup first.
+  if (async_replicated()) w.min_version = k.agg.version();
+  if (!k.awaiting_state && !k.awaiting_final && pull_ready(k, w)) {
     serve_pull(shard, k, w);
   } else {
     k.waiting.push_back(w);

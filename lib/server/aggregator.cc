@@ -39,7 +39,8 @@ Aggregator::Aggregator(const AggregatorOptions& options, DType dtype, uint64_t b
       elements_(bytes / protocol::dtype_bytes(dtype)),
       pushed_(options.num_workers, false),
       last_round_(options.num_workers, 0),
-      applied_(options.num_workers, 0) {}
+      applied_(options.num_workers, 0),
+      seen_(options.num_workers) {}
 
 Status Aggregator::allocate(const ComputeLane& lane) {
   PSLD_ASSIGN_OR_RETURN(param_, lane.make_array<float>(elements_));
@@ -122,7 +123,60 @@ Status Aggregator::reduce(ComputeLane& lane, uint32_t worker, uint64_t round, co
   PSLD_RETURN_IF_ERROR(accumulate(lane, src));
   last_round_[worker] = std::max(last_round_[worker], round);
   ++applied_[worker];
+  mark_seen(worker, round);
   return Status::Ok();
+}
+
+void Aggregator::mark_seen(uint32_t worker, uint64_t round) {
+  Seen& s = seen_[worker];
+  if (round <= s.low) return;
+  uint64_t gap = round - s.low - 1;  // the bit of `round`
+  if (gap >= 64) {
+    // Further ahead than the window: it moves on (see applied()).
+    const uint64_t shift = gap - 63;
+    s.ahead = shift >= 64 ? 0 : s.ahead >> shift;
+    s.low += shift;
+    gap = 63;
+  }
+  s.ahead |= uint64_t{1} << gap;
+  // Every round just above low is in: low moves up past them.
+  while (s.ahead & 1) {
+    s.ahead >>= 1;
+    ++s.low;
+  }
+}
+
+bool Aggregator::applied(uint32_t worker, uint64_t round) const {
+  if (worker >= seen_.size()) return false;
+  const Seen& s = seen_[worker];
+  if (round <= s.low) return true;
+  const uint64_t gap = round - s.low - 1;
+  return gap < 64 && ((s.ahead >> gap) & 1) != 0;
+}
+
+void Aggregator::save_seen(uint8_t* out) const {
+  if (seen_bytes() == 0) return;  // BSP
+  for (const Seen& s : seen_) {
+    const uint64_t words[2] = {s.low, s.ahead};
+    std::memcpy(out, words, sizeof(words));
+    out += sizeof(words);
+  }
+}
+
+void Aggregator::restore_seen(const uint8_t* in) {
+  if (seen_bytes() == 0) return;  // BSP
+  for (size_t w = 0; w < seen_.size(); ++w) {
+    uint64_t words[2];
+    std::memcpy(words, in, sizeof(words));
+    in += sizeof(words);
+    seen_[w] = Seen{words[0], words[1]};
+    // The newest round in: what bounded staleness waits on.
+    uint64_t newest = words[0];
+    for (uint64_t b = 0; b < 64; ++b) {
+      if ((words[1] >> b) & 1) newest = words[0] + 1 + b;
+    }
+    last_round_[w] = newest;
+  }
 }
 
 Status Aggregator::set_initial(ComputeLane& lane, const void* src) {
@@ -278,6 +332,7 @@ Status Aggregator::restore(ComputeLane& lane, const float* in, uint64_t version,
   // applied, which Adam's bias correction counts.
   version_ = version;
   std::fill(last_round_.begin(), last_round_.end(), last_round);
+  std::fill(seen_.begin(), seen_.end(), Seen{last_round, 0});
   return st;
 }
 

@@ -150,6 +150,23 @@ class Aggregator {
 
   // Whether a pull of `round` may be answered now.
   bool pull_ready(uint64_t round) const;
+
+  // Async and staleness: whether `worker`'s push of `round` is in the
+  // parameter already (a push sent again after a failover is taken once).
+  // Exact for the 64 rounds after the newest round below which every one of
+  // the worker's pushes is in; those further ahead move that window on,
+  // counting the rounds it leaves behind as in (a worker's pushes in flight
+  // are far fewer: its credits).
+  bool applied(uint32_t worker, uint64_t round) const;
+  // Replication copies in async and staleness modes carry those windows:
+  // seen_bytes() bytes (0 in BSP, where the round says it all), written by
+  // save_seen() and read back by restore_seen() with the copied state (both
+  // touch nothing in BSP).
+  size_t seen_bytes() const {
+    return options_.sync == SyncMode::kBsp ? 0 : seen_.size() * 2 * sizeof(uint64_t);
+  }
+  void save_seen(uint8_t* out) const;
+  void restore_seen(const uint8_t* in);
   // Whether every round of this run (from `run_start`, its first round)
   // before `switch_round` is applied: its state can then be shipped.
   bool applied_before(uint64_t switch_round, uint64_t run_start) const;
@@ -220,6 +237,14 @@ class Aggregator {
   std::vector<bool> pushed_;          // BSP: per worker, for round version_ + 1
   std::vector<uint64_t> last_round_;  // per worker: newest round pushed (staleness)
   std::vector<uint64_t> applied_;     // per worker: async pushes applied in this run
+  // Async and staleness, per worker: every round <= low is in, and round
+  // low + 1 + i is where bit i of `ahead` is set (applied()).
+  struct Seen {
+    uint64_t low = 0;
+    uint64_t ahead = 0;
+  };
+  std::vector<Seen> seen_;
+  void mark_seen(uint32_t worker, uint64_t round);
 };
 
 }  // namespace psld

@@ -91,6 +91,9 @@ struct ServerService::KeyState {
   };
   Replica replica;
   bool durable = true;
+  // Async and staleness: 1 + the newest version the backup acknowledged (0:
+  // none yet); a pull is answered once its min_version is below it.
+  uint64_t acked = 0;
   // Plain pushes taken, accepted once their round is durable.
   struct Unaccepted {
     uint64_t conn = 0;

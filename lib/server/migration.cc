@@ -319,6 +319,18 @@ void ServerService::on_epoch_change(const protocol::EpochChange& change) {
         losing = losing || (a == me && b != me);
       });
       epochs_->push(next, change.switch_round);
+      if (change.step == EpochStep::kFailover && async_replicated()) {
+        // In the same step as the epoch: no async push of a key taken over
+        // from its copy here may be applied to a fresh state before the copy
+        // is installed (on_failover dispatches the TakeOvers).
+        MutexLock copies(replicas_mu_);
+        for (const auto& [id, c] : copies_) {
+          if (c->primary == change.lost_server && c->committed >= 0 &&
+              next->owner_of_key(c->key) == me) {
+            awaiting_copy_.insert(c->key);
+          }
+        }
+      }
       latest_placements_.fetch_add(1, std::memory_order_release);  // shards' arc caches
       ownership_gen_.fetch_add(1, std::memory_order_release);      // and owner caches
       if (trace_ && trace_->wants(change.switch_round)) {

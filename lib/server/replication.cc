@@ -84,8 +84,9 @@ void ServerService::push_replica(Shard& shard, KeyState& k) {
     return;
   }
   const size_t arrays = k.agg.state_arrays();
+  const uint64_t length = copy_bytes(k.agg.size(), arrays) + k.agg.seen_bytes();
   if (!r.staging) {
-    auto staging = transport().allocate_memory(copy_bytes(k.agg.size(), arrays), MemoryKind::kHost);
+    auto staging = transport().allocate_memory(length, MemoryKind::kHost);
     if (!staging.ok()) {
       fail_key(shard, k, staging.status().with_context("allocating the copy for the backup"));
       return;
@@ -101,8 +102,9 @@ void ServerService::push_replica(Shard& shard, KeyState& k) {
     fail_key(shard, k, copied.with_context("copying the state for the backup"));
     return;
   }
+  // Async and staleness: which pushes of each worker the state holds.
+  k.agg.save_seen(out + copy_bytes(k.agg.size(), arrays));
   const uint32_t slot = r.slot;
-  const uint64_t length = copy_bytes(k.agg.size(), arrays);
   r.writing = true;
   r.dirty = false;
   r.version = version;
@@ -126,6 +128,7 @@ void ServerService::push_replica(Shard& shard, KeyState& k) {
 
 void ServerService::now_durable(Shard& shard, KeyState& k) {
   k.durable = true;
+  k.acked = std::max(k.acked, k.agg.version() + 1);
   accept_durable(shard, k);
   serve_ready_pulls(shard, k);
   if (k.apply_pending && k.inflight == 0) {
@@ -135,10 +138,15 @@ void ServerService::now_durable(Shard& shard, KeyState& k) {
 }
 
 void ServerService::accept_durable(Shard& shard, KeyState& k) {
-  if (k.unaccepted.empty() || !k.durable) return;
+  // BSP: the rounds up to the key's, once it is durable. Async: the
+  // versions the backup acknowledged (an entry's round is the version its
+  // push made).
+  const bool async = async_replicated();
+  if (k.unaccepted.empty() || (!async && !k.durable)) return;
+  const uint64_t through = async ? k.acked : k.agg.version() + 1;
   std::vector<KeyState::Unaccepted> still;
   for (const auto& u : k.unaccepted) {
-    if (u.round <= k.agg.version()) {
+    if (u.round < through) {
       shard.accepted[u.conn].push_back(u.tag);
     } else {
       still.push_back(u);
@@ -165,6 +173,13 @@ void ServerService::handle(Shard& shard, const ReplicaAcked& w) {
   KeyState::Replica& r = k->replica;
   if (!r.writing || (w.tag & ~1u) != r.tag || w.version != r.version) return;  // stale
   r.writing = false;
+  if (async_replicated()) {
+    // The backup holds this version: what waited for it goes, also while
+    // the next copy is taken (async pushes keep coming).
+    k->acked = std::max(k->acked, w.version + 1);
+    accept_durable(shard, *k);
+    serve_ready_pulls(shard, *k);
+  }
   if (r.dirty) {
     push_replica(shard, *k);
     return;
@@ -248,15 +263,37 @@ void ServerService::handle(Shard& shard, const Resync& w) {
   }
 }
 
+bool ServerService::awaiting_copy(Key key) {
+  MutexLock lock(replicas_mu_);
+  return awaiting_copy_.count(key) != 0;
+}
+
 void ServerService::handle(Shard& shard, const TakeOver& w) {
   const ReplicaCopy& c = *w.copy;
+  {
+    MutexLock lock(replicas_mu_);
+    awaiting_copy_.erase(c.key);
+  }
   KeyState& k = key_state(shard, c.key, c.dtype, c.bytes, w.version + 1, /*from_replica=*/true);
-  if (k.taken_over || k.agg.version() > 0) return;
+  if (k.taken_over || k.agg.version() > 0) {
+    if (async_replicated()) resume(shard, k);  // the pushes that waited for it
+    return;
+  }
   const uint8_t* slot = c.region->data() + static_cast<uint64_t>(w.slot) * c.slot_bytes;
   Status st = k.failed;
   if (st.ok()) {
     st = k.agg.restore(shard.lane, reinterpret_cast<const float*>(slot + kStateHeader), w.version,
                        w.version);
+  }
+  if (st.ok() && async_replicated()) {
+    // Which pushes of each worker it holds: those sent again are taken once.
+    const uint64_t seen_at = copy_bytes(k.agg.size(), k.agg.state_arrays());
+    if (seen_at + k.agg.seen_bytes() > c.slot_bytes) {
+      st = Internal(
+          fmt::format("a copy of {} bytes holds no record of the pushes in it", c.slot_bytes));
+    } else {
+      k.agg.restore_seen(slot + seen_at);
+    }
   }
   if (!st.ok()) {
     fail_key(shard, k,
@@ -286,6 +323,7 @@ void ServerService::handle(Shard& shard, const TakeOver& w) {
   for (auto& p : again)
     process_push(shard, p);
   release_parked(shard, k);
+  if (async_replicated()) resume(shard, k);  // the pushes that waited for the copy
 }
 
 void ServerService::on_failover(const protocol::EpochChange& change) {
@@ -350,7 +388,12 @@ void ServerService::open_copy(const ConnectionPtr& conn, ServerId primary,
   c->primary = primary;
   c->dtype = open.dtype;
   c->bytes = open.bytes;
-  c->slot_bytes = copy_bytes(open.bytes / dbytes, open.arrays);
+  // Async and staleness copies end with which pushes of each worker they
+  // hold (Aggregator::seen_bytes(): two words per worker).
+  c->slot_bytes = copy_bytes(open.bytes / dbytes, open.arrays) +
+                  (options_.sync == SyncMode::kBsp
+                       ? 0
+                       : uint64_t{session_.welcome().num_workers} * 2 * sizeof(uint64_t));
   auto region = transport().allocate_memory(2 * c->slot_bytes, MemoryKind::kHost);
   if (!region.ok()) {
     send_error(conn->id(), 0, region.status().with_context("allocating a copy's slots"));

@@ -117,6 +117,9 @@ class ServerService final : public ProcessRuntime {
     protocol::PullRequest req;
     transport::Clock::time_point arrived{};
     bool requeued = false;
+    // Replicated async and staleness: the version of the key the backup must
+    // hold before the pull is answered (its push's, or the key's on arrival).
+    uint64_t min_version = 0;
   };
   struct PullDone {
     Key key = 0;
@@ -288,6 +291,12 @@ class ServerService final : public ProcessRuntime {
   // round): it is not durable until its backup acknowledged a copy, and
   // until then no pull of it is answered and no plain push of it accepted.
   bool replicated() const { return options_.replication_factor > 1; }
+  // Replicated in async or staleness mode: a pull waits for the version of
+  // its push at the backup, and a push sent again is taken once.
+  bool async_replicated() const { return replicated() && options_.sync != SyncMode::kBsp; }
+  // A key a failover gives this server whose copy (here) is not installed
+  // yet: async pushes wait for it.
+  bool awaiting_copy(Key key) EXCLUDES(replicas_mu_);
   void replicate(Shard& shard, KeyState& k);
   // Sends the key's state to its backup: opens its slots first, or marks
   // the copy to follow the one in flight.
@@ -337,7 +346,10 @@ class ServerService final : public ProcessRuntime {
   void pace_compute(uint64_t bytes);
   void try_apply(Shard& shard, KeyState& k);
   void apply_round(Shard& shard, KeyState& k);
-  bool pull_ready(const KeyState& k, const protocol::PullRequest& req) const;
+  // Replicated async: a push sent again whose round the key holds already is
+  // answered as done (its pull, or its acceptance, once at the backup).
+  void answer_applied_push(Shard& shard, KeyState& k, const PushWork& w, PullWork follow);
+  bool pull_ready(const KeyState& k, const PullWork& w) const;
   void serve_pull(Shard& shard, KeyState& k, const PullWork& w);
   void free_slot(Shard& shard, uint64_t conn, uint32_t slot);
   // A small pull's answer copied into the shard's batch for its worker;
@@ -534,6 +546,9 @@ class ServerService final : public ProcessRuntime {
   Mutex replicas_mu_;
   std::map<std::pair<uint64_t, uint32_t>, std::shared_ptr<ReplicaCopy>> copies_
       GUARDED_BY(replicas_mu_);
+  // Async and staleness: the keys of a lost primary this server takes over
+  // from their copies and has not installed yet (awaiting_copy).
+  std::set<Key> awaiting_copy_ GUARDED_BY(replicas_mu_);
   std::map<std::pair<uint64_t, uint32_t>, std::pair<Key, uint64_t>> replica_opens_
       GUARDED_BY(replicas_mu_);
   uint32_t next_replica_tag_ GUARDED_BY(replicas_mu_) = 2;
