@@ -4,7 +4,7 @@
 //
 //   launch_worker [--rounds N] [--fail-rank R] [--fail-code C] [--die-rank R]
 //                 [--print-every K] [--spam BYTES] [--spam-raw BYTES] [--big BYTES]
-//                 [--stop-file PATH] [--no-check] [--dump PATH]
+//                 [--stop-file PATH] [--no-check] [--total] [--dump PATH]
 //
 // --print-every K prints "worker R: round N" every K rounds; --spam prints
 // BYTES of text lines per round, --spam-raw BYTES with no newline at all
@@ -19,7 +19,10 @@
 // --no-check skips the exact-sum check (server.mode = optimizer: the
 // parameters are no sums); --dump PATH: worker 0 writes its tensors' final
 // contents to PATH, raw fp32 one after another (a test compares two runs
-// bit for bit).
+// bit for bit). --total: for async and bounded-staleness jobs (sum mode),
+// no round is checked; after the last, every worker waits for the others
+// (a barrier), pulls each tensor and checks that it holds the total of every
+// push of every worker ("worker R: N rounds, total exact").
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -35,9 +38,14 @@ int main(int argc, char** argv) {
   size_t spam = 0, spam_raw = 0, big = 0;
   const char* stop_file = nullptr;
   const char* dump = nullptr;
-  bool check = true;
+  bool check = true, total = false;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
+    if (flag == "--total") {
+      total = true;
+      check = false;
+      continue;
+    }
     if (flag == "--no-check") {
       check = false;
       continue;
@@ -152,6 +160,38 @@ int main(int argc, char** argv) {
       }
     }
   }
+  if (total) {
+    psld::Status s = w.barrier(std::chrono::minutes(2));
+    std::vector<psld::Request> pulls;
+    for (size_t t = 0; s.ok() && t < sizes.size(); ++t) {
+      auto req = w.pull(handles[t]);
+      if (!req.ok()) {
+        s = req.status();
+        break;
+      }
+      pulls.push_back(*req);
+    }
+    for (auto& q : pulls) {
+      if (s.ok()) s = q.wait(std::chrono::seconds(60));
+    }
+    if (!s.ok()) {
+      std::fprintf(stderr, "the pull of the totals: %s\n", s.to_string().c_str());
+      return 1;
+    }
+    // Every worker pushed rank + r + i % 5 in rounds 1..rounds.
+    const double base = static_cast<double>(rounds) * (n * (n - 1) / 2) +
+                        static_cast<double>(n) * rounds * (rounds + 1) / 2;
+    for (size_t t = 0; t < sizes.size(); ++t) {
+      for (size_t i = 0; i < sizes[t]; ++i) {
+        const double want = base + static_cast<double>(n) * rounds * static_cast<double>(i % 5);
+        if (static_cast<double>(data[t][i]) != want) {
+          std::fprintf(stderr, "tensor %zu element %zu: total %.1f != %.1f\n", t, i,
+                       static_cast<double>(data[t][i]), want);
+          return 1;
+        }
+      }
+    }
+  }
   if (dump != nullptr && rank == 0) {
     std::FILE* f = std::fopen(dump, "wb");
     bool ok = f != nullptr;
@@ -165,7 +205,7 @@ int main(int argc, char** argv) {
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-  std::printf("worker %d: %d rounds %s (%.3f s)\n", rank, rounds, check ? "exact" : "done",
-              seconds);
+  std::printf("worker %d: %d rounds %s (%.3f s)\n", rank, rounds,
+              check ? "exact" : (total ? "total exact" : "done"), seconds);
   return w.shutdown().ok() ? 0 : 1;
 }
