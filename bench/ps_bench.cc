@@ -6,7 +6,7 @@
 //            [--chunk-bytes B] [--slots N] [--raw-threads N]
 //            [--tensor-memory psld|heap] [--server-device cpu|cuda] [--quick]
 //            [--replication 1,2] [--batch-chunk-bytes B] [--profile NAME]
-//            [--json FILE]
+//            [--sync bsp|async] [--json FILE]
 //
 // One process holds a coordinator, S servers and W workers on the `ucx`
 // transport (tcp: UCX_TLS=tcp; shm: UCX_TLS=sm,tcp), server mode sum, BSP,
@@ -49,6 +49,9 @@
 // --replication 1,2 runs a job per replication.factor side by side (each
 // point measured on both, interleaved; docs/replication.md) and ends with a
 // table of their goodputs; rows of factor 2 are BM_ps_<mode>_r2/....
+// --sync async runs the jobs in async mode instead of BSP (each worker's
+// rounds at its own pace; with --replication, the cost of copies counted
+// per push: docs/replication.md).
 // Every wait has a timeout and a watchdog ends the process with a message
 // if a phase overruns, so the benchmark never hangs.
 // Under valgrind --tool=callgrind each timed span's instructions are dumped
@@ -149,6 +152,7 @@ struct Options {
   bool psld_memory = true;   // tensors in Worker::allocate memory, else malloc'd
   ServerDeviceKind server_device = ServerDeviceKind::kCpu;
   std::vector<uint32_t> replication = {1};  // replication.factor of the jobs, side by side
+  SyncMode sync = SyncMode::kBsp;           // data.sync of the jobs
   // --profile: a model's tensors (bench/profiles) as one more point, pushed
   // together each round; its name labels the rows.
   std::string profile;
@@ -162,7 +166,7 @@ constexpr std::string_view kUsage =
     "                [--chunk-bytes B] [--slots N] [--raw-threads N]\n"
     "                [--tensor-memory psld|heap] [--server-device cpu|cuda] [--quick]\n"
     "                [--replication 1,2] [--batch-chunk-bytes B] [--profile NAME]\n"
-    "                [--json FILE]\n"
+    "                [--sync bsp|async] [--json FILE]\n"
     "\n"
     "  --tls         tcp (UCX_TLS=tcp), shm (UCX_TLS=sm,tcp) or all (default: all)\n"
     "  --workers, --servers  one job shape, given together (default: 2x2 and 4x2)\n"
@@ -189,6 +193,7 @@ constexpr std::string_view kUsage =
     "                (flags given explicitly still win)\n"
     "  --replication replication.factor of the job: 1, 2, or 1,2 (a job of each, measured\n"
     "                side by side; default: 1)\n"
+    "  --sync        data.sync of the jobs: bsp (default) or async\n"
     "  --json        also write the rows to FILE as Google Benchmark-shaped JSON\n";
 
 Status bad_flag(const std::string& message) {
@@ -284,7 +289,7 @@ Result<Options> parse_args(int argc, char** argv) {
           "--repeat",      "--chunk-bytes",   "--slots",
           "--raw-threads", "--tensor-memory", "--server-device",
           "--json",        "--replication",   "--batch-chunk-bytes",
-          "--profile"};
+          "--profile",     "--sync"};
       const bool known = std::any_of(std::begin(kTakesValue), std::end(kTakesValue),
                                      [&](const char* f) { return arg == f; });
       if (!known) return bad_flag(fmt::format("unknown argument '{}'", arg));
@@ -315,6 +320,11 @@ Result<Options> parse_args(int argc, char** argv) {
       o.server_device = value == "cuda" ? ServerDeviceKind::kCuda : ServerDeviceKind::kCpu;
     } else if (arg == "--replication") {
       replication = value;
+    } else if (arg == "--sync") {
+      if (value != "bsp" && value != "async") {
+        return bad_flag(fmt::format("--sync '{}' is not bsp or async", value));
+      }
+      o.sync = value == "async" ? SyncMode::kAsync : SyncMode::kBsp;
     } else if (arg == "--json") {
       if (value.empty()) return bad_flag("--json needs a file name");
       o.json = value;
@@ -730,7 +740,7 @@ class Cluster {
     base.chunk_bytes = opts.chunk_bytes;
     base.slots_per_worker = opts.slots;
     base.batch_chunk_bytes = opts.batch_chunk_bytes;
-    base.sync = SyncMode::kBsp;
+    base.sync = opts.sync;
     base.mode = ServerMode::kSum;
     base.server_device = opts.server_device;
     base.replication_factor = replication;
