@@ -167,6 +167,20 @@ TEST(PlacementBackup, IsTheNextMemberByIdWrappingAround) {
   EXPECT_EQ(backup_of(one, 5), std::nullopt);
 }
 
+// A draining member backs nobody up: the next one that is not takes its
+// place, unless every other member drains.
+TEST(PlacementBackup, SkipsDrainingMembers) {
+  ASSERT_OK_AND_ASSIGN(Placement p, Placement::initial({{3, 1.0}, {1, 1.0}, {7, 1.0}}, 10));
+  ASSERT_OK_AND_ASSIGN(PlacementChange drain, p.drain_server(3));
+  const Placement& d = drain.next;
+  EXPECT_EQ(backup_of(d, 1), std::optional<ServerId>(7)) << "3 drains";
+  EXPECT_EQ(backup_of(d, 3), std::optional<ServerId>(7)) << "a draining primary has one";
+  EXPECT_EQ(backup_of(d, 7), std::optional<ServerId>(1));
+  ASSERT_OK_AND_ASSIGN(PlacementChange both, d.drain_server(7));
+  EXPECT_EQ(backup_of(both.next, 1), std::optional<ServerId>(3)) << "every other member drains";
+  EXPECT_EQ(backup_of(both.next, 7), std::optional<ServerId>(1));
+}
+
 TEST(PlacementServerIndex, FindsServersInTheTableAndAboveIt) {
   // Five members: ids below 20 are looked up in the table, 1000 and
   // 4,000,000,000 by the search above it.

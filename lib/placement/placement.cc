@@ -566,9 +566,17 @@ const ServerInfo* Placement::find_server(ServerId id) const {
 std::optional<ServerId> backup_of(const Placement& p, ServerId primary) {
   const auto& members = p.servers();
   if (members.size() < 2 || p.find_server(primary) == nullptr) return std::nullopt;
-  auto next = std::upper_bound(members.begin(), members.end(), primary,
-                               [](ServerId v, const ServerInfo& s) { return v < s.id; });
-  return next == members.end() ? members.front().id : next->id;
+  const auto next = std::upper_bound(members.begin(), members.end(), primary,
+                                     [](ServerId v, const ServerInfo& s) { return v < s.id; });
+  const size_t from = static_cast<size_t>(next - members.begin());
+  std::optional<ServerId> first;  // the next member, draining or not
+  for (size_t k = 0; k < members.size(); ++k) {
+    const ServerInfo& s = members[(from + k) % members.size()];
+    if (s.id == primary) continue;
+    if (!first) first = s.id;
+    if (s.state != ServerState::kDraining) return s.id;
+  }
+  return first;
 }
 
 std::vector<Arc> Placement::arcs_of(ServerId id) const {

@@ -305,7 +305,10 @@ struct PlacementChange {
 
 // Replication (docs/replication.md): the server that keeps the copy of
 // `primary`'s ranges in `p`, the member after it in id order (the first
-// after the last); nullopt when `primary` is the only member or none.
+// after the last) that is not draining: a server the balancer drains (a
+// straggler, or one going away) holds no copies, which would slow the
+// rounds of the server it backs up. When every other member is draining,
+// the next member. nullopt when `primary` is the only member or none.
 std::optional<ServerId> backup_of(const Placement& p, ServerId primary);
 
 }  // namespace psld
