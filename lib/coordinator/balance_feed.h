@@ -19,6 +19,11 @@
 
 namespace psld {
 
+// How many rounds past the furthest round seen the coordinator prepares an
+// epoch switch for (doubled after a server votes no): the round a decision
+// takes effect at, in the coordinator and in psld sim alike.
+inline constexpr uint32_t kSwitchMarginRounds = 2;
+
 // The job when a decision is due.
 struct DecisionPoint {
   double now_s = 0;        // seconds on any clock that only moves forward

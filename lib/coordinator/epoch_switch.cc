@@ -58,7 +58,7 @@ Status CoordinatorService::start_switch_locked(const PlacementDelta& delta) {
   // 170 ms rounds, two more rounds at a straggler's pace before every step.
   // The state of moved keys ships only after the round before the switch,
   // whatever the margin.)
-  Switch sw{delta, delta.serialize(), std::move(next).value(), 0, 2, {}};
+  Switch sw{delta, delta.serialize(), std::move(next).value(), 0, kSwitchMarginRounds, {}};
   if (sw.delta_bytes.size() > protocol::kMaxDeltaBytes) {
     return InvalidArgument(fmt::format("a delta of {} bytes does not fit one message ({})",
                                        sw.delta_bytes.size(), protocol::kMaxDeltaBytes));

@@ -31,6 +31,7 @@
 #include "bench/stragglers.h"
 #include "bench/stragglers_report.h"
 #include "lib/balancer/balancer.h"
+#include "lib/coordinator/balance_feed.h"
 #include "lib/placement/placement.h"
 #include "psld/status.h"
 
@@ -82,7 +83,8 @@ struct SimOptions {
   bool worker_reports = true;
   uint32_t worker_peers = 0;  // stats.worker_peers: 0 auto, 65536 every server
   double balancer_interval_s = 0.25;
-  uint32_t switch_margin = 2;  // rounds from a decision to its switch (the coordinator's)
+  // Rounds from a decision to its switch: the coordinator's.
+  uint32_t switch_margin = kSwitchMarginRounds;
   // Bytes a migration ships per parameter byte moved (1: sum mode's
   // parameters alone; 2 with a momentum buffer).
   double migration_bytes_per_byte = 1;
