@@ -102,12 +102,18 @@ Result<Comparison> rerun_flagged(const Report& base, const Report& fresh, const 
   plan.suites.assign(suites.begin(), suites.end());
   plan.quick = context_string(fresh, "size") != "full";
   plan.repetitions = repetitions > 0 ? repetitions : static_cast<int>(std::max<size_t>(9, most));
-  // BASE's programs are only where its report says when that is not NEW's
-  // directory rebuilt since (a committed baseline names a path that may hold
-  // NEW's build here): the same directory counts only with the same revision.
-  const bool ab = !base_dir.empty() && fs::is_directory(base_dir) &&
-                  (fs::path(base_dir).lexically_normal() != fs::path(new_dir).lexically_normal() ||
-                   context_string(base, "git_sha") == context_string(fresh, "git_sha"));
+  // BASE's programs are where its report says only when that directory still
+  // holds a build of BASE's revision: a committed baseline names a path that
+  // may hold NEW's build here, or another checkout's of any revision.
+  const std::string base_sha = context_string(base, "git_sha");
+  const bool ab = !base_dir.empty() && fs::is_directory(base_dir) && !base_sha.empty() &&
+                  base_sha != "unknown" && revision_at(base_dir) == base_sha;
+  if (!base_dir.empty() && fs::is_directory(base_dir) && !ab) {
+    std::fprintf(stderr,
+                 "psld bench compare: --rerun: %s holds a build of revision '%s', not BASE's "
+                 "'%s'\n",
+                 base_dir.c_str(), revision_at(base_dir).c_str(), base_sha.c_str());
+  }
   plan.bench_dirs =
       ab ? std::vector<std::string>{base_dir, new_dir} : std::vector<std::string>{new_dir};
   // Each side's kernels on the ISA its report ran (PSLD_KERNEL_ISA then).
@@ -133,6 +139,22 @@ Result<Comparison> rerun_flagged(const Report& base, const Report& fresh, const 
 }
 
 }  // namespace
+
+// The revision the programs in a build's bench directory were built from:
+// what vcs_tag wrote into its build_info.cc (bench/meson.build) at the last
+// build, or "" where there is none (not a build directory of psld).
+std::string revision_at(const std::filesystem::path& bench_dir) {
+  std::ifstream in(bench_dir / "build_info.cc");
+  const std::string marker = "kGitDescribe = \"";
+  for (std::string line; std::getline(in, line);) {
+    const size_t at = line.find(marker);
+    if (at == std::string::npos) continue;
+    const size_t from = at + marker.size();
+    const size_t to = line.find('"', from);
+    return to == std::string::npos ? std::string() : line.substr(from, to - from);
+  }
+  return {};
+}
 
 int cmd_compare(int argc, char** argv) {
   std::vector<std::string> files;

@@ -1,7 +1,16 @@
 // bench/compare_cmd.h — `psld bench compare` (tools/psld.cc calls it).
 #pragma once
 
+#include <filesystem>
+#include <string>
+
 namespace psld::bench {
+
+// The revision the programs in a build's bench directory were built from
+// (`git describe --always --dirty`, as vcs_tag wrote it into the directory's
+// build_info.cc at its last build), or "" where there is none. psld bench
+// compare --rerun runs BASE's programs only where this is BASE's revision.
+std::string revision_at(const std::filesystem::path& bench_dir);
 
 // argv holds what follows "psld bench compare". Returns the exit status:
 // 1 on a regression, 0 on none, 2 on bad input.
