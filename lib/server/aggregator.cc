@@ -1,6 +1,7 @@
 // lib/server/aggregator.cc — see aggregator.h.
 #include "lib/server/aggregator.h"
 
+#include <bit>
 #include <cstring>
 
 namespace psld {
@@ -170,12 +171,9 @@ void Aggregator::restore_seen(const uint8_t* in) {
     std::memcpy(words, in, sizeof(words));
     in += sizeof(words);
     seen_[w] = Seen{words[0], words[1]};
-    // The newest round in: what bounded staleness waits on.
-    uint64_t newest = words[0];
-    for (uint64_t b = 0; b < 64; ++b) {
-      if ((words[1] >> b) & 1) newest = words[0] + 1 + b;
-    }
-    last_round_[w] = newest;
+    // The newest round in (the highest bit set is round low + bit_width):
+    // what bounded staleness waits on.
+    last_round_[w] = words[0] + static_cast<uint64_t>(std::bit_width(words[1]));
   }
 }
 

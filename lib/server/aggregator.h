@@ -162,8 +162,11 @@ class Aggregator {
   // seen_bytes() bytes (0 in BSP, where the round says it all), written by
   // save_seen() and read back by restore_seen() with the copied state (both
   // touch nothing in BSP).
-  size_t seen_bytes() const {
-    return options_.sync == SyncMode::kBsp ? 0 : seen_.size() * 2 * sizeof(uint64_t);
+  size_t seen_bytes() const { return seen_bytes(options_.sync, seen_.size()); }
+  // The same for a key of a job of `workers` workers in mode `sync` (a
+  // backup sizes a copy's slots by it).
+  static size_t seen_bytes(SyncMode sync, size_t workers) {
+    return sync == SyncMode::kBsp ? 0 : workers * 2 * sizeof(uint64_t);
   }
   void save_seen(uint8_t* out) const;
   void restore_seen(const uint8_t* in);

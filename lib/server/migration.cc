@@ -257,6 +257,7 @@ void ServerService::on_epoch_change(const protocol::EpochChange& change) {
   protocol::EpochVote vote{change.epoch, change.switch_round, false, 0};
   bool scan = false;
   bool backup_changed = false;  // replicated: this switch gave this server another backup
+  std::vector<TakeOver> take;   // a failover: the lost server's keys held here
   Dial dial;                    // the servers this switch brings keys from
   std::vector<std::tuple<uint64_t, Key, Work>> wake;
   {
@@ -319,18 +320,7 @@ void ServerService::on_epoch_change(const protocol::EpochChange& change) {
         losing = losing || (a == me && b != me);
       });
       epochs_->push(next, change.switch_round);
-      if (change.step == EpochStep::kFailover && async_replicated()) {
-        // In the same step as the epoch: no async push of a key taken over
-        // from its copy here may be applied to a fresh state before the copy
-        // is installed (on_failover dispatches the TakeOvers).
-        MutexLock copies(replicas_mu_);
-        for (const auto& [id, c] : copies_) {
-          if (c->primary == change.lost_server && c->committed >= 0 &&
-              next->owner_of_key(c->key) == me) {
-            awaiting_copy_.insert(c->key);
-          }
-        }
-      }
+      if (change.step == EpochStep::kFailover) take = take_copies_of(change.lost_server, *next);
       latest_placements_.fetch_add(1, std::memory_order_release);  // shards' arc caches
       ownership_gen_.fetch_add(1, std::memory_order_release);      // and owner caches
       if (trace_ && trace_->wants(change.switch_round)) {
@@ -384,7 +374,7 @@ void ServerService::on_epoch_change(const protocol::EpochChange& change) {
   }
   // Before the requests that waited for this epoch: the lost server's keys
   // are installed from their copies first.
-  if (change.step == EpochStep::kFailover) on_failover(change);
+  if (change.step == EpochStep::kFailover) on_failover(change, std::move(take));
   if (backup_changed) on_backup_changed(change.epoch);
   if (scan) dispatch_all(TransferScan{change.switch_round});
   for (auto& [epoch, key, work] : wake)

@@ -326,50 +326,56 @@ void ServerService::handle(Shard& shard, const TakeOver& w) {
   if (async_replicated()) resume(shard, k);  // the pushes that waited for the copy
 }
 
-void ServerService::on_failover(const protocol::EpochChange& change) {
+std::vector<ServerService::TakeOver> ServerService::take_copies_of(ServerId lost,
+                                                                   const Placement& now) {
   std::vector<TakeOver> take;
-  {
-    MutexLock elock(epoch_mu_);
-    MutexLock lock(replicas_mu_);
-    const Placement& now = epochs_->latest();
-    for (auto it = copies_.begin(); it != copies_.end();) {
-      const ReplicaCopy& c = *it->second;
-      if (c.primary == change.lost_server) {
-        if (c.committed >= 0 && now.owner_of_key(c.key) == rank()) {
-          take.push_back({it->second, c.committed, c.version});
-        }
-        it = copies_.erase(it);  // held by its TakeOver until installed
-        continue;
+  MutexLock lock(replicas_mu_);
+  for (auto it = copies_.begin(); it != copies_.end();) {
+    const ReplicaCopy& c = *it->second;
+    if (c.primary == lost) {
+      if (c.committed >= 0 && now.owner_of_key(c.key) == rank()) {
+        take.push_back({it->second, c.committed, c.version});
+        // Async: no push of it may be applied to a fresh state before the
+        // copy is installed (the caller holds epoch_mu_, so this is marked
+        // in the same step as the epoch that gives the key here).
+        if (async_replicated()) awaiting_copy_.insert(c.key);
       }
-      // A copy of a live primary stays, even one this server no longer
-      // backs up in this epoch: the primary may have read a later epoch
-      // already that makes this server its backup again, and then it goes
-      // on writing into the slots it was granted without opening them anew
-      // (its backup "did not change"). Erasing them here left its writes
-      // unrecognised and its rounds never durable. A copy goes when its
-      // primary opens the key again (open_copy) or is lost.
-      ++it;
+      it = copies_.erase(it);  // held by its TakeOver until installed
+      continue;
     }
-    resync_epoch_ = change.epoch;
-    resync_shards_left_ = shards_.size();
+    // A copy of a live primary stays, even one this server no longer
+    // backs up in this epoch: the primary may have read a later epoch
+    // already that makes this server its backup again, and then it goes
+    // on writing into the slots it was granted without opening them anew
+    // (its backup "did not change"). Erasing them here left its writes
+    // unrecognised and its rounds never durable. A copy goes when its
+    // primary opens the key again (open_copy) or is lost.
+    ++it;
   }
-  unreachable_backup_ = -1;
+  return take;
+}
+
+void ServerService::on_failover(const protocol::EpochChange& change, std::vector<TakeOver> take) {
   for (auto& t : take) {
     const Key key = t.copy->key;
     dispatch(key, std::move(t));
   }
-  dispatch_all(Resync{change.epoch});
+  resync(change.epoch);
 }
 
 void ServerService::on_backup_changed(uint64_t epoch) {
+  PSLD_LOG_INFO("server {}: epoch {} gives it server {} as its backup; copying its keys there",
+                rank(), epoch, backup_now().value_or(rank()));
+  resync(epoch);
+}
+
+void ServerService::resync(uint64_t epoch) {
   {
     MutexLock lock(replicas_mu_);
     resync_epoch_ = epoch;
     resync_shards_left_ = shards_.size();
   }
   unreachable_backup_ = -1;
-  PSLD_LOG_INFO("server {}: epoch {} gives it server {} as its backup; copying its keys there",
-                rank(), epoch, backup_now().value_or(rank()));
   dispatch_all(Resync{epoch});
 }
 
@@ -389,11 +395,9 @@ void ServerService::open_copy(const ConnectionPtr& conn, ServerId primary,
   c->dtype = open.dtype;
   c->bytes = open.bytes;
   // Async and staleness copies end with which pushes of each worker they
-  // hold (Aggregator::seen_bytes(): two words per worker).
+  // hold.
   c->slot_bytes = copy_bytes(open.bytes / dbytes, open.arrays) +
-                  (options_.sync == SyncMode::kBsp
-                       ? 0
-                       : uint64_t{session_.welcome().num_workers} * 2 * sizeof(uint64_t));
+                  Aggregator::seen_bytes(options_.sync, session_.welcome().num_workers);
   auto region = transport().allocate_memory(2 * c->slot_bytes, MemoryKind::kHost);
   if (!region.ok()) {
     send_error(conn->id(), 0, region.status().with_context("allocating a copy's slots"));

@@ -317,10 +317,19 @@ class ServerService final : public ProcessRuntime {
   // A ReplicaGrant, ReplicaAck or Error on a connection this server dialled
   // to a backup: true if it was one.
   bool handle_replica_answer(const transport::ConnectionPtr& conn, protocol::Message& message);
-  void on_failover(const protocol::EpochChange& change);
+  // A failover epoch, just installed (epoch_mu_ held): the copies of the
+  // lost server's keys that it gives this server, taken out of copies_
+  // (async: marked awaiting_copy_).
+  std::vector<TakeOver> take_copies_of(ServerId lost, const Placement& now) REQUIRES(epoch_mu_)
+      EXCLUDES(replicas_mu_);
+  // After it: installs those copies, then resyncs.
+  void on_failover(const protocol::EpochChange& change, std::vector<TakeOver> take);
   // A committed switch gave this server another backup (a server joined or
   // left the ring): every key it owns is copied there, then ReplicaSynced.
   void on_backup_changed(uint64_t epoch);
+  // Every key not copied to its backup of `epoch` yet is copied there;
+  // ReplicaSynced once all are (after a failover or a new backup).
+  void resync(uint64_t epoch) EXCLUDES(replicas_mu_);
   void process_push(Shard& shard, PushWork& w);
   void process_pull(Shard& shard, PullWork& w);
   // The key's state, created on first use; `round` is the round of the
