@@ -200,18 +200,26 @@ void CoordinatorService::handle_transfer_done(const Member& m, const protocol::T
 // is needed by nobody. Capped below a switch being voted on and a transfer
 // that can still be aborted: either may yet give a key back to the run it
 // ends (docs/migration.md, "Freeing old runs").
-void CoordinatorService::publish_watermark() {
+std::optional<std::vector<uint64_t>> CoordinatorService::lowest_rounds() const {
   // Tensor ids are 1..tensors_.size(), assigned in registration order.
   const auto tensors = static_cast<uint32_t>(tensors_.size());
-  if (!job_started_ || job_over_ || tensors == 0) return;
   std::vector<uint64_t> low(tensors, UINT64_MAX);
   for (uint32_t w = 0; w < options_.num_workers; ++w) {
     if (finished_workers_.count(w)) continue;  // it sends nothing any more
     auto it = progress_.find(w);
-    if (it == progress_.end()) return;  // it promised nothing yet
+    if (it == progress_.end()) return std::nullopt;  // it promised nothing yet
     for (TensorId t = 1; t <= tensors; ++t)
       low[t - 1] = std::min(low[t - 1], protocol::round_of(it->second.low, it->second.tensors, t));
   }
+  return low;
+}
+
+void CoordinatorService::publish_watermark() {
+  const auto tensors = static_cast<uint32_t>(tensors_.size());
+  if (!job_started_ || job_over_ || tensors == 0) return;
+  std::optional<std::vector<uint64_t>> lowest = lowest_rounds();
+  if (!lowest) return;
+  std::vector<uint64_t>& low = *lowest;
   uint64_t cap = UINT64_MAX;
   if (switch_) cap = std::min(cap, switch_->switch_round - 1);
   if (transfer_) cap = std::min(cap, transfer_->switch_round - 1);

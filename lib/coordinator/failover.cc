@@ -3,6 +3,8 @@
 // out, servers first; or the job fails when a range would have no copy left.
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "base/log.h"
 #include "lib/coordinator/service.h"
 
@@ -140,17 +142,13 @@ Status CoordinatorService::replication_allows_switch() const {
 // round (WorkerProgress): each pull of that round of a moved key was
 // answered, which its new owner does only once its backup holds the round.
 void CoordinatorService::close_replicated_switch() {
-  if (replicated_switch_round_ == 0) return;
-  const auto tensors = static_cast<uint32_t>(tensors_.size());
-  for (uint32_t w = 0; w < options_.num_workers; ++w) {
-    if (finished_workers_.count(w)) continue;
-    auto it = progress_.find(w);
-    if (it == progress_.end()) return;
-    for (TensorId t = 1; t <= tensors; ++t) {
-      if (protocol::round_of(it->second.low, it->second.tensors, t) <= replicated_switch_round_) {
-        return;
-      }
-    }
+  // Read here: the analysis does not see mu_ held inside the lambda.
+  const uint64_t switch_round = replicated_switch_round_;
+  if (switch_round == 0) return;
+  const std::optional<std::vector<uint64_t>> low = lowest_rounds();
+  if (!low || std::any_of(low->begin(), low->end(),
+                          [switch_round](uint64_t r) { return r <= switch_round; })) {
+    return;
   }
   PSLD_LOG_DEBUG(
       "coordinator: every worker finished round {}: epoch {}'s moved ranges have their "

@@ -159,6 +159,9 @@ class CoordinatorService final : public ProcessRuntime {
   void handle_load_report(const Member& m, const protocol::LoadReport& report) REQUIRES(mu_);
   void handle_vote(const Member& m, const protocol::EpochVote& vote) REQUIRES(mu_);
   void handle_transfer_done(const Member& m, const protocol::TransferDone& done) REQUIRES(mu_);
+  // Per tensor (id - 1), the lowest round a live worker may still send a
+  // request for (WorkerProgress); nullopt while one has promised nothing.
+  std::optional<std::vector<uint64_t>> lowest_rounds() const REQUIRES(mu_);
   // Sends the servers a LowWatermark when it moved (docs/migration.md,
   // "Freeing old runs").
   void publish_watermark() REQUIRES(mu_);
