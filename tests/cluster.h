@@ -16,6 +16,7 @@
 #include "lib/coordinator/service.h"
 #include "lib/server/service.h"
 #include "lib/worker/service.h"
+#include "tests/eventually.h"
 #include "transports/loopback/loopback.h"
 
 namespace psld {
@@ -118,6 +119,23 @@ inline std::function<void(uint32_t, RuntimeOptions&)> numbered_servers(const std
 // while its peers are busy can crash inside UCX's connection manager
 // (uct_tcp_sockcm_ep_recv, on UCX's async thread), which is not what a
 // crashed process does to the survivors.
+// Waits up to 20 s until no switch is in flight, proposes the change
+// make(committed placement) returns, and waits up to 10 s for its commit.
+template <typename Make>
+Status switch_to(Cluster& c, const char* what, Make&& make) {
+  if (!eventually("no switch in flight", 20s, [&] { return !c.coordinator->switching(); })) {
+    return Timeout(std::string(what) + ": a switch was still in flight after 20 s");
+  }
+  auto change = make(c.coordinator->current_placement());
+  if (!change.ok()) return change.status().with_context(what);
+  const uint64_t before = c.coordinator->switches();
+  PSLD_RETURN_IF_ERROR(c.coordinator->propose(change->delta).with_context(what));
+  if (!eventually(what, 10s, [&] { return c.coordinator->switches() != before; })) {
+    return Timeout(std::string(what) + " did not commit within 10 s");
+  }
+  return Status::Ok();
+}
+
 inline void kill_server(Cluster& c, ServerId victim) {
   if (c.base.net.transport == "loopback") {
     c.servers[victim]->shutdown();

@@ -19,22 +19,6 @@
 namespace psld {
 namespace {
 
-// Waits until no switch is in flight, proposes the change make(committed
-// placement) returns, and waits up to 10 s for its commit.
-template <typename Make>
-Status switch_to(Cluster& c, const char* what, Make&& make) {
-  while (c.coordinator->switching())
-    std::this_thread::sleep_for(1ms);
-  auto change = make(c.coordinator->current_placement());
-  if (!change.ok()) return change.status().with_context(what);
-  const uint64_t before = c.coordinator->switches();
-  PSLD_RETURN_IF_ERROR(c.coordinator->propose(change->delta).with_context(what));
-  if (!eventually(what, 10s, [&] { return c.coordinator->switches() != before; })) {
-    return Timeout(std::string(what) + " did not commit within 10 s");
-  }
-  return Status::Ok();
-}
-
 // Moves the arc of a random chunk of the job's tensors to another active
 // server, `count` times, each after the previous switch committed. Returns
 // the number of switches committed.
