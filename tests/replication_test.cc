@@ -202,8 +202,9 @@ Outcome run_job(const Job& job, const std::string& backend) {
   for (auto& k : killers)
     k.join();
   // Worker 0's tensors, wherever they live (its first tensor starts the
-  // block when allocated).
-  for (size_t t = 0; t < job.elems.size() && !c.workers.empty(); ++t) {
+  // block when allocated). Not of a failed job: a server may still be
+  // writing a pull into them (a data race under TSan).
+  for (size_t t = 0; out.status.ok() && t < job.elems.size() && !c.workers.empty(); ++t) {
     const float* at = job.allocated ? nullptr : tensors[0][t].data();
     if (at == nullptr) continue;
     out.params.emplace_back(at, at + job.elems[t]);
