@@ -32,6 +32,9 @@ struct Cluster {
   // Changes the options of the i-th server started (servers[i]), e.g. to
   // put one behind a slow emulated link.
   std::function<void(uint32_t, RuntimeOptions&)> server_tweak;
+  // Runs once every server started (and so the job did), while the workers
+  // may still be connecting to the servers: to kill one during their join.
+  std::function<void(Cluster&)> servers_started;
 
   explicit Cluster(uint32_t num_workers, uint32_t num_servers,
                    const std::function<void(RuntimeOptions&)>& tweak = nullptr,
@@ -83,6 +86,7 @@ struct Cluster {
       else if (first.ok())
         first = s.status();
     }
+    if (servers_started && first.ok()) servers_started(*this);
     for (auto& f : wf) {
       auto w = f.get();
       if (w.ok())

@@ -39,6 +39,13 @@ struct Job {
   // last, every worker pulls each tensor, which must hold the total of every
   // push of every worker.
   SyncMode sync = SyncMode::kBsp;
+  // A server whose link adds `slow_latency` to everything it sends (its
+  // handshakes too), and what happens once every server started, while the
+  // workers may still be joining (Cluster::servers_started).
+  std::optional<ServerId> slow_server;
+  std::chrono::milliseconds slow_latency{0};
+  std::function<void(Cluster&)> servers_started;
+  std::function<void(Cluster&)> started;  // once every member started
 };
 
 // What a job's worker 0 ends with, and what the job said.
@@ -109,9 +116,17 @@ Outcome run_job(const Job& job, const std::string& backend) {
         o.heartbeat_timeout = 1s;
       },
       backend);
-  c.server_tweak = numbered_servers(backend);
+  c.server_tweak = [&job, numbered = numbered_servers(backend)](uint32_t i, RuntimeOptions& o) {
+    numbered(i, o);
+    if (job.slow_server == i) {
+      o.net.emulate_link = true;
+      o.net.link.latency = job.slow_latency;
+    }
+  };
+  c.servers_started = job.servers_started;
   out.status = c.start();
   if (!out.status.ok()) return out;
+  if (job.started) job.started(c);
   std::vector<std::thread> killers;
   std::mutex killers_mu;
   out.status = on_all(c, [&](size_t wi) -> Status {
@@ -429,6 +444,40 @@ INSTANTIATE_TEST_SUITE_P(Modes, ReplicationAsync,
                                             ::testing::Values("loopback", "ucx")),
                          [](const auto& info) {
                            return fmt::format("{}_{}", sync_mode_name(std::get<0>(info.param)),
+                                              std::get<1>(info.param));
+                         });
+
+// A server lost while the workers join, before it granted them landing
+// slots (server 2, whose answers take 500 ms each way, so the workers' joins
+// wait for it) or after (server 0, while the joins wait for server 2): the
+// joins go on without it once the coordinator removed it, and the job loses
+// nothing (sums exact every round). On loopback the killed server's
+// connections close; on UCX it falls silent, and only the failover epoch
+// tells the joining workers.
+class ReplicationJoin : public ::testing::TestWithParam<std::tuple<ServerId, std::string>> {};
+
+TEST_P(ReplicationJoin, AServerLostWhileTheWorkersJoinLosesNothing) {
+  Job job;
+  job.rounds = 20;
+  job.slow_server = 2;
+  job.slow_latency = 500ms;
+  const ServerId victim = std::get<0>(GetParam());
+  job.servers_started = kill(victim);
+  if (victim != 2) {
+    // Joined: server 2 answers at full speed from then on.
+    job.started = [](Cluster& c) {
+      ASSERT_TRUE(transport::set_link(c.servers[2]->transport(), transport::LinkOptions{}).ok());
+    };
+  }
+  const Outcome out = run_job(job, std::get<1>(GetParam()));
+  ASSERT_NO_FATAL_FAILURE(expect_ran(out, /*switches=*/0, /*failovers=*/1));
+}
+
+INSTANTIATE_TEST_SUITE_P(Victims, ReplicationJoin,
+                         ::testing::Combine(::testing::Values(ServerId{2}, ServerId{0}),
+                                            ::testing::Values("loopback", "ucx")),
+                         [](const auto& info) {
+                           return fmt::format("server{}_{}", std::get<0>(info.param),
                                               std::get<1>(info.param));
                          });
 

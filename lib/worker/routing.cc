@@ -80,7 +80,10 @@ void WorkerService::on_epoch_change(const protocol::EpochChange& change) {
     if (change.step == protocol::EpochStep::kAbort ||
         change.step == protocol::EpochStep::kFailover) {
       // Also when its connection still looks fine (it hung): the epoch
-      // routes nothing to it any more.
+      // routes nothing to it any more. A join in progress stops waiting for
+      // it (connect_servers).
+      removed_servers_.insert(change.lost_server);
+      cv_.notify_all();
       auto lost = servers_.find(change.lost_server);
       if (lost != servers_.end()) {
         server_lost(lost->second,

@@ -135,37 +135,68 @@ Status WorkerService::connect_servers() {
   const uint32_t rank = session_.welcome().rank;
   for (const auto& entry : session_.servers()) {
     std::string address(entry.address.begin(), entry.address.end());
-    auto conn = connect_text(transport(), address);
-    if (!conn.ok()) {
-      return conn.status().with_context(
-          fmt::format("connecting to server {} at {}", entry.rank, address));
+    {
+      MutexLock lock(mu_);
+      if (removed_servers_.count(entry.rank)) {
+        // Lost before this worker dialed it: the epoch that removed it
+        // routes nothing to it.
+        ServerConn& s = servers_[entry.rank];
+        s.rank = entry.rank;
+        s.lost = true;
+        s.lost_why = Unavailable(fmt::format("server {} was removed from the job", entry.rank));
+        continue;
+      }
     }
+    auto conn = connect_text(transport(), address);
     protocol::PeerHello hello;
     {
       MutexLock lock(mu_);
       ServerConn& s = servers_[entry.rank];
       s.rank = entry.rank;
+      if (!conn.ok()) {
+        // A server that died while this worker joined is lost like one that
+        // dies later: the coordinator removes it (replication) or fails the
+        // job; the wait below sees which.
+        server_lost(s, conn.status().with_context(
+                           fmt::format("connecting to server {} at {}", entry.rank, address)));
+        continue;
+      }
       s.conn = *conn;
       s.dial.emplace(Role::kWorker, rank);
       hello = s.dial->hello;
     }
-    PSLD_RETURN_IF_ERROR(send(*conn, hello));
+    if (Status sent = send(*conn, hello); !sent.ok()) {
+      MutexLock lock(mu_);
+      server_lost(servers_[entry.rank],
+                  sent.with_context(fmt::format("greeting server {} at {}", entry.rank, address)));
+    }
   }
+  flush();
+  // Every server grants landing slots, refuses this worker, or is lost and
+  // removed from the job by the coordinator.
   UniqueLock lock(mu_);
   const bool ok = cv_.wait_for(lock.native(), options_.connect_timeout, [&]() REQUIRES(mu_) {
     if (!session_.health().ok()) return true;
     for (const auto& [r, s] : servers_) {
-      if (!s.granted && s.refused.ok()) return false;
+      if (!s.granted && s.refused.ok() && !removed_servers_.count(r)) return false;
     }
     return true;
   });
   PSLD_RETURN_IF_ERROR(session_.health());
   for (const auto& [r, s] : servers_) {
-    if (!s.refused.ok()) {
+    if (!s.refused.ok() && !removed_servers_.count(r)) {
       return s.refused.with_context(fmt::format("server {} at {}", r, s.conn->peer()));
     }
   }
-  if (!ok) return Timeout("not every server granted landing slots in time");
+  if (!ok) {
+    for (const auto& [r, s] : servers_) {
+      if (s.granted || removed_servers_.count(r) || !s.lost) continue;
+      return Unavailable(fmt::format(
+          "{}; the coordinator neither removed the server nor ended the job within {} ms",
+          s.lost_why.message(), options_.connect_timeout.count()));
+    }
+    return Timeout("not every server granted landing slots in time");
+  }
   return Status::Ok();
 }
 
@@ -280,8 +311,9 @@ Status WorkerService::grant_answer_slots() {
   std::vector<uint32_t> ranks;
   {
     MutexLock lock(mu_);
-    for (const auto& [r, s] : servers_)
-      ranks.push_back(r);
+    for (const auto& [r, s] : servers_) {
+      if (!s.lost) ranks.push_back(r);
+    }
   }
   // Allocated outside mu_: the transport's handlers take mu_.
   std::vector<std::shared_ptr<transport::MemoryRegion>> regions;
@@ -306,8 +338,11 @@ Status WorkerService::grant_answer_slots() {
                                                              s.answers->remote_key().end())});
     }
   }
-  for (auto& [conn, grant] : grants)
-    PSLD_RETURN_IF_ERROR(send(conn, grant));
+  for (auto& [conn, grant] : grants) {
+    // A server lost since is the coordinator's to remove (or to end the job
+    // for); the grant matters no more.
+    if (Status sent = send(conn, grant); !sent.ok() && conn->is_open()) return sent;
+  }
   return Status::Ok();
 }
 
@@ -380,12 +415,12 @@ void WorkerService::on_disconnect(const ConnectionPtr& conn, const Status& why) 
     MutexLock lock(mu_);
     ServerConn* s = server_of(conn);
     if (s == nullptr || stopped_) return;
-    if (!s->granted && s->refused.ok()) {
-      s->refused = Unavailable("the connection closed during the handshake: " + why.message());
-    }
-    // Not a failure yet: a server that held nothing but keys in transfer
-    // can be lost without losing anything; the coordinator decides.
-    server_lost(*s, Unavailable(fmt::format("lost server {}: {}", s->rank, why.message())));
+    // Not a failure yet, also during the handshake: a server that held
+    // nothing but keys in transfer, or whose ranges have copies, can be lost
+    // without losing anything; the coordinator decides.
+    server_lost(*s,
+                Unavailable(fmt::format("lost server {}{}: {}", s->rank,
+                                        s->granted ? "" : " during the handshake", why.message())));
     cv_.notify_all();
   }
   flush();
@@ -420,8 +455,8 @@ void WorkerService::server_lost(ServerConn& s, const Status& why) {
     want.erase(s.rank);
   // Dropped for good, also when it was only silent: whatever it sends later
   // is not listened to.
-  ConnectionPtr conn = s.conn;
-  outbox_.push_back([conn] { conn->close(); });
+  if (ConnectionPtr conn = s.conn) outbox_.push_back([conn] { conn->close(); });
+  cv_.notify_all();
 }
 
 void WorkerService::op_failed(uint32_t rank, const ConnectionPtr& conn, uint32_t tag,

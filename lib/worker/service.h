@@ -277,7 +277,11 @@ class WorkerService final : public ProcessRuntime {
 
   mutable Mutex mu_;
   std::condition_variable cv_;
-  std::map<uint32_t, ServerConn> servers_ GUARDED_BY(mu_);               // by server rank
+  std::map<uint32_t, ServerConn> servers_ GUARDED_BY(mu_);  // by server rank
+  // Servers an epoch removed from the job (a failover, an aborted transfer),
+  // also those removed before this worker connected to them: its join does
+  // not wait for them.
+  std::set<uint32_t> removed_servers_ GUARDED_BY(mu_);
   std::unordered_map<uint32_t, ServerLoadStats> loads_ GUARDED_BY(mu_);  // by server rank
   // issue_batch's scratch, kept with its capacity.
   std::vector<size_t> batch_picked_ GUARDED_BY(mu_);
