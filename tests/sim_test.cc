@@ -190,6 +190,20 @@ TEST(Sim, StandbyServersReportButHoldNothingUntilAdded) {
   EXPECT_EQ(r->final_placement->find_server(3), nullptr);
 }
 
+// Under ASan and UBSan (build-asan, the unit suite in CI) the large cases
+// run shorter: the same code, a fraction of the rounds or clusters.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kSanitized = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kSanitized = true;
+#else
+constexpr bool kSanitized = false;
+#endif
+#else
+constexpr bool kSanitized = false;
+#endif
+
 // Workers' reports cut to a sample (stats.worker_peers, here automatic: 2,000
 // workers x 64 servers is past 65,536 entries a window) leave every decision
 // as it is with every worker naming every server: the balancer reads the
@@ -198,13 +212,13 @@ TEST(Sim, SampledWorkerReportsMakeTheDecisionsOfFullOnes) {
   SimOptions o;
   o.workers = 2000;
   o.servers = 64;
-  o.rounds = 300;
+  o.rounds = kSanitized ? 150 : 300;  // 47 s under the sanitizers at 300
   o.capacity = 12.5e9;
   o.cores = 0;
   o.chunk_s = 1e-6;
   o.noise = 0.5;
   o.keys = bench::model_keys(resnet(1.0 / 4), 64 << 10);
-  o.events = {CapacityEvent{0, 3, 0.25}, CapacityEvent{150, 17, 0.5}};
+  o.events = {CapacityEvent{0, 3, 0.25}, CapacityEvent{o.rounds / 2, 17, 0.5}};
   o.balance = true;
   o.stats_interval_s = 0.1;
   o.balancer_interval_s = 1.0;
@@ -260,18 +274,6 @@ ClusterCase random_cluster(uint64_t seed, const std::vector<bench::ModelTensor>&
   return c;
 }
 
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kSanitized = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr bool kSanitized = true;
-#else
-constexpr bool kSanitized = false;
-#endif
-#else
-constexpr bool kSanitized = false;
-#endif
-
 double median_of(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0 : v[v.size() / 2];
@@ -282,9 +284,9 @@ TEST(SimProperties, ManyRandomClustersStayOwnedCalmAndNoWorseThanWhereTheyStarte
   auto vgg_profile = bench::load_profile("vgg16");
   ASSERT_TRUE(vgg_profile.ok());
   const auto vgg = bench::scale_profile(*vgg_profile, 1.0 / 128);
-  // 1,000 clusters take about 9 s here, and 200 s under ASan and UBSan
-  // (build-asan, the unit suite in CI): a quarter of them there.
-  const uint64_t clusters = kSanitized ? 250 : 1000;
+  // 1,000 clusters take about 9 s here, and 200 s under ASan and UBSan:
+  // 150 of them there.
+  const uint64_t clusters = kSanitized ? 150 : 1000;
   size_t balanced = 0;
   size_t restless = 0;       // clusters with more than 3 switches in their second half
   size_t late_switches = 0;  // all clusters' switches in their second half
