@@ -447,6 +447,32 @@ INSTANTIATE_TEST_SUITE_P(Modes, ReplicationAsync,
                                               std::get<1>(info.param));
                          });
 
+// Async and staleness, replicated: a pull of a tensor that nobody pushed or
+// initialized reads its zeros at once, as without replication (it waited
+// for a copy, which only a push makes, until the pull's deadline).
+TEST_P(ReplicationAsync, APullOfATensorNobodyWroteReadsZerosAtOnce) {
+  Cluster c(
+      2, 2,
+      [&](RuntimeOptions& o) {
+        o.replication_factor = 2;
+        o.sync = std::get<0>(GetParam());
+        o.staleness = 2;
+      },
+      std::get<1>(GetParam()));
+  c.server_tweak = numbered_servers(std::get<1>(GetParam()));
+  ASSERT_TRUE(c.start().ok());
+  std::vector<float> data(50001, 7.0f);  // a chunk and a part of one
+  auto h = c.workers[0]->register_tensor("never_written", DType::kFloat32, data.size() * 4,
+                                         data.data(), nullptr);
+  ASSERT_TRUE(h.ok()) << h.status().to_string();
+  auto pull = c.workers[0]->submit(*h, RequestKind::kPull);
+  ASSERT_TRUE(pull.ok()) << pull.status().to_string();
+  const Status st = (*pull)->wait(3s);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  for (size_t i = 0; i < data.size(); ++i)
+    ASSERT_EQ(data[i], 0.0f) << "element " << i;
+}
+
 // A server lost while the workers join, before it granted them landing
 // slots (server 2, whose answers take 500 ms each way, so the workers' joins
 // wait for it) or after (server 0, while the joins wait for server 2): the

@@ -322,9 +322,15 @@ void ServerService::process_pull(Shard& shard, PullWork& w) {
     send_error(w.conn, w.req.tag, k.failed);
     return;
   }
-  // Replicated async: what it reads must be at the backup first.
-  if (async_replicated()) w.min_version = k.agg.version();
-  if (!k.awaiting_state && !k.awaiting_final && pull_ready(k, w)) {
+  // Replicated async: what it reads must be at the backup first, unless
+  // nobody wrote it: its zeros are what a new owner would hold too (but
+  // not when a failover gave it here and its copy is still on its way).
+  bool zeros = false;
+  if (async_replicated()) {
+    w.min_version = k.agg.version();
+    zeros = !k.written && !k.taken_over && k.agg.version() == 0 && !awaiting_copy(k.key);
+  }
+  if (!k.awaiting_state && !k.awaiting_final && (zeros || pull_ready(k, w))) {
     serve_pull(shard, k, w);
   } else {
     k.waiting.push_back(w);

@@ -104,6 +104,10 @@ struct ServerService::KeyState {
   // Taken over from a lost primary's copy: a push of the round the copy
   // holds reached the primary before it died, so it is answered as done.
   bool taken_over = false;
+  // Its state changed here (an initial value, an applied push: replicate()
+  // ran for it). Until then it holds zeros, as any owner after a failover
+  // would: in a replicated async job a pull of it waits for no copy.
+  bool written = false;
 };
 
 // Answers to small pulls gathered for one worker connection during one

@@ -32,6 +32,7 @@ std::optional<ServerId> ServerService::backup_now() const {
 }
 
 void ServerService::replicate(Shard& shard, KeyState& k) {
+  k.written = true;
   if (!replicated()) return;
   k.durable = false;
   push_replica(shard, k);
