@@ -136,15 +136,9 @@ Kills kill_servers(Background& run, const std::string& stop_file, std::mt19937& 
     (s < kServers ? members.push_back(s) : standby.push_back(s));
   int at = 0;
   Kills out;
-  // Every worker joined first: in async mode worker 0 may be many rounds
-  // ahead of one still joining, and a join does not survive a server's
-  // loss (Worker::join fails).
-  for (int w = 1; w < 3; ++w) {
-    if (!run.wait_for_output("worker " + std::to_string(w) + ": round 1\n", 120s)) {
-      ADD_FAILURE() << "worker " << w << " did not start\n" << run.output();
-      return out;
-    }
-  }
+  // In async mode worker 0 may be many rounds ahead of a worker still
+  // joining (connecting to 21 servers on two loaded cores): the first kill
+  // may come during that join, which goes on without the lost server.
   for (int k = 0; k < kKills; ++k) {
     at += 10 + static_cast<int>(rng() % 20);
     if (!run.wait_for_output("worker 0: round " + std::to_string(at) + "\n", 120s)) {
