@@ -116,13 +116,6 @@ inline std::function<void(uint32_t, RuntimeOptions&)> numbered_servers(const std
   };
 }
 
-// How a test kills a server. On loopback its transport shuts down without a
-// goodbye: every connection closes at once, as a crashed process's would.
-// On UCX it falls silent behind its link (a hung or cut-off server, found by
-// the coordinator's heartbeats): shutting a UCX transport down in-process
-// while its peers are busy can crash inside UCX's connection manager
-// (uct_tcp_sockcm_ep_recv, on UCX's async thread), which is not what a
-// crashed process does to the survivors.
 // Waits up to 20 s until no switch is in flight, proposes the change
 // make(committed placement) returns, and waits up to 10 s for its commit.
 template <typename Make>
@@ -140,6 +133,13 @@ Status switch_to(Cluster& c, const char* what, Make&& make) {
   return Status::Ok();
 }
 
+// How a test kills a server. On loopback its transport shuts down without a
+// goodbye: every connection closes at once, as a crashed process's would.
+// On UCX it falls silent behind its link (a hung or cut-off server, found by
+// the coordinator's heartbeats): shutting a UCX transport down in-process
+// while its peers are busy can crash inside UCX's connection manager
+// (uct_tcp_sockcm_ep_recv, on UCX's async thread), which is not what a
+// crashed process does to the survivors.
 inline void kill_server(Cluster& c, ServerId victim) {
   if (c.base.net.transport == "loopback") {
     c.servers[victim]->shutdown();
