@@ -295,6 +295,8 @@ TEST(Protocol, BadEnumsAndHugeCountsAreRejected) {
   change[4] = 3;
   EXPECT_TRUE(decode(change).ok());  // failover
   change[4] = 4;
+  EXPECT_TRUE(decode(change).ok());  // cancel
+  change[4] = 5;
   EXPECT_FALSE(decode(change).ok());
   EXPECT_FALSE(decode(encode(StateOffer{1, 0, DType::kFloat32, 4})).ok());
   // A replica's tag is even (its slots notify tag and tag + 1), its copy 1
@@ -315,25 +317,27 @@ TEST(Protocol, BadEnumsAndHugeCountsAreRejected) {
   EXPECT_TRUE(decode(encode(JoinWaiting{0, 0, {}, many})).ok());
 }
 
-TEST(Protocol, AFailoverNamesItsStepAndLostServer) {
-  auto back = decode(encode(EpochChange{EpochStep::kFailover, 4, 0, {7}, 1}));
-  ASSERT_TRUE(back.ok());
-  const auto& e = std::get<EpochChange>(*back);
-  EXPECT_EQ(e.step, EpochStep::kFailover);
-  EXPECT_EQ(epoch_step_name(e.step), "failover");
-  EXPECT_EQ(e.lost_server, 1u);
+// The steps that name a lost server: each keeps its name and every field.
+TEST(Protocol, EpochStepsAboutALostServerKeepTheirFields) {
+  const std::vector<std::pair<EpochChange, std::string_view>> cases = {
+      {{EpochStep::kFailover, 4, 0, {7}, 1}, "failover"},
+      {{EpochStep::kCancel, 5, 40, {}, 2}, "cancel"},
+      {{EpochStep::kAbort, 9, 120, {7}, 3}, "abort"},
+  };
+  for (const auto& [sent, name] : cases) {
+    auto back = decode(encode(sent));
+    ASSERT_TRUE(back.ok()) << name;
+    const auto& e = std::get<EpochChange>(*back);
+    EXPECT_EQ(e.step, sent.step);
+    EXPECT_EQ(epoch_step_name(e.step), name);
+    EXPECT_EQ(e.epoch, sent.epoch) << name;
+    EXPECT_EQ(e.switch_round, sent.switch_round) << name;
+    EXPECT_EQ(e.delta, sent.delta) << name;
+    EXPECT_EQ(e.lost_server, sent.lost_server) << name;
+  }
 }
 
-TEST(Protocol, AnAbortNamesItsStepAndLostServer) {
-  auto back = decode(encode(EpochChange{EpochStep::kAbort, 9, 120, {7}, 3}));
-  ASSERT_TRUE(back.ok());
-  const auto& e = std::get<EpochChange>(*back);
-  EXPECT_EQ(e.step, EpochStep::kAbort);
-  EXPECT_EQ(epoch_step_name(e.step), "abort");
-  EXPECT_EQ(e.epoch, 9u);
-  EXPECT_EQ(e.switch_round, 120u);
-  EXPECT_EQ(e.delta, std::vector<uint8_t>{7});
-  EXPECT_EQ(e.lost_server, 3u);
+TEST(Protocol, ATransferDoneCountsItsLateKeys) {
   auto done = decode(encode(TransferDone{9, 120, 5}));
   ASSERT_TRUE(done.ok());
   EXPECT_EQ(std::get<TransferDone>(*done).late_keys, 5u);

@@ -75,24 +75,27 @@ std::function<void(Cluster&)> kill_once_copied(ServerId victim) {
   };
 }
 
-// Proposes a switch, once none is in flight, that gives every other arc of
-// server `from` to server `to` (joining it to the ring first when it is a
-// standby), and waits for its commit.
+// The switch that gives every other arc of server `from` to server `to`
+// (joining it to the ring first when it is a standby).
+Result<PlacementChange> half_of(const Placement& p, ServerId from, ServerId to) {
+  PlacementDelta d{p.epoch(), p.epoch() + 1, {}, {}};
+  if (p.find_server(to) == nullptr) {
+    PSLD_ASSIGN_OR_RETURN(PlacementChange add, p.add_server({to, 1.0}));
+    d.membership = add.delta.membership;
+  }
+  const std::vector<Arc> arcs = p.arcs_of(from);
+  for (size_t i = 0; i < arcs.size(); i += 2)
+    d.assignments.push_back({arcs[i].lo, arcs[i].hi, to});
+  PSLD_ASSIGN_OR_RETURN(Placement next, p.apply(d));
+  return PlacementChange{std::move(next), std::move(d)};
+}
+
+// Proposes half_of(from, to), once no switch is in flight, and waits for its
+// commit.
 std::function<void(Cluster&)> move_half(ServerId from, ServerId to) {
   return [from, to](Cluster& c) {
-    const Status st = switch_to(
-        c, "moving half a server's arcs", [&](const Placement& p) -> Result<PlacementChange> {
-          PlacementDelta d{p.epoch(), p.epoch() + 1, {}, {}};
-          if (p.find_server(to) == nullptr) {
-            PSLD_ASSIGN_OR_RETURN(PlacementChange add, p.add_server({to, 1.0}));
-            d.membership = add.delta.membership;
-          }
-          const std::vector<Arc> arcs = p.arcs_of(from);
-          for (size_t i = 0; i < arcs.size(); i += 2)
-            d.assignments.push_back({arcs[i].lo, arcs[i].hi, to});
-          PSLD_ASSIGN_OR_RETURN(Placement next, p.apply(d));
-          return PlacementChange{std::move(next), std::move(d)};
-        });
+    const Status st = switch_to(c, "moving half a server's arcs",
+                                [&](const Placement& p) { return half_of(p, from, to); });
     ASSERT_TRUE(st.ok()) << st.to_string();
   };
 }
@@ -417,6 +420,43 @@ TEST(ReplicationSwitch, ALossDuringASwitchFailsTheJobSayingSo) {
   const std::string msg = out.status.to_string();
   EXPECT_NE(msg.find("does not survive a loss during a switch"), std::string::npos) << msg;
   EXPECT_NE(msg.find("server 0"), std::string::npos) << msg;
+}
+
+// A server lost while a switch is being voted on: nothing has moved yet, so
+// the coordinator cancels the switch and fails the server over as at any
+// other time. The switch moves half of server 1's arcs to server 2, whose
+// link then adds 400 ms to everything it sends: its vote is still on the
+// way when server 0 dies 100 ms later, and the workers, at the switch round
+// by then, are refused by server 1 until the cancel and the failover epoch
+// come.
+// Server 1 takes over server 0's ranges; sums exact every round.
+TEST(ReplicationSwitch, ALossWhileASwitchIsVotedOnCancelsItAndFailsOver) {
+  Job job;
+  job.rounds = 30;
+  job.slow_server = 2;
+  job.events = {
+      {5, [](Cluster& c) {
+         transport::LinkOptions slow;
+         slow.latency = 400ms;
+         ASSERT_TRUE(transport::set_link(c.servers[2]->transport(), slow).ok());
+         auto change = half_of(c.coordinator->current_placement(), 1, 2);
+         ASSERT_TRUE(change.ok()) << change.status().to_string();
+         ASSERT_TRUE(c.coordinator->propose(change->delta).ok());
+         ASSERT_TRUE(c.coordinator->switching());
+         // The switch round is two rounds ahead: the workers reach
+         // it and wait on server 1's refusals meanwhile.
+         std::this_thread::sleep_for(100ms);
+         kill_server(c, 0);
+         EXPECT_TRUE(eventually("the failover of server 0", 10s,
+                                [&] { return c.coordinator->failovers() == 1; }));
+         ASSERT_TRUE(transport::set_link(c.servers[2]->transport(), transport::LinkOptions{}).ok());
+       }}};
+  const Outcome out = run_job(job, "loopback");
+  // Cancelled, never committed (server 2's late vote changed nothing): the
+  // failover took epoch 1.
+  ASSERT_NO_FATAL_FAILURE(expect_ran(out, /*switches=*/0, /*failovers=*/1));
+  EXPECT_EQ(out.placement->find_server(0), nullptr);
+  EXPECT_EQ(out.placement->epoch(), 1u);
 }
 
 class ReplicationAsync : public ::testing::TestWithParam<std::tuple<SyncMode, std::string>> {};

@@ -32,11 +32,19 @@ void CoordinatorService::fail_over(const Member& m, const std::string& what) {
   const uint32_t lost = m.rank;
   const Placement& now = *placement_;
   if (switch_) {
-    return fail_job(fmt::format(
-        "{}; it was lost while the switch to epoch {} was being voted on, and a replicated job "
-        "does not survive a loss during a switch yet (docs/replication.md), so the job cannot go "
-        "on",
-        what, switch_->next.epoch()));
+    // Only prepared: nothing moved, and no worker knows of it. The servers
+    // drop it (cancel, before the failover epoch on the same connections),
+    // and the failover takes its epoch number; the balancer plans again
+    // from the placement that results.
+    PSLD_LOG_WARN(
+        "coordinator: server {} was lost while the switch to epoch {} at round {} was being "
+        "voted on: the switch is cancelled",
+        lost, switch_->next.epoch(), switch_->switch_round);
+    post_all(
+        servers_,
+        protocol::EpochChange{
+            protocol::EpochStep::kCancel, switch_->next.epoch(), switch_->switch_round, {}, lost});
+    switch_.reset();
   }
   if (replicated_switch_round_ != 0) {
     return fail_job(fmt::format(

@@ -459,7 +459,7 @@ void put(WireWriter& w, const EpochChange& m) {
 }
 bool get(WireReader& r, EpochChange* m) {
   uint8_t step = 0;
-  if (!r.u8(&step) || step > static_cast<uint8_t>(EpochStep::kFailover)) return false;
+  if (!r.u8(&step) || step > static_cast<uint8_t>(EpochStep::kCancel)) return false;
   m->step = static_cast<EpochStep>(step);
   return r.u64(&m->epoch) && r.u64(&m->switch_round) && read_bytes(r, &m->delta, kMaxDeltaBytes) &&
          r.u32(&m->lost_server);
@@ -778,6 +778,8 @@ std::string_view epoch_step_name(EpochStep step) {
       return "abort";
     case EpochStep::kFailover:
       return "failover";
+    case EpochStep::kCancel:
+      return "cancel";
   }
   return "unknown";
 }

@@ -37,6 +37,9 @@
 //   coordinator -> all    : EpochChange(abort) when a server that was only
 //                           gaining keys died before EpochFinal
 //                           (docs/migration.md)
+//   coordinator -> servers: EpochChange(cancel) when a replicated server died
+//                           during the vote, then EpochChange(failover) to
+//                           every member (docs/replication.md)
 //   worker -> coordinator : WorkerProgress, with every LoadReport;
 //                           coordinator -> servers: LowWatermark, when it
 //                           advances (old runs of ownership can be freed)
@@ -436,7 +439,19 @@ struct Ack {
 // answered to the new owners, which take a round they already applied as
 // answered.
 inline constexpr size_t kMaxDeltaBytes = 7168;
-enum class EpochStep : uint8_t { kPrepare = 0, kCommit = 1, kAbort = 2, kFailover = 3 };
+//
+// `cancel` goes to the servers only: the prepare of `epoch` is withdrawn
+// (replication.factor 2: server `lost_server` died while the switch was
+// voted on). Nothing moved, and no worker knew of it; each server drops
+// the prepared epoch and serves as before, and the failover epoch that
+// follows at once takes the number the cancelled one had.
+enum class EpochStep : uint8_t {
+  kPrepare = 0,
+  kCommit = 1,
+  kAbort = 2,
+  kFailover = 3,
+  kCancel = 4
+};
 std::string_view epoch_step_name(EpochStep step);
 struct EpochChange {
   EpochStep step = EpochStep::kPrepare;

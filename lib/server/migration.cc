@@ -254,6 +254,7 @@ void ServerService::ship_state(Shard& shard, KeyState& k, const StateWork& w) {
 
 void ServerService::on_epoch_change(const protocol::EpochChange& change) {
   using protocol::EpochStep;
+  if (change.step == EpochStep::kCancel) return cancel_prepared(change);
   protocol::EpochVote vote{change.epoch, change.switch_round, false, 0};
   bool scan = false;
   bool backup_changed = false;  // replicated: this switch gave this server another backup
@@ -379,6 +380,23 @@ void ServerService::on_epoch_change(const protocol::EpochChange& change) {
   if (scan) dispatch_all(TransferScan{change.switch_round});
   for (auto& [epoch, key, work] : wake)
     dispatch(key, std::move(work));
+}
+
+// The prepare of change.epoch is withdrawn: rounds >= its switch round of the
+// keys this server would have lost are served here again (a request refused
+// meanwhile comes back once the worker has the epoch that follows), and a
+// gate it set for keys it would have gained opens.
+void ServerService::cancel_prepared(const protocol::EpochChange& change) {
+  MutexLock lock(epoch_mu_);
+  if (!prepared_ || prepared_->epoch != change.epoch) return;  // not prepared here, or newer
+  if (!gate_final_ && gate_round_ == prepared_->switch_round) {
+    gate_round_ = 0;
+    gate_final_ = true;
+  }
+  PSLD_LOG_INFO("server {}: the switch to epoch {} at round {} is cancelled (server {} lost)",
+                rank(), change.epoch, prepared_->switch_round, change.lost_server);
+  prepared_.reset();
+  ownership_gen_.fetch_add(1, std::memory_order_release);  // shards' owner caches
 }
 
 void ServerService::on_final(const protocol::EpochFinal& final) {

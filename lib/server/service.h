@@ -377,6 +377,7 @@ class ServerService final : public ProcessRuntime {
   void flush_credits(Shard& shard);
   // Migration (docs/design.md §7).
   void on_epoch_change(const protocol::EpochChange& change);
+  void cancel_prepared(const protocol::EpochChange& change);
   void on_final(const protocol::EpochFinal& final);
   // The heartbeat thread's clock: the transfer's fallback report.
   void on_tick();

@@ -63,7 +63,10 @@ void WorkerService::on_moved(ServerConn& s, const protocol::Moved& m) {
 }
 
 void WorkerService::on_epoch_change(const protocol::EpochChange& change) {
-  if (change.step == protocol::EpochStep::kPrepare) return;
+  // A prepare and its cancel are the servers' business: a worker follows
+  // committed epochs only.
+  if (change.step == protocol::EpochStep::kPrepare || change.step == protocol::EpochStep::kCancel)
+    return;
   {
     MutexLock lock(mu_);
     if (!epochs_) {
