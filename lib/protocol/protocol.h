@@ -74,7 +74,8 @@ namespace psld::protocol {
 // TensorInfo.round). 8: JoinWaiting. 9: replication (ReplicaOpen,
 // ReplicaGrant, ReplicaAck, ReplicaSynced, EpochStep::kFailover). 10: PushBatch,
 // AnswerSlots, TensorKey.flags, Credit from a worker, batched answers.
-inline constexpr uint16_t kVersion = 10;
+// 11: EpochStep::kCancel.
+inline constexpr uint16_t kVersion = 11;
 
 // A member's psld::Role and a tensor's psld::DType travel as one byte each,
 // their enum values (protocol.cc checks them); psld::Role::kAuto never does.

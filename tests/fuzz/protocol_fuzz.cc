@@ -93,6 +93,7 @@ std::vector<Seed> seeds() {
       {"replica_ack", ReplicaAck{5, 100}},
       {"replica_synced", ReplicaSynced{2}},
       {"epoch_failover", EpochChange{EpochStep::kFailover, 3, 0, delta, 1}},
+      {"epoch_cancel", EpochChange{EpochStep::kCancel, 3, 12, {}, 1}},
       {"push_batch", PushBatch{9,
                                2,
                                3,
