@@ -321,6 +321,7 @@ void ServerService::on_epoch_change(const protocol::EpochChange& change) {
         losing = losing || (a == me && b != me);
       });
       epochs_->push(next, change.switch_round);
+      committed_epoch_.store(change.epoch, std::memory_order_release);
       if (change.step == EpochStep::kFailover) take = take_copies_of(change.lost_server, *next);
       latest_placements_.fetch_add(1, std::memory_order_release);  // shards' arc caches
       ownership_gen_.fetch_add(1, std::memory_order_release);      // and owner caches
@@ -418,8 +419,8 @@ bool ServerService::hold_until_final(uint64_t run) const {
 
 bool ServerService::wait_for_epoch(uint64_t epoch, Key key, Work work) {
   MutexLock lock(epoch_mu_);
-  const uint64_t newest = prepared_ ? prepared_->epoch : epochs_->latest().epoch();
-  if (epoch <= newest || waiting_for_epoch_.size() >= kMaxWaitingForEpoch) return false;
+  if (epoch <= epochs_->latest().epoch() || waiting_for_epoch_.size() >= kMaxWaitingForEpoch)
+    return false;
   std::visit(
       [](auto& w) {
         if constexpr (requires { w.requeued; }) w.requeued = true;

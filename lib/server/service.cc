@@ -112,6 +112,7 @@ Result<std::unique_ptr<ServerService>> ServerService::start(const RuntimeOptions
   {
     MutexLock lock(s->epoch_mu_);
     s->epochs_.emplace(s->session_.placement());
+    s->committed_epoch_.store(s->epochs_->latest().epoch(), std::memory_order_release);
     s->owned_ever_ = !s->epochs_->latest().arcs_of(s->rank()).empty();
   }
   Status reports =

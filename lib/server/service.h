@@ -435,9 +435,11 @@ class ServerService final : public ProcessRuntime {
   void note_freed(uint64_t freed);
   // True when a run that began at `run` must wait for EpochFinal.
   bool hold_until_final(uint64_t run) const;
-  // Keeps a request that names a newer epoch than this server knows (an
-  // abort reaches workers and servers in any order) until that epoch
-  // arrives; false when the request is to be answered now.
+  // Keeps a request that names a newer epoch than this server has committed
+  // (an abort reaches workers and servers in any order) until that epoch
+  // arrives; false when the request is to be answered now. A prepared epoch
+  // does not count: workers name committed epochs only, and the epoch of a
+  // prepared one's number may be the failover that replaced it (cancel).
   bool wait_for_epoch(uint64_t epoch, Key key, Work work);
   void forget_peer(ServerId id);
   void release_parked(Shard& shard, KeyState& k);
@@ -464,6 +466,9 @@ class ServerService final : public ProcessRuntime {
   // Counts the placements pushed onto epochs_ (after each push): a shard's
   // cache of arcs is of one count.
   std::atomic<uint64_t> latest_placements_{0};
+  // epochs_->latest().epoch(), for a look without epoch_mu_: a request that
+  // names a newer epoch waits for it (wait_for_epoch).
+  std::atomic<uint64_t> committed_epoch_{0};
   // Counts the changes of who serves which rounds (a prepare, and each push
   // onto epochs_), each made under epoch_mu_: a shard's cached ownership is
   // of one count.
