@@ -424,40 +424,55 @@ TEST(ReplicationSwitch, ALossDuringASwitchFailsTheJobSayingSo) {
 
 // A server lost while a switch is being voted on: nothing has moved yet, so
 // the coordinator cancels the switch and fails the server over as at any
-// other time. The switch moves half of server 1's arcs to server 2, whose
-// link then adds 400 ms to everything it sends: its vote is still on the
-// way when server 0 dies 100 ms later, and the workers, at the switch round
-// by then, are refused by server 1 until the cancel and the failover epoch
-// come.
-// Server 1 takes over server 0's ranges; sums exact every round.
-TEST(ReplicationSwitch, ALossWhileASwitchIsVotedOnCancelsItAndFailsOver) {
+// other time. The switch moves half of server `from`'s arcs to server `to`,
+// whose link then adds 400 ms to everything it sends: its vote is still on
+// the way when the victim dies 100 ms later. Sums exact every round. (The
+// slow link also holds the workers before the switch round, so a prepared
+// server's refusals, which the cancel ends, are not exercised here.)
+struct VoteLoss {
+  ServerId from, to, victim;
+  const char* name;
+};
+
+class ReplicationVoteLoss : public ::testing::TestWithParam<VoteLoss> {};
+
+TEST_P(ReplicationVoteLoss, CancelsTheSwitchAndFailsOver) {
+  const VoteLoss v = GetParam();
   Job job;
   job.rounds = 30;
-  job.slow_server = 2;
+  job.slow_server = v.to;
   job.events = {
-      {5, [](Cluster& c) {
+      {5, [v](Cluster& c) {
          transport::LinkOptions slow;
          slow.latency = 400ms;
-         ASSERT_TRUE(transport::set_link(c.servers[2]->transport(), slow).ok());
-         auto change = half_of(c.coordinator->current_placement(), 1, 2);
+         ASSERT_TRUE(transport::set_link(c.servers[v.to]->transport(), slow).ok());
+         auto change = half_of(c.coordinator->current_placement(), v.from, v.to);
          ASSERT_TRUE(change.ok()) << change.status().to_string();
          ASSERT_TRUE(c.coordinator->propose(change->delta).ok());
          ASSERT_TRUE(c.coordinator->switching());
-         // The switch round is two rounds ahead: the workers reach
-         // it and wait on server 1's refusals meanwhile.
          std::this_thread::sleep_for(100ms);
-         kill_server(c, 0);
-         EXPECT_TRUE(eventually("the failover of server 0", 10s,
-                                [&] { return c.coordinator->failovers() == 1; }));
-         ASSERT_TRUE(transport::set_link(c.servers[2]->transport(), transport::LinkOptions{}).ok());
+         kill_server(c, v.victim);
+         EXPECT_TRUE(
+             eventually("the failover", 10s, [&] { return c.coordinator->failovers() == 1; }));
+         if (v.victim != v.to) {
+           ASSERT_TRUE(
+               transport::set_link(c.servers[v.to]->transport(), transport::LinkOptions{}).ok());
+         }
        }}};
   const Outcome out = run_job(job, "loopback");
-  // Cancelled, never committed (server 2's late vote changed nothing): the
-  // failover took epoch 1.
+  // Cancelled, never committed (a late vote changed nothing): the failover
+  // took epoch 1.
   ASSERT_NO_FATAL_FAILURE(expect_ran(out, /*switches=*/0, /*failovers=*/1));
-  EXPECT_EQ(out.placement->find_server(0), nullptr);
+  EXPECT_EQ(out.placement->find_server(v.victim), nullptr);
   EXPECT_EQ(out.placement->epoch(), 1u);
 }
+
+// Server 0's backup is server 1, server 2's is server 0.
+INSTANTIATE_TEST_SUITE_P(Cases, ReplicationVoteLoss,
+                         ::testing::Values(VoteLoss{1, 2, 0, "a_bystander"},
+                                           VoteLoss{0, 1, 0, "the_old_owner_whose_backup_gains"},
+                                           VoteLoss{1, 2, 2, "the_new_owner_voting_late"}),
+                         [](const auto& info) { return std::string(info.param.name); });
 
 class ReplicationAsync : public ::testing::TestWithParam<std::tuple<SyncMode, std::string>> {};
 
