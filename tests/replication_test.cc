@@ -426,9 +426,12 @@ TEST(ReplicationSwitch, ALossDuringASwitchFailsTheJobSayingSo) {
 // the coordinator cancels the switch and fails the server over as at any
 // other time. The switch moves half of server `from`'s arcs to server `to`,
 // whose link then adds 400 ms to everything it sends: its vote is still on
-// the way when the victim dies 100 ms later. Sums exact every round. (The
-// slow link also holds the workers before the switch round, so a prepared
-// server's refusals, which the cancel ends, are not exercised here.)
+// the way when the victim dies 100 ms later. Sums exact every round. When
+// `to` is a member, its slow link also holds the workers before the switch
+// round; when it is a standby joining the ring, the workers reach the
+// switch round and `from` refuses them the moving keys until the cancel
+// and the failover epoch come (the standby then takes the lost server's
+// place in the ring).
 struct VoteLoss {
   ServerId from, to, victim;
   const char* name;
@@ -441,6 +444,12 @@ TEST_P(ReplicationVoteLoss, CancelsTheSwitchAndFailsOver) {
   Job job;
   job.rounds = 30;
   job.slow_server = v.to;
+  if (v.to >= job.servers) {
+    // A standby joins by the switch: it serves nothing before, so its link
+    // can be slow from the start without slowing a round.
+    job.standby = 1;
+    job.slow_latency = 400ms;
+  }
   job.events = {
       {5, [v](Cluster& c) {
          transport::LinkOptions slow;
@@ -471,7 +480,8 @@ TEST_P(ReplicationVoteLoss, CancelsTheSwitchAndFailsOver) {
 INSTANTIATE_TEST_SUITE_P(Cases, ReplicationVoteLoss,
                          ::testing::Values(VoteLoss{1, 2, 0, "a_bystander"},
                                            VoteLoss{0, 1, 0, "the_old_owner_whose_backup_gains"},
-                                           VoteLoss{1, 2, 2, "the_new_owner_voting_late"}),
+                                           VoteLoss{1, 2, 2, "the_new_owner_voting_late"},
+                                           VoteLoss{1, 3, 0, "while_a_standby_joins"}),
                          [](const auto& info) { return std::string(info.param.name); });
 
 class ReplicationAsync : public ::testing::TestWithParam<std::tuple<SyncMode, std::string>> {};
