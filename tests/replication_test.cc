@@ -426,7 +426,7 @@ TEST(ReplicationSwitch, ALossDuringASwitchFailsTheJobSayingSo) {
 // the coordinator cancels the switch and fails the server over as at any
 // other time. The switch moves half of server `from`'s arcs to server `to`,
 // whose link then adds 400 ms to everything it sends: its vote is still on
-// the way when the victim dies 100 ms later. Sums exact every round. When
+// the way when the victim dies 50 ms later. Sums exact every round. When
 // `to` is a member, its slow link also holds the workers before the switch
 // round; when it is a standby joining the ring, the workers reach the
 // switch round and `from` refuses them the moving keys until the cancel
@@ -459,7 +459,9 @@ TEST_P(ReplicationVoteLoss, CancelsTheSwitchAndFailsOver) {
          ASSERT_TRUE(change.ok()) << change.status().to_string();
          ASSERT_TRUE(c.coordinator->propose(change->delta).ok());
          ASSERT_TRUE(c.coordinator->switching());
-         std::this_thread::sleep_for(100ms);
+         // Long enough for the workers to reach the switch round (two
+         // rounds ahead), well inside the 400 ms the late vote takes.
+         std::this_thread::sleep_for(50ms);
          kill_server(c, v.victim);
          EXPECT_TRUE(
              eventually("the failover", 10s, [&] { return c.coordinator->failovers() == 1; }));
