@@ -55,6 +55,7 @@ struct Outcome {
   uint64_t failovers = 0;
   uint64_t switches = 0;
   std::optional<Placement> placement;  // the coordinator's at the end
+  ServerStats servers;                 // every server's, lost ones included
 };
 
 float pushed(uint32_t rank, uint64_t r, size_t t, size_t i) {
@@ -230,6 +231,8 @@ Outcome run_job(const Job& job, const std::string& backend) {
   out.failovers = c.coordinator->failovers();
   out.switches = c.coordinator->switches();
   out.placement = c.coordinator->placement();
+  for (const auto& s : c.servers)
+    out.servers += s->stats();
   return out;
 }
 
@@ -265,6 +268,10 @@ TEST_P(Replication, TwoServersKilledOneAfterTheOtherLoseNothing) {
   const Outcome out = run_job(job, GetParam());
   EXPECT_TRUE(out.status.ok()) << out.status.to_string();
   EXPECT_EQ(out.failovers, 2u);
+  // Sums in fp32: the copies of applied rounds are written straight from
+  // the parameter, without a staging copy.
+  EXPECT_GT(out.servers.copies_direct, 0u);
+  EXPECT_LE(out.servers.copies_direct, out.servers.copies);
 }
 
 // 3 servers and 2 standby: each failover brings a standby into the ring in
@@ -333,6 +340,9 @@ TEST_P(Replication, AdamIsBitIdenticalToAJobWithoutFailures) {
   const Outcome clean = run_job(job, GetParam());
   ASSERT_TRUE(clean.status.ok()) << clean.status.to_string();
   EXPECT_EQ(clean.failovers, 0u);
+  // Three arrays a copy: every one is staged.
+  EXPECT_GT(clean.servers.copies, 0u);
+  EXPECT_EQ(clean.servers.copies_direct, 0u);
   job.events = {{15, kill(0)}};
   const Outcome failed_over = run_job(job, GetParam());
   ASSERT_TRUE(failed_over.status.ok()) << failed_over.status.to_string();

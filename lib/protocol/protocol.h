@@ -74,8 +74,10 @@ namespace psld::protocol {
 // TensorInfo.round). 8: JoinWaiting. 9: replication (ReplicaOpen,
 // ReplicaGrant, ReplicaAck, ReplicaSynced, EpochStep::kFailover). 10: PushBatch,
 // AnswerSlots, TensorKey.flags, Credit from a worker, batched answers.
-// 11: EpochStep::kCancel.
-inline constexpr uint16_t kVersion = 11;
+// 11: EpochStep::kCancel. 12: a replication copy may travel as two writes
+// (its body, kCopyBody in the notification, and its header); copy tags are 4
+// apart.
+inline constexpr uint16_t kVersion = 12;
 
 // A member's psld::Role and a tensor's psld::DType travel as one byte each,
 // their enum values (protocol.cc checks them); psld::Role::kAuto never does.

@@ -18,6 +18,13 @@ namespace psld {
 // and second moment, fp32.
 inline constexpr uint64_t kStateHeader = 16;
 
+// The notification of a replication copy's write: the key's copy tag (a
+// multiple of 4, from ReplicaOpen) plus the slot (bit 0), and kCopyBody
+// (bit 1) where the write holds the copy without its header, which a
+// second write brings (docs/replication.md, "A copy after every change").
+inline constexpr uint32_t kCopyBody = 2;
+inline constexpr uint32_t kCopyPart = 3;  // the bits that are not the tag
+
 inline double ns_since(transport::Clock::time_point t) {
   return static_cast<double>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(transport::Clock::now() - t).count());

@@ -69,8 +69,8 @@ void ServerService::push_replica(Shard& shard, KeyState& k) {
     {
       MutexLock lock(replicas_mu_);
       open.tag = next_replica_tag_;
-      next_replica_tag_ += 2;
-      if (next_replica_tag_ < 2) next_replica_tag_ = 2;  // wrapped
+      next_replica_tag_ += kCopyPart + 1;
+      if (next_replica_tag_ == 0) next_replica_tag_ = kCopyPart + 1;  // wrapped
       replica_opens_[{conn->id(), open.tag}] = {k.key, k.owned_from};
     }
     r.backup = *backup;
@@ -86,8 +86,18 @@ void ServerService::push_replica(Shard& shard, KeyState& k) {
   }
   const size_t arrays = k.agg.state_arrays();
   const uint64_t length = copy_bytes(k.agg.size(), arrays) + k.agg.seen_bytes();
-  if (!r.staging) {
-    auto staging = transport().allocate_memory(length, MemoryKind::kHost);
+  // A BSP sum key whose parameter is registered (the swap on apply) is
+  // written to its slot straight from the parameter, with the header
+  // written beside it: no staging copy. Nothing writes the parameter until
+  // the write completed and the backup acknowledged it: the next round's
+  // apply waits for both (inflight, durable), and pull writes only read
+  // it. A round-0 copy (the initial value) is staged, as is every copy of
+  // other keys.
+  const bool direct = k.agg.swaps() && k.out_region && k.agg.version() > 0 && arrays == 1 &&
+                      k.agg.seen_bytes() == 0 && k.out_region->length() == k.agg.bytes();
+  const uint64_t staged = direct ? kStateHeader : length;
+  if (!r.staging || r.staging->length() < staged) {
+    auto staging = transport().allocate_memory(staged, MemoryKind::kHost);
     if (!staging.ok()) {
       fail_key(shard, k, staging.status().with_context("allocating the copy for the backup"));
       return;
@@ -98,13 +108,15 @@ void ServerService::push_replica(Shard& shard, KeyState& k) {
   const uint64_t version = k.agg.version();
   const uint64_t header[2] = {version, arrays};
   std::memcpy(out, header, sizeof(header));
-  Status copied = k.agg.save(shard.lane, reinterpret_cast<float*>(out + kStateHeader), arrays);
-  if (!copied.ok()) {
-    fail_key(shard, k, copied.with_context("copying the state for the backup"));
-    return;
+  if (!direct) {
+    Status copied = k.agg.save(shard.lane, reinterpret_cast<float*>(out + kStateHeader), arrays);
+    if (!copied.ok()) {
+      fail_key(shard, k, copied.with_context("copying the state for the backup"));
+      return;
+    }
+    // Async and staleness: which pushes of each worker the state holds.
+    k.agg.save_seen(out + copy_bytes(k.agg.size(), arrays));
   }
-  // Async and staleness: which pushes of each worker the state holds.
-  k.agg.save_seen(out + copy_bytes(k.agg.size(), arrays));
   const uint32_t slot = r.slot;
   r.writing = true;
   r.dirty = false;
@@ -115,16 +127,38 @@ void ServerService::push_replica(Shard& shard, KeyState& k) {
   const uint32_t tag = r.tag;
   auto staging = r.staging;
   auto slots = r.slots;
-  Status st = conn->write({staging.get(), 0, slots.get(), slot * length, length, tag + slot},
-                          [this, staging, slots, key, run, tag](const Status& s) {
-                            if (!s.ok()) dispatch(key, ReplicaFailed{key, run, tag});
-                          });
+  const uint64_t at = slot * length;
+  Status st;
+  if (direct) {
+    // The body first, then the header; the backup takes the copy once both
+    // landed (copy_landed). The parameter is read until the body's write
+    // completes, counted as a pull write is (inflight, PullDone).
+    auto param = k.out_region;
+    ++k.inflight;
+    st = conn->write({param.get(), 0, slots.get(), at + kStateHeader, length - kStateHeader,
+                      tag | kCopyBody | slot},
+                     [this, param, slots, key, run, tag](const Status& s) {
+                       if (!s.ok()) dispatch(key, ReplicaFailed{key, run, tag});
+                       dispatch(key, PullDone{key, run});
+                     });
+    if (!st.ok()) --k.inflight;
+  }
+  if (st.ok()) {
+    st =
+        conn->write({staging.get(), 0, slots.get(), at, direct ? kStateHeader : length, tag + slot},
+                    [this, staging, slots, key, run, tag](const Status& s) {
+                      if (!s.ok()) dispatch(key, ReplicaFailed{key, run, tag});
+                    });
+  }
   if (!st.ok()) {
     r.writing = false;
     r.granted = false;
     PSLD_LOG_WARN("server {}: the copy of key {:#x} to server {} failed: {}", rank(), k.key,
                   r.backup, st.to_string());
+    return;
   }
+  ++shard.counted.copies;
+  if (direct) ++shard.counted.copies_direct;
 }
 
 void ServerService::now_durable(Shard& shard, KeyState& k) {
@@ -172,7 +206,7 @@ void ServerService::handle(Shard& shard, const ReplicaAcked& w) {
   KeyState* k = find_run(shard, w.key, w.run);
   if (k == nullptr) return;
   KeyState::Replica& r = k->replica;
-  if (!r.writing || (w.tag & ~1u) != r.tag || w.version != r.version) return;  // stale
+  if (!r.writing || (w.tag & ~kCopyPart) != r.tag || w.version != r.version) return;  // stale
   r.writing = false;
   if (async_replicated()) {
     // The backup holds this version: what waited for it goes, also while
@@ -423,21 +457,34 @@ bool ServerService::copy_landed(const ConnectionPtr& conn, uint32_t notify, uint
   uint64_t version = 0;
   {
     MutexLock lock(replicas_mu_);
-    auto it = copies_.find({conn->id(), notify & ~1u});
+    auto it = copies_.find({conn->id(), notify & ~kCopyPart});
     if (it == copies_.end()) return false;
     ReplicaCopy& c = *it->second;
     const int slot = static_cast<int>(notify & 1u);
-    if (length != c.slot_bytes) {
-      PSLD_LOG_ERROR("server {}: a copy of key {:#x} of {} bytes, its slot holds {}", rank(), c.key,
-                     length, c.slot_bytes);
+    // A whole copy, or one of its two parts: the body (kCopyBody) and the
+    // header, in either order; the copy is complete once both landed.
+    uint8_t part = 0;
+    if ((notify & kCopyBody) != 0) {
+      part = length == c.slot_bytes - kStateHeader ? 2 : 0;
+    } else if (length == kStateHeader) {
+      part = 1;
+    } else if (length == c.slot_bytes) {
+      part = 3;
+    }
+    if (part == 0 || c.slot_bytes <= kStateHeader) {
+      PSLD_LOG_ERROR("server {}: a copy of key {:#x} of {} bytes{}, its slot holds {}", rank(),
+                     c.key, length, (notify & kCopyBody) != 0 ? " (its body)" : "", c.slot_bytes);
       return true;
     }
+    c.landed[slot] |= part;
+    if (c.landed[slot] != 3) return true;  // the other part follows
+    c.landed[slot] = 0;
     std::memcpy(&version, c.region->data() + static_cast<uint64_t>(slot) * c.slot_bytes,
                 sizeof(version));
     c.committed = slot;
     c.version = version;
   }
-  (void)send(conn, protocol::ReplicaAck{notify, version});
+  (void)send(conn, protocol::ReplicaAck{notify & ~kCopyBody, version});
   return true;
 }
 
@@ -446,7 +493,7 @@ bool ServerService::handle_replica_answer(const ConnectionPtr& conn, protocol::M
   if (auto* g = std::get_if<protocol::ReplicaGrant>(&message)) {
     tag = g->tag;
   } else if (auto* a = std::get_if<protocol::ReplicaAck>(&message)) {
-    tag = a->tag & ~1u;
+    tag = a->tag & ~kCopyPart;
   } else if (auto* e = std::get_if<protocol::Error>(&message)) {
     tag = e->tag;
   } else {

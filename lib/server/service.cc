@@ -193,7 +193,7 @@ void ServerService::shutdown() {
   conns_.clear();
 }
 
-static_assert(sizeof(ServerStats) == 18 * sizeof(uint64_t),
+static_assert(sizeof(ServerStats) == 20 * sizeof(uint64_t),
               "ServerStats::operator+= adds every field: add the new one there");
 
 ServerStats& ServerStats::operator+=(const ServerStats& o) {
@@ -215,6 +215,8 @@ ServerStats& ServerStats::operator+=(const ServerStats& o) {
   states_out += o.states_out;
   runs += o.runs;
   runs_freed += o.runs_freed;
+  copies += o.copies;
+  copies_direct += o.copies_direct;
   return *this;
 }
 

@@ -62,6 +62,10 @@ struct ServerStats {
   // (docs/migration.md, "Freeing old runs").
   uint64_t runs = 0;
   uint64_t runs_freed = 0;
+  // Replication: copies of a key's state written to its backup, and of
+  // them those written straight from the parameter, without a staging copy.
+  uint64_t copies = 0;
+  uint64_t copies_direct = 0;
 
   // Every field added.
   ServerStats& operator+=(const ServerStats& o);
@@ -173,6 +177,9 @@ class ServerService final : public ProcessRuntime {
     std::shared_ptr<transport::MemoryRegion> region;  // both slots
     int committed = -1;                               // the slot of the newest complete copy
     uint64_t version = 0;
+    // Per slot, the parts of a copy written in two (body, header) that
+    // landed: bit 0 the header, bit 1 the body.
+    uint8_t landed[2] = {0, 0};
   };
   // As a key's primary: the backup granted its slots; acknowledged the copy
   // of `version`; the write of a copy failed.
@@ -566,8 +573,8 @@ class ServerService final : public ProcessRuntime {
   std::set<Key> awaiting_copy_ GUARDED_BY(replicas_mu_);
   std::map<std::pair<uint64_t, uint32_t>, std::pair<Key, uint64_t>> replica_opens_
       GUARDED_BY(replicas_mu_);
-  uint32_t next_replica_tag_ GUARDED_BY(replicas_mu_) = 2;
-  std::atomic<int64_t> unreachable_backup_{-1};  // a backup whose dial failed
+  uint32_t next_replica_tag_ GUARDED_BY(replicas_mu_) = 4;  // kCopyPart + 1 apart
+  std::atomic<int64_t> unreachable_backup_{-1};             // a backup whose dial failed
   // The failover epoch being resynced and the shards still copying keys.
   uint64_t resync_epoch_ GUARDED_BY(replicas_mu_) = 0;
   size_t resync_shards_left_ GUARDED_BY(replicas_mu_) = 0;
