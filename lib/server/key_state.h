@@ -10,20 +10,10 @@
 #include <unordered_map>
 
 #include "lib/server/aggregator.h"
+#include "lib/server/copy_parts.h"
 #include "lib/server/service.h"
 
 namespace psld {
-
-// A shipped key's state: {u64 version, u64 reserved}, then parameter, first
-// and second moment, fp32.
-inline constexpr uint64_t kStateHeader = 16;
-
-// The notification of a replication copy's write: the key's copy tag (a
-// multiple of 4, from ReplicaOpen) plus the slot (bit 0), and kCopyBody
-// (bit 1) where the write holds the copy without its header, which a
-// second write brings (docs/replication.md, "A copy after every change").
-inline constexpr uint32_t kCopyBody = 2;
-inline constexpr uint32_t kCopyPart = 3;  // the bits that are not the tag
 
 inline double ns_since(transport::Clock::time_point t) {
   return static_cast<double>(

@@ -461,24 +461,13 @@ bool ServerService::copy_landed(const ConnectionPtr& conn, uint32_t notify, uint
     if (it == copies_.end()) return false;
     ReplicaCopy& c = *it->second;
     const int slot = static_cast<int>(notify & 1u);
-    // A whole copy, or one of its two parts: the body (kCopyBody) and the
-    // header, in either order; the copy is complete once both landed.
-    uint8_t part = 0;
-    if ((notify & kCopyBody) != 0) {
-      part = length == c.slot_bytes - kStateHeader ? 2 : 0;
-    } else if (length == kStateHeader) {
-      part = 1;
-    } else if (length == c.slot_bytes) {
-      part = 3;
-    }
-    if (part == 0 || c.slot_bytes <= kStateHeader) {
+    const CopyParts::Landed landed = c.landed.land(notify, length, c.slot_bytes);
+    if (landed == CopyParts::Landed::kBad) {
       PSLD_LOG_ERROR("server {}: a copy of key {:#x} of {} bytes{}, its slot holds {}", rank(),
                      c.key, length, (notify & kCopyBody) != 0 ? " (its body)" : "", c.slot_bytes);
       return true;
     }
-    c.landed[slot] |= part;
-    if (c.landed[slot] != 3) return true;  // the other part follows
-    c.landed[slot] = 0;
+    if (landed == CopyParts::Landed::kPart) return true;  // the other part follows
     std::memcpy(&version, c.region->data() + static_cast<uint64_t>(slot) * c.slot_bytes,
                 sizeof(version));
     c.committed = slot;

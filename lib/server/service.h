@@ -28,6 +28,7 @@
 #include "lib/runtime/door.h"
 #include "lib/runtime/member.h"
 #include "lib/server/checkpointing.h"
+#include "lib/server/copy_parts.h"
 #include "lib/server/server_device.h"
 #include "lib/stats/load_stats.h"
 #include "lib/stats/trace.h"
@@ -177,9 +178,7 @@ class ServerService final : public ProcessRuntime {
     std::shared_ptr<transport::MemoryRegion> region;  // both slots
     int committed = -1;                               // the slot of the newest complete copy
     uint64_t version = 0;
-    // Per slot, the parts of a copy written in two (body, header) that
-    // landed: bit 0 the header, bit 1 the body.
-    uint8_t landed[2] = {0, 0};
+    CopyParts landed;  // of the copies written in two parts (body, header)
   };
   // As a key's primary: the backup granted its slots; acknowledged the copy
   // of `version`; the write of a copy failed.
