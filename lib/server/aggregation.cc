@@ -87,14 +87,7 @@ void ServerService::fail_key(Shard& shard, KeyState& k, const Status& why) {
 
 void ServerService::process_push(Shard& shard, PushWork& w) {
   const protocol::PushMeta& meta = w.meta;
-  // A worker that has an epoch this server has not committed yet: it waits
-  // for it, owner or not here (this server's view may rest on a prepare
-  // that is about to be cancelled, whose epoch number the worker's epoch
-  // took).
-  if (meta.epoch > committed_epoch_.load(std::memory_order_acquire) &&
-      wait_for_epoch(meta.epoch, meta.key, w)) {
-    return;  // keeps its slot meanwhile
-  }
+  if (held_for_epoch(meta.epoch, meta.key, w)) return;  // keeps its slot meanwhile
   const uint64_t round = (meta.flags & protocol::kPushInit) ? 0 : meta.round;
   const Ownership owns = shard_ownership(shard, meta.key, round);
   if (owns.owner != rank()) {
@@ -309,11 +302,7 @@ bool ServerService::pull_ready(const KeyState& k, const PullWork& w) const {
 }
 
 void ServerService::process_pull(Shard& shard, PullWork& w) {
-  // As in process_push.
-  if (w.req.epoch > committed_epoch_.load(std::memory_order_acquire) &&
-      wait_for_epoch(w.req.epoch, w.req.key, w)) {
-    return;
-  }
+  if (held_for_epoch(w.req.epoch, w.req.key, w)) return;
   const Ownership owns = shard_ownership(shard, w.req.key, w.req.round);
   if (owns.owner != rank()) {
     send_moved(w.conn, w.req.tag, w.req.key);

@@ -447,6 +447,16 @@ class ServerService final : public ProcessRuntime {
   // does not count: workers name committed epochs only, and the epoch of a
   // prepared one's number may be the failover that replaced it (cancel).
   bool wait_for_epoch(uint64_t epoch, Key key, Work work);
+  // wait_for_epoch() for a push or pull on a shard, behind a look without
+  // epoch_mu_ (committed_epoch_): a request of a committed epoch, nearly
+  // every one, neither takes the lock nor is copied into a Work. Owner or
+  // not here: this server's view may rest on a prepare that is about to be
+  // cancelled, whose epoch number the worker's epoch took.
+  template <typename W>
+  bool held_for_epoch(uint64_t epoch, Key key, const W& w) {
+    return epoch > committed_epoch_.load(std::memory_order_acquire) &&
+           wait_for_epoch(epoch, key, w);
+  }
   void forget_peer(ServerId id);
   void release_parked(Shard& shard, KeyState& k);
   void serve_ready_pulls(Shard& shard, KeyState& k);
@@ -473,7 +483,7 @@ class ServerService final : public ProcessRuntime {
   // cache of arcs is of one count.
   std::atomic<uint64_t> latest_placements_{0};
   // epochs_->latest().epoch(), for a look without epoch_mu_: a request that
-  // names a newer epoch waits for it (wait_for_epoch).
+  // names a newer epoch waits for it (held_for_epoch).
   std::atomic<uint64_t> committed_epoch_{0};
   // Counts the changes of who serves which rounds (a prepare, and each push
   // onto epochs_), each made under epoch_mu_: a shard's cached ownership is
