@@ -119,20 +119,29 @@ double predicted_run(const std::vector<double>& load, const std::vector<Capacity
 
 }  // namespace
 
-std::vector<ServerId> oracle_owners(const std::vector<ModelKey>& keys,
-                                    const std::vector<CapacityPhase>& phases) {
-  const size_t n = phases.empty() ? 0 : phases.front().capacity.size();
-  std::vector<size_t> order(keys.size());
-  std::iota(order.begin(), order.end(), size_t{0});
+namespace {
+
+// The greedy: keys, largest first, each where it adds least to the predicted
+// run; `owners` and `load` hold what is placed already (a key of
+// owners[i] != kUnplaced is left where it is), `allowed` the servers it may
+// use.
+constexpr ServerId kUnplaced = std::numeric_limits<ServerId>::max();
+
+void place_greedily(const std::vector<ModelKey>& keys, const std::vector<CapacityPhase>& phases,
+                    const std::vector<bool>& allowed, std::vector<ServerId>& owners,
+                    std::vector<double>& load) {
+  std::vector<size_t> order;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (owners[i] == kUnplaced) order.push_back(i);
+  }
   std::stable_sort(order.begin(), order.end(),
                    [&](size_t a, size_t b) { return keys[a].bytes > keys[b].bytes; });
-  std::vector<double> load(n, 0.0);
-  std::vector<ServerId> owners(keys.size(), 0);
   for (size_t i : order) {
     size_t best = 0;
     double best_cost = std::numeric_limits<double>::infinity();
     double best_load = std::numeric_limits<double>::infinity();
-    for (size_t s = 0; s < n; ++s) {
+    for (size_t s = 0; s < load.size(); ++s) {
+      if (!allowed[s]) continue;
       load[s] += static_cast<double>(keys[i].bytes);
       const double cost = predicted_run(load, phases);
       load[s] -= static_cast<double>(keys[i].bytes);
@@ -146,6 +155,61 @@ std::vector<ServerId> oracle_owners(const std::vector<ModelKey>& keys,
     owners[i] = static_cast<ServerId>(best);
     load[best] += static_cast<double>(keys[i].bytes);
   }
+}
+
+}  // namespace
+
+std::vector<ServerId> oracle_owners(const std::vector<ModelKey>& keys,
+                                    const std::vector<CapacityPhase>& phases) {
+  const size_t n = phases.empty() ? 0 : phases.front().capacity.size();
+  // Each server's share of the bytes: the greedy's.
+  std::vector<ServerId> owners(keys.size(), kUnplaced);
+  std::vector<double> share(n, 0.0);
+  place_greedily(keys, phases, std::vector<bool>(n, true), owners, share);
+
+  // Which keys make up a share matters too. A server's round is its pushes
+  // in, then its pulls out, and a key's pulls wait for every worker's push
+  // of it: the last key in is still all to go out. Behind a slow link or
+  // reduce, one big key makes that tail long (two 128 KiB chunks at R/4
+  // turned S1's rounds from about 55 ms into 140 ms in half of them), while
+  // many small ones go out as the next come in. So a server that is slower
+  // than the fastest in some phase takes its share in the smallest keys,
+  // the slowest such server first, and the others share the rest greedily.
+  double fastest = 0;
+  std::vector<double> slowest(n, std::numeric_limits<double>::infinity());
+  for (const CapacityPhase& p : phases) {
+    for (size_t s = 0; s < n; ++s) {
+      fastest = std::max(fastest, p.capacity[s]);
+      slowest[s] = std::min(slowest[s], p.capacity[s]);
+    }
+  }
+  std::vector<size_t> slow;
+  for (size_t s = 0; s < n; ++s) {
+    if (slowest[s] < fastest && share[s] > 0) slow.push_back(s);
+  }
+  if (slow.empty()) return owners;
+  std::stable_sort(slow.begin(), slow.end(),
+                   [&](size_t a, size_t b) { return slowest[a] < slowest[b]; });
+  std::vector<size_t> smallest_first(keys.size());
+  std::iota(smallest_first.begin(), smallest_first.end(), size_t{0});
+  std::stable_sort(smallest_first.begin(), smallest_first.end(),
+                   [&](size_t a, size_t b) { return keys[a].bytes < keys[b].bytes; });
+  std::fill(owners.begin(), owners.end(), kUnplaced);
+  std::vector<double> load(n, 0.0);
+  std::vector<bool> allowed(n, true);
+  size_t next = 0;
+  for (size_t s : slow) {
+    // Up to its share, to the nearest key.
+    while (next < smallest_first.size()) {
+      const double bytes = static_cast<double>(keys[smallest_first[next]].bytes);
+      if (load[s] + bytes / 2 > share[s]) break;
+      owners[smallest_first[next]] = static_cast<ServerId>(s);
+      load[s] += bytes;
+      ++next;
+    }
+    allowed[s] = false;
+  }
+  place_greedily(keys, phases, allowed, owners, load);
   return owners;
 }
 

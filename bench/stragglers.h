@@ -83,7 +83,10 @@ std::vector<ServerId> round_robin_owners(const std::vector<ModelKey>& keys, uint
 // The oracle knows each server's capacity (relative; 0: it cannot serve) in
 // each phase of the run, and how many rounds each phase lasts. It places
 // keys, largest first, where they add least to the predicted run time
-// sum over phases of rounds x max over servers of load / capacity.
+// sum over phases of rounds x max over servers of load / capacity; then a
+// server slower than the fastest in some phase takes that share of bytes
+// in the model's smallest keys instead (a big key behind a slow link is a
+// long tail of pulls: docs/stragglers.md, "The oracle").
 struct CapacityPhase {
   double rounds = 0;
   std::vector<double> capacity;  // one per server, indexed by id

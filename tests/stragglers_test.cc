@@ -117,6 +117,38 @@ TEST(Stragglers, OracleWeighsPhasesByTheirRounds) {
   EXPECT_EQ(bytes_per_server(keys, owners).count(1), 0u);
 }
 
+TEST(Stragglers, OracleGivesASlowServerItsShareInTheSmallestKeys) {
+  // 40 keys of 128 KiB and 1,000 of 1 KiB; server 3 at a quarter. Its share
+  // is what the greedy gives it, but made of small keys: one big key would
+  // be a long tail of pulls behind its slow link.
+  std::vector<ModelTensor> t(40, ModelTensor{"big", 32768, 32768});
+  t.insert(t.end(), 1000, ModelTensor{"small", 256, 256});
+  auto keys = model_keys(t, 128 * 1024);
+  CapacityPhase phase{1, {1, 1, 1, 0.25}};
+  auto owners = oracle_owners(keys, {phase});
+  auto load = bytes_per_server(keys, owners);
+  EXPECT_NEAR(static_cast<double>(load[3]) / static_cast<double>(load[0]), 0.25, 0.05);
+  uint64_t largest_slow = 0, smallest_fast = UINT64_MAX;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (owners[i] == 3) {
+      largest_slow = std::max(largest_slow, keys[i].bytes);
+    } else {
+      smallest_fast = std::min(smallest_fast, keys[i].bytes);
+    }
+  }
+  EXPECT_EQ(largest_slow, 1024u);
+  EXPECT_EQ(smallest_fast, 1024u);  // the small keys left over share the rest
+  // Its predicted round stays that of an even split by capacity.
+  const double total = 40.0 * 128 * 1024 + 1000.0 * 1024;
+  EXPECT_LE(predicted_round(keys, owners, phase), total / 3.25 + 128 * 1024);
+  // Servers as fast as the fastest keep the greedy's keys: no slow server,
+  // no change.
+  CapacityPhase even{1, {1, 1, 1, 1}};
+  owners = oracle_owners(keys, {even});
+  for (const auto& [server, bytes] : bytes_per_server(keys, owners))
+    EXPECT_NEAR(static_cast<double>(bytes), total / 4, 128.0 * 1024) << server;
+}
+
 TEST(Stragglers, StaticPlacementIsEpochZeroWithEveryKeyWhereTheOwnersSay) {
   auto t = tensors_of({5000, 70, 123456});
   auto keys = model_keys(t, 4096);
@@ -134,9 +166,8 @@ TEST(Stragglers, StaticPlacementIsEpochZeroWithEveryKeyWhereTheOwnersSay) {
 
 TEST(Stragglers, SettleCountsRoundsUntilTheMedianStaysNearTheLevel) {
   // 30 slow rounds, then 70 at the level 10 ms with noise within 5%.
-  std::vector<double> ms;
-  for (int i = 0; i < 30; ++i)
-    ms.push_back(100);
+  std::vector<double> ms(30, 100.0);
+  ms.reserve(100);
   for (int i = 0; i < 70; ++i)
     ms.push_back(i % 2 ? 10.4 : 9.6);
   auto s = rounds_to_settle(ms, 0, ms.size());
