@@ -23,6 +23,8 @@ namespace {
 constexpr int kBisectionSteps = 100;
 // Relative slack when two loads computed along different paths are compared.
 constexpr double kSlack = 1e-9;
+// A probe takes arcs of at most this fraction of its amount (realise).
+constexpr double kProbeArcFraction = 0.25;
 
 // A hash range on its way to a new owner.
 struct Piece {
@@ -425,13 +427,29 @@ Result<PlanStep> Balancer::Decision::realise(StepKind kind, std::vector<Node>& n
   };
   for (size_t i = 0; i < nodes.size(); ++i) {
     if (!source[i]) continue;
-    const std::span<Held> list(held.get() + first[i], held.get() + first[i + 1]);
+    std::span<Held> list(held.get() + first[i], held.get() + first[i + 1]);
     double want = nodes[i].out;
     const bool all = want >= nodes[i].load * (1 - kSlack);  // every arc that carries load
     if (nodes[i].must_empty || all) {
       for (const Held& h : list)
         if (nodes[i].must_empty || h.load > 0) pieces.push_back(arc_piece(h, i, true));
       continue;
+    }
+    if (kind == StepKind::kProbe) {
+      // A probe feeds a server whose rate is stale, perhaps a straggler
+      // still: small arcs only, when the source has enough of them. A big
+      // chunk behind a slow link is a tail of pulls (a key's pulls wait for
+      // every worker's push of it) that made half of S1's rounds 2-3x
+      // longer after a probe of 102 KiB in one chunk (docs/stragglers.md,
+      // "The oracle"), and the servers' service times, by which the probe
+      // is judged, do not show it.
+      const double most = kProbeArcFraction * want;
+      const auto small_end = std::partition(list.begin(), list.end(),
+                                            [&](const Held& h) { return h.load <= most; });
+      double small = 0;
+      for (auto it = list.begin(); it != small_end; ++it)
+        small += it->load;
+      if (small >= 0.5 * want) list = list.first(static_cast<size_t>(small_end - list.begin()));
     }
     // Biggest arcs first while they fit; then a cut of the smallest arc that
     // did not fit, for what is left (unless that is dust).
