@@ -925,6 +925,35 @@ TEST(BalancerScale, ScalesInAPersistentlySlowServer) {
   EXPECT_LE(c.round_time(), 1.10 * c.optimal_round());
 }
 
+TEST(BalancerScale, DrainsASlowServerItEmptied) {
+  // Server 4 stalls after the job started; the rebalance empties it before
+  // a drain's streak of windows is complete. Empty, it is not busy enough
+  // to be "slow", yet left active it would be probed again and again, each
+  // probe a few slow rounds. Its rate was measured while it carried load:
+  // it is drained, and not probed on the way (its drain's streak outlasts
+  // probe_after_windows here).
+  Cluster c({.rates = {1, 1, 1, 1}, .noise = 0.05, .seed = 5});
+  BalancerOptions o;
+  o.scale_in_windows = 40;
+  Balancer b = make_balancer(o);
+  run(c, b, 10);
+  c.servers[4].rate = 1e-3 * kRate;
+  std::vector<Plan> changes = run(c, b, 160);
+  ASSERT_EQ(count_kind(changes, StepKind::kScaleIn), 1u);
+  bool emptied_first = false;
+  for (const Plan& p : changes) {
+    if (p.steps[0].kind == StepKind::kScaleIn) {
+      EXPECT_EQ(p.steps[0].change.delta.membership[0].id, 4u);
+      emptied_first = p.log.find("slow and emptied") != std::string::npos;
+      break;
+    }
+  }
+  EXPECT_TRUE(emptied_first) << "drained while it still carried load";
+  EXPECT_EQ(count_kind(changes, StepKind::kProbe), 0u);
+  EXPECT_EQ(c.placement.find_server(4), nullptr);
+  EXPECT_LE(c.round_time(), 1.10 * c.optimal_round());
+}
+
 TEST(BalancerScale, KeepsAServerThatReadsSlowOnlyBecauseItHoldsLittle) {
   // Server 4 holds 1/20 of a share, and a fixed cost a round (its chunks')
   // makes most of its time: its bytes/s is 1/9 of the others', below

@@ -349,17 +349,27 @@ void Balancer::Decision::update_streaks() {
         period_s_ > 0 && without <= options_.scale_in_utilisation * (other_s_ + without);
     // Slow, and busy enough for it to matter: a server holding a small
     // tensor or two reads as slow in bytes/s when a fixed cost per chunk is
-    // most of its time (docs/scale.md), yet it slows no round.
+    // most of its time (docs/scale.md), yet it slows no round. Or slow and
+    // emptied: it holds no more than a probe would give it, and its rate was
+    // measured, at the load it carried before the balancer took it away.
+    // Left active, it would be probed again and again, and at a quarter of
+    // the others' speed even a probe's 1% of the model cost S1 10-60 slow
+    // rounds each time (docs/stragglers.md).
+    const double probe = options_.probe_fraction * active_load_ / active_count_;
+    const bool emptied = candidate->estimated && candidate->tracked->rate_samples > 0 &&
+                         candidate->load <= probe * (1 + 1e-9);
     const bool slow = candidate->rate < options_.slow_rate_fraction * median(rates) &&
-                      candidate->time() >= 0.5 * median(times);
+                      (candidate->time() >= 0.5 * median(times) || emptied);
     drainable = fits && (idle || slow);
     if (drainable) {
       scale_in_why_ =
           idle
               ? fmt::format("idle: without it the servers would be busy {:.0f}% of a {} round",
                             100 * without / (other_s_ + without), seconds_text(other_s_ + without))
-              : fmt::format("slow: {}/s is {:.0f}% of the median {}/s", bytes_text(candidate->rate),
-                            100 * candidate->rate / median(rates), bytes_text(median(rates)));
+              : fmt::format("slow{}: {}/s is {:.0f}% of the median {}/s",
+                            candidate->time() >= 0.5 * median(times) ? "" : " and emptied",
+                            bytes_text(candidate->rate), 100 * candidate->rate / median(rates),
+                            bytes_text(median(rates)));
       scale_in_why_ +=
           fmt::format("; the others absorb its load, predicted round {} -> {}",
                       seconds_text(other_s_ + balanced), seconds_text(other_s_ + without));
