@@ -444,8 +444,8 @@ Result<PlanStep> Balancer::Decision::realise(StepKind kind, std::vector<Node>& n
       // "The oracle"), and the servers' service times, by which the probe
       // is judged, do not show it.
       const double most = kProbeArcFraction * want;
-      const auto small_end = std::partition(list.begin(), list.end(),
-                                            [&](const Held& h) { return h.load <= most; });
+      const auto small_end =
+          std::partition(list.begin(), list.end(), [&](const Held& h) { return h.load <= most; });
       double small = 0;
       for (auto it = list.begin(); it != small_end; ++it)
         small += it->load;

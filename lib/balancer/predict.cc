@@ -363,13 +363,12 @@ void Balancer::Decision::update_streaks() {
     drainable = fits && (idle || slow);
     if (drainable) {
       scale_in_why_ =
-          idle
-              ? fmt::format("idle: without it the servers would be busy {:.0f}% of a {} round",
-                            100 * without / (other_s_ + without), seconds_text(other_s_ + without))
-              : fmt::format("slow{}: {}/s is {:.0f}% of the median {}/s",
-                            candidate->time() >= 0.5 * median(times) ? "" : " and emptied",
-                            bytes_text(candidate->rate), 100 * candidate->rate / median(rates),
-                            bytes_text(median(rates)));
+          idle ? fmt::format("idle: without it the servers would be busy {:.0f}% of a {} round",
+                             100 * without / (other_s_ + without), seconds_text(other_s_ + without))
+               : fmt::format("slow{}: {}/s is {:.0f}% of the median {}/s",
+                             candidate->time() >= 0.5 * median(times) ? "" : " and emptied",
+                             bytes_text(candidate->rate), 100 * candidate->rate / median(rates),
+                             bytes_text(median(rates)));
       scale_in_why_ +=
           fmt::format("; the others absorb its load, predicted round {} -> {}",
                       seconds_text(other_s_ + balanced), seconds_text(other_s_ + without));
