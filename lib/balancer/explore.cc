@@ -285,8 +285,9 @@ Result<std::optional<PlanStep>> Balancer::Decision::probe_step() {
     if (!m.active() || cooling(t) || t.windows_since_rate < options_.probe_after_windows) continue;
     if (t.last_probe != 0 && balancer_.decision_ - t.last_probe < options_.probe_interval_decisions)
       continue;
-    // On its way to a drain (a slow server the balancer emptied): a probe
-    // would only give it load to take away again.
+    // On its way to a drain (the scale-in's candidate, such as a slow
+    // server the balancer emptied): a probe would only give it load to take
+    // away again.
     if (balancer_.scale_in_windows_ > 0 && balancer_.scale_in_candidate_ == m.id) continue;
     targets.push_back(i);
   }
