@@ -306,12 +306,11 @@ Result<std::optional<PlanStep>> Balancer::Decision::probe_step() {
     const double tb = members_[b].time();
     return ta != tb ? ta > tb : members_[a].id < members_[b].id;
   });
-  const double probe = options_.probe_fraction * active_load_ / active_count_;
   std::vector<Node> nodes = base_nodes();
   for (size_t k = 0; k < targets.size(); ++k) {
     const size_t source = sources[k % sources.size()];
-    const double amount =
-        std::min(probe, options_.max_step_fraction * members_[source].load - nodes[source].out);
+    const double amount = std::min(
+        probe_load_, options_.max_step_fraction * members_[source].load - nodes[source].out);
     if (!(amount > 0)) continue;
     nodes[source].out += amount;
     nodes[targets[k]].receives = true;

@@ -187,9 +187,10 @@ class Balancer::Decision {
   double active_load_ = 0;
   double active_rate_ = 0;
   size_t active_count_ = 0;
-  double min_move_ = 0;  // bytes per round
-  double period_s_ = 0;  // the job's round time as workers see it; 0: unknown
-  double other_s_ = 0;   // the part of a round that is not server time
+  double min_move_ = 0;    // bytes per round
+  double probe_load_ = 0;  // a probe's load: probe_fraction of the mean active load
+  double period_s_ = 0;    // the job's round time as workers see it; 0: unknown
+  double other_s_ = 0;     // the part of a round that is not server time
   uint32_t new_windows_ = 0;
   std::string scale_in_why_;
 };

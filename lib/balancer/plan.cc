@@ -687,14 +687,13 @@ Result<std::optional<PlanStep>> Balancer::Decision::rebalance_step(std::string* 
     sure = sure && confident(*m.tracked);
     if (m.tracked->rate_samples > 0) fewest = std::min(fewest, m.tracked->rate_samples);
   }
-  const double probe = options_.probe_fraction * active_load_ / std::max<size_t>(active_count_, 1);
   auto fill = [&](bool all_the_way) {
     std::vector<Node> nodes = base_nodes();
     for (size_t i = 0; i < members_.size(); ++i) {
       if (!members_[i].active()) continue;
       nodes[i].max_out = all_the_way ? members_[i].load : step_limit(members_[i].load);
       nodes[i].max_in = all_the_way ? kInf : take_limit(members_[i].load);
-      if (!members_[i].estimated) nodes[i].max_in = std::min(nodes[i].max_in, probe);
+      if (!members_[i].estimated) nodes[i].max_in = std::min(nodes[i].max_in, probe_load_);
       nodes[i].receives = !cooling(*members_[i].tracked);
     }
     water_fill(nodes);

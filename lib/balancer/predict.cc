@@ -223,6 +223,7 @@ bool Balancer::Decision::estimate_rates() {
     }
   }
   min_move_ = active_count_ > 0 ? options_.min_move_fraction * total_load_ / active_count_ : 0;
+  probe_load_ = active_count_ > 0 ? options_.probe_fraction * active_load_ / active_count_ : 0;
   return true;
 }
 
@@ -355,20 +356,19 @@ void Balancer::Decision::update_streaks() {
     // Left active, it would be probed again and again, and at a quarter of
     // the others' speed even a probe's 1% of the model cost S1 10-60 slow
     // rounds each time (docs/stragglers.md).
-    const double probe = options_.probe_fraction * active_load_ / active_count_;
+    const bool busy = candidate->time() >= 0.5 * median(times);
     const bool emptied = candidate->estimated && candidate->tracked->rate_samples > 0 &&
-                         candidate->load <= probe * (1 + 1e-9);
-    const bool slow = candidate->rate < options_.slow_rate_fraction * median(rates) &&
-                      (candidate->time() >= 0.5 * median(times) || emptied);
+                         candidate->load <= probe_load_ * (1 + 1e-9);
+    const bool slow =
+        candidate->rate < options_.slow_rate_fraction * median(rates) && (busy || emptied);
     drainable = fits && (idle || slow);
     if (drainable) {
       scale_in_why_ =
           idle ? fmt::format("idle: without it the servers would be busy {:.0f}% of a {} round",
                              100 * without / (other_s_ + without), seconds_text(other_s_ + without))
                : fmt::format("slow{}: {}/s is {:.0f}% of the median {}/s",
-                             candidate->time() >= 0.5 * median(times) ? "" : " and emptied",
-                             bytes_text(candidate->rate), 100 * candidate->rate / median(rates),
-                             bytes_text(median(rates)));
+                             busy ? "" : " and emptied", bytes_text(candidate->rate),
+                             100 * candidate->rate / median(rates), bytes_text(median(rates)));
       scale_in_why_ +=
           fmt::format("; the others absorb its load, predicted round {} -> {}",
                       seconds_text(other_s_ + balanced), seconds_text(other_s_ + without));
